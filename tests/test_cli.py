@@ -1,0 +1,111 @@
+"""Tests for the ``dsv4-nvfp4`` console script (dsv4_nvfp4.cli.main)."""
+import re
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dsv4_nvfp4 import cli
+
+NUM = r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?"
+
+
+def run_main(argv):
+    """main(argv) -> int; an argparse-style SystemExit is turned into its code."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # still a clean exit, not a traceback
+        rc = e.code
+    return rc
+
+
+def numbers(line):
+    return [float(m.replace(",", "")) for m in re.findall(NUM, line)]
+
+
+def test_demo_prints_sqnr_and_bytes(capsys):
+    rc = run_main(["demo"])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc == 0, text
+    assert "Traceback" not in text
+    sqnr_lines = [ln for ln in text.splitlines() if "sqnr" in ln.lower()]
+    assert sqnr_lines, f"no SQNR line in demo output:\n{text}"
+    db_vals = [float(v) for ln in sqnr_lines for v in re.findall(r"([-+]?\d+(?:\.\d+)?)\s*dB", ln)]
+    all_vals = [v for ln in sqnr_lines for v in numbers(ln)]
+    # NVFP4 on Gaussian-like data is ~20 dB; any 4-bit format SQNR is in (5, 60) dB
+    plausible = [v for v in (db_vals or all_vals) if 5.0 < v < 60.0]
+    assert plausible, f"no plausible SQNR value in: {sqnr_lines}"
+    for v in db_vals:
+        assert 0.0 < v < 80.0, (v, sqnr_lines)
+    byte_lines = [ln for ln in text.splitlines() if "byte" in ln.lower()]
+    assert byte_lines, f"no bytes line in demo output:\n{text}"
+    vals = [v for ln in byte_lines for v in numbers(ln)]
+    assert any(v > 0 for v in vals), byte_lines
+    assert all(np.isfinite(v) for v in vals)
+
+
+def _write_modelopt(path):
+    rng = np.random.default_rng(0)
+    d = {}
+    for name, (N, K) in {"model.layers.0.mlp.experts.0.gate_proj": (32, 64),
+                         "model.layers.0.mlp.experts.0.down_proj": (64, 32)}.items():
+        codes = rng.integers(0, 16, (N, K)).astype(np.uint8)
+        d[f"{name}.weight"] = torch.from_numpy((codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8))
+        d[f"{name}.weight_scale"] = torch.from_numpy(
+            rng.integers(0x20, 0x50, (N, K // 16)).astype(np.uint8)).view(torch.float8_e4m3fn)
+        d[f"{name}.weight_scale_2"] = torch.tensor(0.002, dtype=torch.float32)
+        d[f"{name}.input_scale"] = torch.tensor(0.01, dtype=torch.float32)
+    d["model.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    save_file(d, path)
+
+
+def test_demo_with_checkpoint(tmp_path, capsys):
+    path = str(tmp_path / "model.safetensors")
+    _write_modelopt(path)
+    rc = run_main(["demo", "--checkpoint", path])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc == 0, text
+    assert text.strip()
+    assert "Traceback" not in text
+
+
+def test_demo_missing_checkpoint(tmp_path, capsys):
+    path = str(tmp_path / "does_not_exist.safetensors")
+    rc = run_main(["demo", "--checkpoint", path])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc not in (0, None), text
+    assert "Traceback" not in text
+    low = text.lower()
+    assert ("does_not_exist" in low or "not found" in low or "no such" in low
+            or "not exist" in low), text
+
+
+def test_demo_checkpoint_without_nvfp4(tmp_path, capsys):
+    path = str(tmp_path / "dense.safetensors")
+    save_file({"a.weight": torch.ones(4, 4, dtype=torch.bfloat16), "b.bias": torch.zeros(4)}, path)
+    rc = run_main(["demo", "--checkpoint", path])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc not in (0, None), text
+    assert "Traceback" not in text
+    low = text.lower()
+    assert "nvfp4" in low or "weight" in low, text
+
+
+def test_demo_checkpoint_missing_weight_scale_2(tmp_path, capsys):
+    path = str(tmp_path / "broken.safetensors")
+    _write_modelopt(path)
+    from safetensors.torch import load_file
+    d = load_file(path)
+    del d["model.layers.0.mlp.experts.0.gate_proj.weight_scale_2"]
+    save_file(d, path)
+    rc = run_main(["demo", "--checkpoint", path])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc not in (0, None), text
+    assert "Traceback" not in text
+    assert "weight_scale_2" in text, text
