@@ -210,7 +210,11 @@ def load_modelopt_nvfp4(path) -> dict:
     path = Path(path)
     if not path.exists(): raise FileNotFoundError(f"load_modelopt_nvfp4: no such file: {path}")
     res = {}
-    with safe_open(str(path), framework="pt") as f:
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise ValueError(f"{path.name}: not a readable safetensors file ({e})") from e
+    with handle as f:
         keys = set(f.keys())
         for key in sorted(keys):
             if not key.endswith(".weight_scale"): continue

@@ -109,3 +109,12 @@ def test_demo_checkpoint_missing_weight_scale_2(tmp_path, capsys):
     assert rc not in (0, None), text
     assert "Traceback" not in text
     assert "weight_scale_2" in text, text
+
+
+def test_demo_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):
+    "A file that is not safetensors at all: a one-line error and exit code 2, no traceback."
+    path = tmp_path / "corrupt.safetensors"
+    path.write_bytes(b"\xff" * 64)
+    assert cli.main(["demo", "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable safetensors file" in err and "Traceback" not in err
