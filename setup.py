@@ -36,6 +36,8 @@ setuptools.setup(
     python_requires=f">={c['min_python']}",
     packages=setuptools.find_packages(include=[c["lib_path"], c["lib_path"] + ".*"]),
     include_package_data=True,
+    # the CUDA sources are compiled at run time: a wheel installs them under <prefix>/share/dsv4_nvfp4/kernels_cu
+    data_files=[("share/dsv4_nvfp4/kernels_cu", sorted(str(p) for p in Path("kernels_cu").glob("*.cu*")))],
     install_requires=requirements,
     extras_require={"dev": dev_requirements},
     entry_points={
