@@ -72,6 +72,9 @@ __device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0
 // Both are checked against the reference encoder (exhaustive bf16, 10M random fp32, +-4 ulps around
 // every midpoint; exhaustive on [0, 8] with --exhaustive) by _draft/cpu_bitcheck.py. NaN gives
 // magnitude 7 (the reference rejects NaN). -DNVFP4_E2M1_COMPARE selects the comparison form instead.
+// NOTE: the quantize kernels no longer call this per element by default: encode16 below (pairs of values,
+// three magic additions + a 16x2 SIMD min, ~9 instructions per element instead of ~15) is the default;
+// -DNVFP4_E2M1_SCALAR (or NVFP4_E2M1_COMPARE) brings back this per-element path for A/B checks.
 #ifdef NVFP4_E2M1_COMPARE
 // The 7-comparison form (odd-index midpoints 0.75, 1.75, 3.5 round up with >=, the others down with >).
 // Same codes for every non-NaN input (exhaustively checked on [0, 8]); NaN gives magnitude 0 here.
@@ -124,6 +127,7 @@ __device__ __forceinline__ u32 e4m3_encode(float q) {
 #endif
 
 // E4M3 byte -> fp32 (exact). 0x7f / 0xff are NaN.
+#ifdef NVFP4_SOFTWARE_E4M3
 __device__ __forceinline__ float e4m3_to_float(u32 b) {
     const u32 e = (b >> 3) & 15u, m = b & 7u;
     float mag;
@@ -132,6 +136,14 @@ __device__ __forceinline__ float e4m3_to_float(u32 b) {
     else mag = __uint_as_float(((e + 120u) << 23) | (m << 20));
     return (b & 0x80u) ? -mag : mag;
 }
+#else
+// NOTE: hardware cvt.rn.f16x2.e4m3x2 (sm_89+), then f16 -> f32: both exact for every e4m3 value
+// (f16 holds 2^-9 .. 448 exactly; NaN stays NaN). 2 instructions instead of ~15 with branches.
+__device__ __forceinline__ float e4m3_to_float(u32 b) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3);
+    return __half2float(__half(h));
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // 32_4_4 swizzle: byte offset of scale (r, c) of a matrix whose padded column count is `cp`
@@ -260,6 +272,16 @@ __device__ __forceinline__ u32 load16_amax(const T* __restrict__ p, float (&v)[1
     return AbsMaxVec<T>::to_f32_bits(acc);
 }
 
+// The same from 16-byte vectors already loaded (kVec = sizeof(T) of them).
+template <typename T>
+__device__ __forceinline__ u32 unpack16_amax(const uint4 (&w)[(int)sizeof(T)], float (&v)[16]) {
+    u32 acc = 0u;
+#pragma unroll
+    for (int i = 0; i < (int)sizeof(T); ++i) acc = AbsMaxVec<T>::fold(acc, w[i]);
+    Unpack16<T>::run(reinterpret_cast<const u32*>(w), v);
+    return AbsMaxVec<T>::to_f32_bits(acc);
+}
+
 __device__ __forceinline__ u32 absmax_bits16(const float (&v)[16]) {
     u32 m = 0u;
 #pragma unroll
@@ -271,6 +293,56 @@ __device__ __forceinline__ u32 absmax_bits16(const float (&v)[16]) {
 // Quantize one block of 16 fp32 values whose |.|-max bits are `amax_bits`, with global scale gs.
 // Returns the e4m3 scale byte; `lo`/`hi` get the 16 packed codes (element 2i low nibble, i.e.
 // element k at bits 4k of the 64-bit little-endian word lo | hi << 32).
+#if defined(NVFP4_E2M1_COMPARE) || defined(NVFP4_E2M1_SCALAR)
+__device__ __forceinline__ void encode16(const float (&v)[16], float r, u32& lo, u32& hi) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) lo |= e2m1_code(__fmul_rn(v[i], r)) << (4 * i);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) hi |= e2m1_code(__fmul_rn(v[8 + i], r)) << (4 * i);
+}
+#else
+// E2M1 magnitudes of two values, as c_a | c_b << 16 (3 bits each). With a = min(|v|, 6) (fminf: NaN -> 6,
+// so NaN -> magnitude 7 as in e2m1_code), each of the three fp32 additions rounds `a` once (RNE) on a
+// uniform grid, and the E2M1 code is the smallest of the three grid indices:
+//   t1 = a + 2^22        ulp 0.5: low bits = RNE(2a)      (= the code for a <= 2)
+//   t2 = a + (2^23 + 2)  ulp 1:   low bits = RNE(a) + 2   (= the code for 2 <= a <= 4)
+//   t3 = a + (2^24 + 8)  ulp 2:   low bits = RNE(a/2) + 4 (= the code for 4 <= a <= 6; 6 -> 7)
+// The constant offsets are even numbers of ulps, so ties still go to the even index = the even code;
+// on each range the valid index is <= the other two (2a >= a+2 >= a/2+4 for a >= 4, etc.), so
+// code = min(t1, t2, t3) on the low halfwords (a <= 6 keeps them < 2^16): two fp32 values share one
+// 16x2 SIMD min (VIMNMX.U16x2). Proven by _draft/cpu_bitcheck.py (exhaustive on [0, 8] with --exhaustive).
+__device__ __forceinline__ u32 e2m1_mag2(float va, float vb) {
+    const float aa = fminf(fabsf(va), 6.0f), ab = fminf(fabsf(vb), 6.0f);
+    const u32 p1 = __byte_perm(__float_as_uint(__fadd_rn(aa, 4194304.0f)), __float_as_uint(__fadd_rn(ab, 4194304.0f)), 0x5410);
+    const u32 p2 = __byte_perm(__float_as_uint(__fadd_rn(aa, 8388610.0f)), __float_as_uint(__fadd_rn(ab, 8388610.0f)), 0x5410);
+    const u32 p3 = __byte_perm(__float_as_uint(__fadd_rn(aa, 16777224.0f)), __float_as_uint(__fadd_rn(ab, 16777224.0f)), 0x5410);
+    return __vminu2(__vminu2(p1, p2), p3);
+}
+// Sign bits of xa, xb at bits 3 and 19 (the E2M1 sign bit of each halfword). The code's sign is the
+// sign of x*r = the sign of x (r > 0; -0 and underflowing negatives keep it); only a NaN product
+// (whose sign the hardware does not define) may differ from e2m1_code's.
+__device__ __forceinline__ u32 sign2(float xa, float xb) {
+    // NOTE: plain shifts (for bf16 the compiler folds both into one shift of the input word).
+    return ((__float_as_uint(xa) >> 28) & 0x8u) | ((__float_as_uint(xb) >> 12) & 0x80000u);
+}
+// Pairs (c_2j | c_2j+1 << 16) j = 0..3 -> 8 nibbles, element k at bits 4k.
+__device__ __forceinline__ u32 pack8(u32 p0, u32 p1, u32 p2, u32 p3) {
+    u32 x01 = p0 + (p1 << 8);          // c0 @0, c2 @8, c1 @16, c3 @24 (disjoint fields)
+    u32 x23 = p2 + (p3 << 8);
+    x01 = x01 + (x01 >> 12);           // low 16 bits: c0 c1 c2 c3
+    x23 = x23 + (x23 >> 12);
+    return __byte_perm(x01, x23, 0x5410);
+}
+__device__ __forceinline__ void encode16(const float (&v)[16], float r, u32& lo, u32& hi) {
+    u32 p[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        p[j] = e2m1_mag2(__fmul_rn(v[2 * j], r), __fmul_rn(v[2 * j + 1], r)) | sign2(v[2 * j], v[2 * j + 1]);
+    lo = pack8(p[0], p[1], p[2], p[3]);
+    hi = pack8(p[4], p[5], p[6], p[7]);
+}
+#endif
+
 __device__ __forceinline__ u32 quantize_block16(const float (&v)[16], u32 amax_bits, float gs,
                                                 u32& lo, u32& hi) {
     const float ba = __uint_as_float(amax_bits);
@@ -282,10 +354,7 @@ __device__ __forceinline__ u32 quantize_block16(const float (&v)[16], u32 amax_b
     if ((sb & 0x7fu) != 0u) {                       // s == 0 -> all-zero codes
         const float s = e4m3_to_float(sb);
         const float r = __fdiv_rn(1.0f, __fmul_rn(s, gs));
-#pragma unroll
-        for (int i = 0; i < 8; ++i) lo |= e2m1_code(__fmul_rn(v[i], r)) << (4 * i);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) hi |= e2m1_code(__fmul_rn(v[8 + i], r)) << (4 * i);
+        encode16(v, r, lo, hi);
     }
     return sb;
 }
@@ -329,6 +398,25 @@ __device__ __forceinline__ u32 block_max_u32(u32 v, u32* sh) {
     const u32 r = sh[0];
     __syncthreads();
     return r;
+}
+
+// One-shot variants with a single barrier (instead of three): every warp reduces the per-warp partials
+// itself with the same butterfly that warp 0 runs above, so every thread gets the same bits as
+// block_sum / block_max_u32 return. The row kernels call each once per CTA, each on its own `sh`:
+// nothing writes `sh` again, so no trailing barrier is needed. Do not call twice on one `sh`.
+__device__ __forceinline__ float block_sum_once(float v, float* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    return warp_sum((lane < nw) ? sh[lane] : 0.0f);
+}
+__device__ __forceinline__ u32 block_max_u32_once(u32 v, u32* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max_u32(v);
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    return warp_max_u32((lane < nw) ? sh[lane] : 0u);
 }
 
 }  // namespace nvfp4

@@ -51,6 +51,21 @@ using namespace nvfp4;
 
 constexpr int kThreads = 256;  // flat kernels: threads per CTA
 constexpr int kAmaxUnroll = 4; // amax: 16-byte loads in flight per thread per iteration
+// NOTE: the fused per-row kernel fits 32 registers without spills: 8 CTAs of 256 threads per SM instead
+// of 6 at the compiler's 39. __maxnreg__ (CUDA 12.4+) replaces __launch_bounds__.
+// The register caps are tuned on sm_90 (H100/H200); other archs allocate differently (sm_100a would spill)
+// and keep the compiler's choice.
+#if defined(NVFP4_ROW_NOCAP) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ != 900
+#define NVFP4_ROWGS_BOUNDS __launch_bounds__(RowMaxThreads<1>::value)
+#else
+#define NVFP4_ROWGS_BOUNDS __maxnreg__(32)
+#endif
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ != 900
+constexpr int kFlatMinBlocks = 1, kFlatMinBlocksF16 = 1, kFlatMinBlocksF32 = 1;
+#else
+// bf16: <= 32 registers, 2048 threads per SM (the body needs 33 otherwise); fp16/fp32: <= 40 (6 CTAs)
+constexpr int kFlatMinBlocks = 8, kFlatMinBlocksF16 = 6, kFlatMinBlocksF32 = 6;
+#endif
 
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kThreads)
@@ -101,11 +116,36 @@ __device__ __forceinline__ void amax_rows(const T* __restrict__ x, i64 M, i64 K,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Flat quantize: one thread per 16-element block (32 B bf16/fp16, 64 B fp32 read as 16-byte
-// vectors; 8 B of codes + 1 B of scale written). Thread t -> (r, c) = (t / C, t % C) over
-// R x C = (M, K/16) plain or (round_up(M,128), round_up(K/16,4)) swizzled; threads outside
-// (M, K/16) only write a zero padding scale. R * C < 2^32 (launcher check); t / C uses the
-// host-computed magic (div_m, div_l) for C.
+template <typename T> constexpr int kVec16 = (int)sizeof(T);   // 16-byte vectors per 16-element block
+
+// One 16-block at flat index t: load (returns false for a swizzle padding block, whose scale it zeroes).
+template <typename T>
+__device__ __forceinline__ bool flat_load(const T* __restrict__ x, u32 M, u32 kb, u32 C, int swizzle, u32 t,
+                                          u32 div_m, u32 div_l, u8* __restrict__ sf, i64& blk, i64& so, u32& r,
+                                          uint4 (&w)[kVec16<T>]) {
+    if (!swizzle) {
+        blk = t; so = t;
+        r = 0u;
+    } else {
+        r = fast_div(t, div_m, div_l);
+        const u32 c = t - r * C;
+        so = sf_swizzled_offset(r, c, C);
+        if (r >= M || c >= kb) { sf[so] = 0; return false; }
+        blk = (i64)r * kb + c;
+    }
+    const uint4* q = reinterpret_cast<const uint4*>(x + blk * kBlock);
+#pragma unroll
+    for (int i = 0; i < kVec16<T>; ++i) w[i] = q[i];
+    return true;
+}
+
+// Flat quantize: grid-stride over the 16-element blocks t < R x C = (M, K/16) plain or
+// (round_up(M,128), round_up(K/16,4)) swizzled, one block per thread per iteration (any grid is correct;
+// the launcher gives one thread per block: measured faster than 2 blocks per thread with both loads in
+// flight, which needs ~60 registers and halves the resident threads). Block t of the
+// plain layout is x[t*16 ..], codes[t*8 ..], sf[t]: no division; the row r = t / C (host magic
+// (div_m, div_l)) is only computed for a per-row gs or the swizzled layout. Swizzle padding blocks
+// (r >= M or c >= K/16) only write a zero scale. R * C < 2^32 (launcher check).
 // NOTE: a warp reads 32 consecutive blocks = 1-2 KB contiguous; each thread's first 16-byte load
 // brings its whole 32-byte sector into L1, so the second load hits L1 (DRAM traffic is exact).
 template <typename T>
@@ -113,28 +153,33 @@ __device__ __forceinline__ void quantize_flat(const T* __restrict__ x, i64 M, i6
                                               const float* __restrict__ gs, i64 gs_stride,
                                               u8* __restrict__ codes, u8* __restrict__ sf, int swizzle,
                                               u32 div_m, u32 div_l) {
-    const i64 kb = K >> 4;
+    const u32 kb = (u32)(K >> 4);
     const u32 R = (u32)(swizzle ? round_up(M, kSfTileRows) : M);
-    const u32 C = (u32)(swizzle ? round_up(kb, kSfTileCols) : kb);
-    const u32 t = blockIdx.x * blockDim.x + threadIdx.x;
-    if ((unsigned long long)t >= (unsigned long long)R * C) return;
-    const u32 r32 = fast_div(t, div_m, div_l);
-    const i64 r = r32, c = t - r32 * C;
-    if (r >= M || c >= kb) {  // only reachable when swizzle != 0
-        sf[sf_swizzled_offset(r, c, C)] = 0;
-        return;
+    const u32 C = swizzle ? (u32)round_up(kb, kSfTileCols) : kb;
+    const u32 n = R * C;
+    const u32 stride = gridDim.x * blockDim.x;
+    const bool per_row = gs_stride != 0;
+    const float g0 = gs[0];
+    for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < n;) {
+        uint4 w0[kVec16<T>];
+        i64 blk0, so0;
+        u32 r0;
+        if (flat_load(x, (u32)M, kb, C, swizzle, t, div_m, div_l, sf, blk0, so0, r0, w0)) {
+            float v0[16];
+            const u32 am0 = unpack16_amax<T>(w0, v0);
+            const float g = per_row ? gs[(i64)(swizzle ? r0 : fast_div(t, div_m, div_l)) * gs_stride] : g0;
+            u32 lo, hi;
+            const u32 sb = quantize_block16(v0, am0, g, lo, hi);
+            *reinterpret_cast<uint2*>(codes + blk0 * 8) = make_uint2(lo, hi);
+            sf[so0] = (u8)sb;
+        }
+        if (stride >= n - t) break;   // (never wraps around 2^32)
+        t += stride;
     }
-    float v[16];
-    const u32 amax = load16_amax(x + r * K + c * kBlock, v);
-    const float g = gs[r * gs_stride];
-    u32 lo, hi;
-    const u32 sb = quantize_block16(v, amax, g, lo, hi);
-    *reinterpret_cast<uint2*>(codes + r * (K >> 1) + c * 8) = make_uint2(lo, hi);
-    sf[swizzle ? sf_swizzled_offset(r, c, C) : r * kb + c] = (u8)sb;
 }
 
 // ---------------------------------------------------------------------------------------------
-#define NVFP4_QUANTIZE_ENTRY_POINTS(SUF, T)                                                             \
+#define NVFP4_QUANTIZE_ENTRY_POINTS(SUF, T, QMINB)                                                             \
     extern "C" __global__ void __launch_bounds__(kThreads)                                              \
     nvfp4_amax_tensor_##SUF(const T* __restrict__ x, i64 n, u32* __restrict__ amax_bits) {              \
         amax_tensor<T>(x, n, amax_bits);                                                                \
@@ -143,7 +188,7 @@ __device__ __forceinline__ void quantize_flat(const T* __restrict__ x, i64 M, i6
     nvfp4_amax_rows_##SUF(const T* __restrict__ x, i64 M, i64 K, float* __restrict__ gs_out) {          \
         amax_rows<T>(x, M, K, gs_out);                                                                  \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kThreads)                                              \
+    extern "C" __global__ void __launch_bounds__(kThreads, QMINB)                                              \
     nvfp4_quantize_##SUF(const T* __restrict__ x, i64 M, i64 K, const float* __restrict__ gs,           \
                          i64 gs_stride, u8* __restrict__ codes, u8* __restrict__ sf, int swizzle,       \
                          u32 div_m, u32 div_l) {                                                        \
@@ -151,16 +196,16 @@ __device__ __forceinline__ void quantize_flat(const T* __restrict__ x, i64 M, i6
     }
 
 #define NVFP4_ROWGS_ENTRY_POINT(SUF, T)                                                                 \
-    extern "C" __global__ void __launch_bounds__(RowMaxThreads<1>::value)                               \
+    extern "C" __global__ void NVFP4_ROWGS_BOUNDS                             \
     nvfp4_quantize_rowgs_##SUF(const T* __restrict__ x, i64 M, i64 K, float* __restrict__ gs_out,       \
                                u8* __restrict__ codes, u8* __restrict__ sf, int swizzle) {              \
         row_quantize<T, 1, kRowPlain>(x, nullptr, 0, M, K, nullptr, 0.0f, 0, nullptr, 0, gs_out,        \
                                       nullptr, codes, sf, swizzle);                                     \
     }
 
-NVFP4_QUANTIZE_ENTRY_POINTS(bf16, __nv_bfloat16)
-NVFP4_QUANTIZE_ENTRY_POINTS(f16, __half)
-NVFP4_QUANTIZE_ENTRY_POINTS(f32, float)
+NVFP4_QUANTIZE_ENTRY_POINTS(bf16, __nv_bfloat16, kFlatMinBlocks)
+NVFP4_QUANTIZE_ENTRY_POINTS(f16, __half, kFlatMinBlocksF16)
+NVFP4_QUANTIZE_ENTRY_POINTS(f32, float, kFlatMinBlocksF32)
 NVFP4_ROWGS_ENTRY_POINT(bf16, __nv_bfloat16)
 NVFP4_ROWGS_ENTRY_POINT(f16, __half)
 NVFP4_ROWGS_ENTRY_POINT(f32, float)

@@ -1,0 +1,553 @@
+"""Tests for dsv4_nvfp4.runtime: NVRTC compilation of kernels_cu/*.cu with no GPU, the compile cache, errors.
+
+What is proved (CPU only: these run in CI, which has cuda-python + NVRTC but no GPU or driver):
+
+* every ``kernels_cu/*.cu`` compiles with NVRTC for ``sm_90a`` (the verified Hopper target) and ``sm_100a``
+  (Blackwell, compile-only), ``ok=True``;
+* each cubin is checked *independently of the runtime's own parsing*: a small ELF64 reader (below) lists the
+  symbols flagged as CUDA entry points (``STO_CUDA_ENTRY``) and they must be exactly the ``extern "C"`` kernel
+  names written out by hand in ``EXPECTED_KERNELS`` (from the entry-point macros of each .cu file); the ELF
+  header must say EM_CUDA and name the requested SM; the runtime's ``CompileResult.kernels`` must agree;
+* ptxas (``-v``) reports no register spills for any kernel (the row kernels keep a whole row in registers at
+  1024 threads / CTA, so a spill would be a silent performance cliff);
+* a broken .cu in a temporary kernels dir (``DSV4_NVFP4_KERNELS_DIR``) raises ``KernelCompileError`` whose
+  message names the file and carries NVRTC's own log (``broken.cu(<line>): error: ... is undefined``);
+  ``compile_all`` reports it as ``ok=False`` (or raises with ``raise_on_error=True``) and still compiles the rest;
+* the disk cache (``DSV4_NVFP4_CACHE_DIR`` -> tmp_path): a first compile writes ``<key>.cubin``; a second
+  compile in the same process is a memory hit; a *fresh process* gets ``cached == 'disk'`` with the same bytes
+  and no NVRTC time; ``DSV4_NVFP4_NO_DISK_CACHE=1`` writes nothing; editing the .cu, a .cuh, the arch or the
+  defines changes the key (and the edited source is recompiled, not served from the cache);
+* a malformed arch string raises ``ValueError`` before NVRTC runs;
+* without CUDA (``torch.cuda.is_available()`` False), every launcher given CPU tensors raises a clear
+  ``ValueError`` naming the launcher and CUDA, and the runtime's GPU entry points raise ``CudaUnavailableError``
+  (skipped on machines that have CUDA; the GPU behaviour is in test_kernels_gpu.py).
+
+Compile tests are skipped (with the reason) only where cuda.core / NVRTC cannot be imported; CI installs them.
+"""
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4_nvfp4 import runtime as rt
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO_KERNELS = ROOT / "kernels_cu"
+
+# ------------------------------------------------------------------------------------------------------------
+# The extern "C" entry points of each kernels_cu/*.cu, written out from the .cu sources (entry-point macros and
+# their instantiations), not taken from the runtime.
+_DT3 = ("bf16", "f16", "f32")
+EXPECTED_KERNELS = {
+    "nvfp4_quantize.cu": {"nvfp4_fill_u32", "nvfp4_gs_from_amax_inplace"}
+    | {f"nvfp4_{k}_{dt}" for k in ("amax_tensor", "amax_rows", "quantize", "quantize_rowgs") for dt in _DT3},
+    "nvfp4_dequantize.cu": {"nvfp4_dequantize_bf16", "nvfp4_dequantize_f32"},
+    "nvfp4_gather.cu": {"nvfp4_gather_dequant_bf16"},
+    "nvfp4_rmsnorm_quantize.cu": {f"nvfp4_{k}_{dt}" for k in ("rmsnorm_quantize", "mhc_rmsnorm_quantize")
+                                  for dt in _DT3},
+}
+assert len(EXPECTED_KERNELS["nvfp4_quantize.cu"]) == 14  # 2 + 4 kinds x 3 dtypes
+
+ARCHS = ("sm_90a", "sm_100a")
+SMALL_CU = "nvfp4_gather.cu"  # the fastest file to compile (~0.2 s): used where any file will do
+
+
+# ------------------------------------------------------------------------------------------------------------
+# An ELF64 reader, independent of the runtime: the cubin's global function symbols and header fields
+EM_CUDA = 190
+STO_CUDA_ENTRY = 0x10
+
+
+def elf_entry_points(blob: bytes) -> set:
+    "Names of the global FUNC symbols of an ELF64 little-endian image that carry the CUDA entry-point flag."
+    assert blob[:4] == b"\x7fELF", "not an ELF image"
+    assert blob[4] == 2 and blob[5] == 1, "not ELF64 little-endian"
+    (e_shoff,) = struct.unpack_from("<Q", blob, 0x28)
+    e_shentsize, e_shnum, _ = struct.unpack_from("<HHH", blob, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", blob, e_shoff + i * e_shentsize) for i in range(e_shnum)]
+    names = set()
+    for _name, sh_type, _fl, _addr, off, size, link, _info, _al, entsize in secs:
+        if sh_type != 2:  # SHT_SYMTAB
+            continue
+        stroff = secs[link][4]
+        for j in range(size // entsize):
+            st_name, st_info, st_other, _shndx, _value, _size = struct.unpack_from("<IBBHQQ", blob, off + j * entsize)
+            if st_info & 0xF == 2 and st_info >> 4 == 1 and st_other & STO_CUDA_ENTRY:  # STT_FUNC, STB_GLOBAL
+                end = blob.index(b"\0", stroff + st_name)
+                names.add(blob[stroff + st_name:end].decode())
+    return names
+
+
+def elf_machine_and_sm(blob: bytes):
+    "(e_machine, {candidate SM numbers from e_flags}) -- the SM sits in bits 8..15 (ABI v8) or 0..7 (older)."
+    (e_machine,) = struct.unpack_from("<H", blob, 0x12)
+    (e_flags,) = struct.unpack_from("<I", blob, 0x30)
+    return e_machine, {(e_flags >> 8) & 0xFF, e_flags & 0xFF}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fixtures
+@pytest.fixture(scope="module")
+def nvrtc():
+    "Skip (with the reason) where cuda.core or NVRTC is missing; CI installs both, so there this never skips."
+    pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed: NVRTC compile tests skipped")
+    try:
+        ver = rt.nvrtc_version()
+    except ImportError as e:
+        pytest.skip(f"NVRTC bindings not importable ({e}): NVRTC compile tests skipped")
+    except RuntimeError as e:  # the bindings import but libnvrtc cannot be loaded
+        pytest.skip(f"NVRTC library not loadable ({e}): NVRTC compile tests skipped")
+    return ver
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    "Every runtime environment knob unset; the disk cache pointed at an empty tmp dir."
+    for var in ("DSV4_NVFP4_KERNELS_DIR", "DSV4_NVFP4_NO_DISK_CACHE", "DSV4_NVFP4_ARCH", "DSV4_NVFP4_LINEINFO"):
+        monkeypatch.delenv(var, raising=False)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DSV4_NVFP4_CACHE_DIR", str(cache))
+    return cache
+
+
+def use_kernels_dir(monkeypatch, path: Path):
+    "Point the runtime at `path` (env var, plus the import-time KERNELS_DIR constant if the module keeps one)."
+    monkeypatch.setenv("DSV4_NVFP4_KERNELS_DIR", str(path))
+    if hasattr(rt, "KERNELS_DIR"):
+        monkeypatch.setattr(rt, "KERNELS_DIR", Path(path))
+    assert Path(rt.kernels_dir()).resolve() == Path(path).resolve(), "DSV4_NVFP4_KERNELS_DIR was not honoured"
+
+
+def copy_kernels(dst: Path) -> Path:
+    "A private copy of kernels_cu/ (sources and headers) that a test may edit."
+    shutil.copytree(REPO_KERNELS, dst)
+    return dst
+
+
+_compiled = {}
+
+
+def compiled(arch):
+    "compile_all(arch) once per session (fresh compiles: use_cache=False), ~4 s per arch."
+    if arch not in _compiled:
+        _compiled[arch] = rt.compile_all(arch)
+    return _compiled[arch]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The sources
+def test_kernel_files_are_the_cu_files_of_kernels_cu(monkeypatch):
+    monkeypatch.delenv("DSV4_NVFP4_KERNELS_DIR", raising=False)
+    want = sorted(p.name for p in REPO_KERNELS.glob("*.cu"))
+    assert set(EXPECTED_KERNELS) <= set(want), "a kernels_cu/*.cu file this test expects is missing"
+    assert sorted(rt.kernel_files()) == want
+    assert all(not f.endswith(".cuh") for f in rt.kernel_files())  # headers are not programs
+    assert rt.kernel_source("nvfp4_gather.cu") == (REPO_KERNELS / "nvfp4_gather.cu").read_text()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# compile_all for both archs
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compile_all_compiles_every_file(nvrtc, clean_env, arch):
+    res = compiled(arch)
+    assert sorted(res) == sorted(rt.kernel_files())
+    failed = {f: r.error[:2000] for f, r in res.items() if not r.ok}
+    assert not failed, f"NVRTC failed for {arch}: {failed}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("file", sorted(EXPECTED_KERNELS))
+def test_cubin_has_the_expected_entry_points(nvrtc, clean_env, arch, file):
+    r = compiled(arch)[file]
+    assert r.ok, r.error[:2000]
+    assert r.arch == arch and r.file == file
+    cubin = bytes(r.cubin)
+    machine, sms = elf_machine_and_sm(cubin)
+    assert machine == EM_CUDA, f"e_machine {machine}, want EM_CUDA ({EM_CUDA})"
+    sm = int(re.fullmatch(r"sm_(\d+)a?", arch).group(1))
+    assert sm in sms, f"cubin e_flags name SM {sms}, want {sm} ({arch})"
+    entries = elf_entry_points(cubin)
+    want = EXPECTED_KERNELS[file]
+    assert entries == want, f"missing {sorted(want - entries)}, unexpected {sorted(entries - want)}"
+    assert set(r.kernels) == want  # the runtime's own list (used by get_kernel's error messages) agrees
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_other_kernel_files_have_entry_points(nvrtc, clean_env, arch):
+    "Files added to kernels_cu/ after this test was written: they must compile and export at least one kernel."
+    for f, r in compiled(arch).items():
+        if f in EXPECTED_KERNELS:
+            continue
+        assert r.ok, r.error[:2000]
+        assert elf_entry_points(bytes(r.cubin)), f"{f} ({arch}) exports no extern \"C\" __global__ kernel"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_register_spills(nvrtc, clean_env, arch):
+    res = compiled(arch)
+    if not all(hasattr(r, "ptxas") for r in res.values()):
+        pytest.skip("CompileResult exposes no ptxas report")
+    for f, r in res.items():
+        assert r.ok, r.error[:2000]
+        entries = elf_entry_points(bytes(r.cubin))
+        assert set(r.ptxas) == entries, (f"{f} ({arch}): ptxas -v reported {sorted(r.ptxas)}, "
+                                         f"cubin has {sorted(entries)}")
+        spills = {k: (v["spill_stores"], v["spill_loads"]) for k, v in r.ptxas.items()
+                  if v["spill_stores"] or v["spill_loads"]}
+        assert not spills, f"{f} ({arch}): register spills (store, load bytes): {spills}"
+        regs = {k: v["registers"] for k, v in r.ptxas.items()}
+        assert all(0 < n <= 255 for n in regs.values()), regs
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Compile errors
+BROKEN_CU = textwrap.dedent("""\
+    #include "nvfp4_common.cuh"
+    extern "C" __global__ void broken_kernel(int* p) {
+        p[0] = undefined_symbol_xyz;
+    }
+    """)
+
+
+@pytest.fixture
+def broken_dir(nvrtc, clean_env, monkeypatch, tmp_path):
+    "A kernels dir with the real headers, one good .cu and one that does not compile."
+    d = tmp_path / "kernels_cu"
+    d.mkdir()
+    for h in REPO_KERNELS.glob("*.cuh"):
+        shutil.copy(h, d / h.name)
+    shutil.copy(REPO_KERNELS / SMALL_CU, d / SMALL_CU)
+    (d / "broken.cu").write_text(BROKEN_CU)
+    use_kernels_dir(monkeypatch, d)
+    monkeypatch.setenv("DSV4_NVFP4_NO_DISK_CACHE", "1")
+    return d
+
+
+def test_broken_source_raises_kernel_compile_error(broken_dir):
+    assert sorted(rt.kernel_files()) == sorted(["broken.cu", SMALL_CU])
+    with pytest.raises(rt.KernelCompileError) as ei:
+        rt.compile_cubin("broken.cu", "sm_90a")
+    msg = str(ei.value)
+    assert "broken.cu" in msg and "sm_90a" in msg
+    assert "undefined_symbol_xyz" in msg and "is undefined" in msg  # NVRTC's own diagnostic text
+    assert re.search(r"broken\.cu\(3\): error", msg), f"NVRTC log with file(line) missing from:\n{msg}"
+    assert ei.value.file == "broken.cu" and ei.value.arch == "sm_90a"
+    assert "undefined_symbol_xyz" in ei.value.log
+
+
+def test_compile_all_reports_the_broken_file_and_compiles_the_rest(broken_dir):
+    res = rt.compile_all("sm_90a")
+    assert set(res) == {"broken.cu", SMALL_CU}
+    assert not res["broken.cu"].ok
+    assert "broken.cu" in res["broken.cu"].error and "undefined_symbol_xyz" in res["broken.cu"].error
+    assert res["broken.cu"].cubin is None
+    assert res[SMALL_CU].ok and elf_entry_points(bytes(res[SMALL_CU].cubin)) == EXPECTED_KERNELS[SMALL_CU]
+    with pytest.raises(rt.KernelCompileError, match="broken.cu"):
+        rt.compile_all("sm_90a", raise_on_error=True)
+
+
+def test_broken_header_error_names_the_header(nvrtc, clean_env, monkeypatch, tmp_path):
+    d = copy_kernels(tmp_path / "kernels_cu")
+    use_kernels_dir(monkeypatch, d)
+    monkeypatch.setenv("DSV4_NVFP4_NO_DISK_CACHE", "1")
+    hdr = d / "nvfp4_common.cuh"
+    hdr.write_text(hdr.read_text() + "\nstatic_assert(sizeof(int) == 3, \"header_is_broken_here\");\n")
+    with pytest.raises(rt.KernelCompileError) as ei:
+        rt.compile_cubin(SMALL_CU, "sm_90a")
+    msg = str(ei.value)
+    assert SMALL_CU in msg and "nvfp4_common.cuh" in msg and "header_is_broken_here" in msg
+
+
+def test_missing_source_raises_file_not_found(nvrtc, clean_env):
+    with pytest.raises(FileNotFoundError, match="no_such_kernel.cu"):
+        rt.compile_cubin("no_such_kernel.cu", "sm_90a")
+
+
+@pytest.mark.parametrize("arch", ["sm90a", "90a", "sm_", "SM_90A", "sm_90a ", "compute_90a", "sm_90x", "",
+                                  "sm_90a; -DFOO"])
+def test_invalid_arch_raises_value_error(nvrtc, clean_env, arch):
+    with pytest.raises(ValueError, match="arch"):
+        rt.compile_options(arch)
+    with pytest.raises(ValueError, match="arch"):
+        rt.compile_cubin(SMALL_CU, arch, use_cache=False)
+    with pytest.raises(ValueError, match="arch"):
+        rt.compile_all(arch)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The cache
+_CHILD = textwrap.dedent("""\
+    import hashlib, json, sys
+    from dsv4_nvfp4 import runtime as rt
+    r = rt.compile_cubin(sys.argv[1], sys.argv[2])
+    print(json.dumps(dict(cached=r.cached, key=r.key, ok=r.ok, seconds=r.seconds,
+                          sha=hashlib.sha256(bytes(r.cubin)).hexdigest(), kernels=sorted(r.kernels))))
+    """)
+
+
+def compile_in_fresh_process(file, arch):
+    "compile_cubin in a new Python process (empty memory cache), same environment (cache dir, kernels dir)."
+    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    p = subprocess.run([sys.executable, "-c", _CHILD, file, arch], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _sha(b):
+    import hashlib
+    return hashlib.sha256(bytes(b)).hexdigest()
+
+
+def test_disk_cache_is_written_and_hit(nvrtc, clean_env, monkeypatch, tmp_path):
+    # a private copy with a unique comment: nothing in this process's memory cache can match its key
+    d = copy_kernels(tmp_path / "kernels_cu")
+    src = d / SMALL_CU
+    src.write_text(src.read_text() + f"\n// cache test {tmp_path.name}\n")
+    use_kernels_dir(monkeypatch, d)
+
+    r1 = rt.compile_cubin(SMALL_CU, "sm_90a")
+    assert r1.ok and r1.cached == "" and r1.seconds > 0
+    assert len(r1.key) == 64 and re.fullmatch(r"[0-9a-f]{64}", r1.key)
+    cubin_file = clean_env / f"{r1.key}.cubin"
+    assert cubin_file.exists(), f"no disk cache entry in {clean_env}: {list(clean_env.glob('*'))}"
+    assert cubin_file.read_bytes() == bytes(r1.cubin)
+    assert not list(clean_env.glob("*.tmp")), "temporary files left behind"
+
+    r2 = rt.compile_cubin(SMALL_CU, "sm_90a")
+    assert r2.cached == "memory" and r2.key == r1.key and bytes(r2.cubin) == bytes(r1.cubin)
+
+    child = compile_in_fresh_process(SMALL_CU, "sm_90a")
+    assert child["ok"] and child["cached"] == "disk", child
+    assert child["key"] == r1.key and child["sha"] == _sha(r1.cubin) and child["seconds"] == 0.0
+    assert set(child["kernels"]) == EXPECTED_KERNELS[SMALL_CU]
+
+    if hasattr(rt, "_mem_cache"):  # same check in process, where the in-memory cache can be emptied
+        monkeypatch.setattr(rt, "_mem_cache", {})
+        r3 = rt.compile_cubin(SMALL_CU, "sm_90a")
+        assert r3.cached == "disk" and bytes(r3.cubin) == bytes(r1.cubin)
+
+    # use_cache=False always compiles
+    r4 = rt.compile_cubin(SMALL_CU, "sm_90a", use_cache=False)
+    assert r4.cached == "" and r4.seconds > 0 and r4.key == r1.key
+
+
+def test_no_disk_cache_env_writes_nothing(nvrtc, clean_env, monkeypatch, tmp_path):
+    d = copy_kernels(tmp_path / "kernels_cu")
+    src = d / SMALL_CU
+    src.write_text(src.read_text() + f"\n// no-disk test {tmp_path.name}\n")
+    use_kernels_dir(monkeypatch, d)
+    monkeypatch.setenv("DSV4_NVFP4_NO_DISK_CACHE", "1")
+    r = rt.compile_cubin(SMALL_CU, "sm_90a")
+    assert r.ok and r.cached == ""
+    assert not clean_env.exists() or not any(clean_env.iterdir())
+    assert compile_in_fresh_process(SMALL_CU, "sm_90a")["cached"] == ""  # nothing on disk to hit
+
+
+def test_cache_key_changes_with_source_headers_arch_and_defines(nvrtc, clean_env, monkeypatch, tmp_path):
+    d = copy_kernels(tmp_path / "kernels_cu")
+    use_kernels_dir(monkeypatch, d)
+    src = d / SMALL_CU
+    src.write_text(src.read_text() + f"\n// key test {tmp_path.name}\n")
+    base = rt.compile_cubin(SMALL_CU, "sm_90a")
+    assert rt.compile_cubin(SMALL_CU, "sm_90a").key == base.key  # deterministic
+
+    src.write_text(src.read_text() + "\n// one more comment\n")
+    edited = rt.compile_cubin(SMALL_CU, "sm_90a")
+    assert edited.key != base.key
+    assert edited.cached == "", "an edited source was served from the cache"
+
+    hdr = d / "nvfp4_common.cuh"
+    hdr.write_text(hdr.read_text() + "\n// header edit\n")
+    hdr_edited = rt.compile_cubin(SMALL_CU, "sm_90a")
+    assert hdr_edited.key not in (base.key, edited.key) and hdr_edited.cached == ""
+
+    other_arch = rt.compile_cubin(SMALL_CU, "sm_100a")
+    assert other_arch.key != hdr_edited.key
+    defined = rt.compile_cubin(SMALL_CU, "sm_90a", {"DSV4_TEST_UNUSED_MACRO": 1})
+    assert defined.key != hdr_edited.key
+    assert len({base.key, edited.key, hdr_edited.key, other_arch.key, defined.key}) == 5
+
+
+# ------------------------------------------------------------------------------------------------------------
+# No CUDA: clear errors, no crash
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: tests the CPU-only behaviour")
+
+
+@no_cuda
+def test_launchers_reject_cpu_tensors_without_cuda():
+    from dsv4_nvfp4 import kernels as K
+    from dsv4_nvfp4.quant import quantize_nvfp4
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    q = quantize_nvfp4(x)
+    w = torch.ones(32)
+    calls = [
+        ("quantize_nvfp4_cuda", lambda: K.quantize_nvfp4_cuda(x)),
+        ("quantize_nvfp4_cuda", lambda: K.quantize_nvfp4_cuda(x, 1.0, swizzle=True)),
+        ("dequantize_nvfp4_cuda", lambda: K.dequantize_nvfp4_cuda(q)),
+        ("gather_dequant_nvfp4", lambda: K.gather_dequant_nvfp4(q, torch.zeros(2, dtype=torch.int32))),
+        ("dequant_rows_nvfp4", lambda: K.dequant_rows_nvfp4(q, 0, 2)),
+        ("rmsnorm_quantize_nvfp4", lambda: K.rmsnorm_quantize_nvfp4(x, w)),
+        ("mhc_rmsnorm_quantize_nvfp4", lambda: K.mhc_rmsnorm_quantize_nvfp4(x.reshape(2, 2, 32), torch.ones(2, 2), w)),
+    ]
+    for name, fn in calls:
+        with pytest.raises((ValueError, TypeError, rt.CudaUnavailableError)) as ei:
+            fn()
+        msg = str(ei.value)
+        assert name in msg and "cuda" in msg.lower(), f"unclear error from {name}: {msg!r}"
+
+
+@no_cuda
+def test_runtime_gpu_entry_points_raise_cuda_unavailable(monkeypatch):
+    monkeypatch.delenv("DSV4_NVFP4_ARCH", raising=False)
+    with pytest.raises(rt.CudaUnavailableError, match="CUDA"):
+        rt.device_arch()
+    with pytest.raises(rt.CudaUnavailableError, match="CUDA"):
+        rt.get_kernel(SMALL_CU, "nvfp4_gather_dequant_bf16")
+    with pytest.raises(rt.CudaUnavailableError, match="CUDA"):
+        rt.launch(SMALL_CU, "nvfp4_gather_dequant_bf16", (1, 1, 1), (32, 1, 1), [])
+    assert issubclass(rt.CudaUnavailableError, RuntimeError)
+
+
+def test_device_arch_env_override(monkeypatch):
+    "DSV4_NVFP4_ARCH overrides the detected arch (how a GPU-less machine picks the Blackwell build)."
+    monkeypatch.setenv("DSV4_NVFP4_ARCH", "sm_100a")
+    assert rt.device_arch() == "sm_100a"
+
+
+def test_small_helpers():
+    assert [rt.cdiv(a, 16) for a in (0, 1, 16, 17)] == [0, 1, 1, 2]
+    assert [rt.round_up(a, 128) for a in (0, 1, 128, 129)] == [0, 128, 128, 256]
+    assert rt.ptr(None) == 0
+    # typed scalars: cuda.core packs a bare Python int/float as 64-bit, so launch arguments must carry their C type
+    import numpy as np
+    assert np.asarray(rt.i32(-1)).dtype == np.int32 and np.asarray(rt.u32(2**32 - 1)).dtype == np.uint32
+    assert np.asarray(rt.i64(2**40)).dtype == np.int64 and np.asarray(rt.f32(0.1)).dtype == np.float32
+    assert float(rt.f32(0.1)) == float(np.float32(0.1)) != 0.1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Kernel variants and the launch ABI (CPU only)
+DOCUMENTED_VARIANTS = ("NVFP4_E2M1_COMPARE", "NVFP4_SOFTWARE_E4M3")  # DSV4_NVFP4_DEFINES A/B encoders
+
+
+def test_documented_variants_compile(nvrtc, clean_env):
+    "The A/B encoder variants that gpu tests select through DSV4_NVFP4_DEFINES compile too (sm_90a)."
+    src = "".join(p.read_text() for p in REPO_KERNELS.glob("*.cu*"))
+    names = [n for n in DOCUMENTED_VARIANTS if n in src]
+    if not names:
+        pytest.skip("no documented kernel variant macros in kernels_cu/")
+    for f in ("nvfp4_quantize.cu", "nvfp4_rmsnorm_quantize.cu"):
+        r = rt.compile_cubin(f, "sm_90a", {n: None for n in names}, use_cache=False)
+        assert r.ok and elf_entry_points(bytes(r.cubin)) == EXPECTED_KERNELS[f]
+
+
+def ptx_signatures(files) -> dict:
+    "name -> (file, ['u64', 'u32', 'f32', ...]) from the NVRTC PTX of each file (the kernels' real parameter lists)."
+    try:
+        from cuda.bindings import nvrtc as N
+    except ImportError:  # older cuda-python layout
+        from cuda import nvrtc as N
+    inc = rt.cuda_include_dirs() + [str(REPO_KERNELS)]
+    sigs = {}
+    for f in files:
+        src = (REPO_KERNELS / f).read_bytes()
+        err, prog = N.nvrtcCreateProgram(src, f.encode(), 0, [], [])
+        opts = [b"-arch=compute_90a", b"-std=c++17"] + [f"-I{d}".encode() for d in inc]
+        (res,) = N.nvrtcCompileProgram(prog, len(opts), opts)[:1]
+        assert res == N.nvrtcResult.NVRTC_SUCCESS, f"PTX compile of {f} failed"
+        err, n = N.nvrtcGetPTXSize(prog)
+        buf = b" " * n
+        N.nvrtcGetPTX(prog, buf)
+        for m in re.finditer(r"\.entry (\w+)\((.*?)\)", buf.decode(errors="replace"), re.S):
+            sigs[m.group(1)] = (f, re.findall(r"\.param \.(\w+)", m.group(2)))
+    return sigs
+
+
+def _kind(a):
+    import numpy as np
+    if isinstance(a, bool): return "bool?"
+    if isinstance(a, int) or isinstance(a, (np.int64, np.uint64)): return "64"  # pointers are Python ints
+    if isinstance(a, (np.int32, np.uint32)): return "32"
+    if isinstance(a, np.float32): return "f32"
+    return type(a).__name__
+
+
+def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch):
+    """Every launch the launchers make (run here on CPU tensors, launches recorded, not executed) names a kernel of
+    the right file with exactly its PTX parameter count and 32/64-bit/f32 kinds, and a legal launch shape; the
+    per-tensor fused gs is the sequence fill -> amax -> gs -> quantize on one stream."""
+    from dsv4_nvfp4 import kernels as K
+    from dsv4_nvfp4.quant import quantize_nvfp4
+    if not hasattr(K, "_DEVICE_TYPE"):
+        pytest.skip("dsv4_nvfp4.kernels has no _DEVICE_TYPE switch to run its launchers on CPU tensors")
+    import contextlib
+    sigs = ptx_signatures(sorted(EXPECTED_KERNELS))
+    calls = []
+    monkeypatch.setattr(K, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(rt, "launch", lambda file, name, grid, block, args, **kw:
+                        calls.append((file, name, grid, block, list(args))))
+    monkeypatch.setattr(rt, "sm_count", lambda i: 132)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+
+    def run(fn):
+        calls.clear()
+        fn()
+        assert calls, "no launch recorded"
+        for file, name, grid, block, args in calls:
+            assert name in sigs, f"launch of unknown kernel {name}"
+            want_file, params = sigs[name]
+            assert file == want_file, f"{name} launched from {file}, defined in {want_file}"
+            want = ["64" if p in ("u64", "s64", "b64") else "32" if p in ("u32", "s32", "b32") else p for p in params]
+            got = [_kind(a) for a in args]
+            assert got == want, f"{name}: launched with {got}, the kernel takes {want}"
+            g, b = tuple(grid), tuple(block)
+            assert len(g) == 3 and len(b) == 3 and min(g) >= 1 and b[1:] == (1, 1), (name, g, b)
+            assert 32 <= b[0] <= 1024 and b[0] % 32 == 0, (name, b)
+        return [c[1] for c in calls]
+
+    seen = set()
+    x = torch.randn(130, 256, dtype=torch.bfloat16)
+    for dt, sfx in ((torch.bfloat16, "bf16"), (torch.float16, "f16"), (torch.float32, "f32")):
+        xd = x.to(dt)
+        seq = run(lambda: K.quantize_nvfp4_cuda(xd))
+        assert seq == ["nvfp4_fill_u32", f"nvfp4_amax_tensor_{sfx}", "nvfp4_gs_from_amax_inplace",
+                       f"nvfp4_quantize_{sfx}"], seq
+        seen |= set(seq)
+        seen |= set(run(lambda: K.quantize_nvfp4_cuda(xd, swizzle=True)))
+        seq = run(lambda: K.quantize_nvfp4_cuda(xd, per_row=True))
+        assert seq == [f"nvfp4_quantize_rowgs_{sfx}"], seq
+        seen |= set(seq) | set(run(lambda: K.quantize_nvfp4_cuda(xd, per_row=True, swizzle=True)))
+        seq = run(lambda: K.quantize_nvfp4_cuda(torch.randn(2, 16400).to(dt), per_row=True))  # K > 16384
+        assert seq[0] == f"nvfp4_amax_rows_{sfx}" and seq[-1] == f"nvfp4_quantize_{sfx}", seq
+        seen |= set(seq)
+        seen |= set(run(lambda: K.quantize_nvfp4_cuda(xd, 0.5)))
+        seen |= set(run(lambda: K.quantize_nvfp4_cuda(xd, torch.full((130,), 0.5), swizzle=True)))
+    q = quantize_nvfp4(x.float())
+    from dsv4_nvfp4.layout import swizzle_scales
+    for dt in (torch.bfloat16, torch.float32):
+        seen |= set(run(lambda: K.dequantize_nvfp4_cuda(q, dtype=dt)))
+        seen |= set(run(lambda: K.dequantize_nvfp4_cuda(q.data, swizzle_scales(q.scale), q.global_scale,
+                                                        swizzled=True, dtype=dt)))
+    idx = torch.tensor([0, -1, 5, 129], dtype=torch.int32)
+    seen |= set(run(lambda: K.gather_dequant_nvfp4(q, idx)))
+    seen |= set(run(lambda: K.gather_dequant_nvfp4(q, idx, bad_count=torch.zeros(1, dtype=torch.int32))))
+    seen |= set(run(lambda: K.dequant_rows_nvfp4(q, 3, 100)))
+    w = torch.rand(256) + 0.5
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        seen |= set(run(lambda: K.rmsnorm_quantize_nvfp4(x.to(dt), w, 1e-6)))
+        seen |= set(run(lambda: K.rmsnorm_quantize_nvfp4(x.to(dt), w, 1e-6, global_scale=torch.tensor(0.01),
+                                                         swizzle=True)))
+        seen |= set(run(lambda: K.mhc_rmsnorm_quantize_nvfp4(x.to(dt).reshape(65, 2, 256), torch.rand(65, 2), w,
+                                                             1e-6, round_to_bf16=True)))
+    every = set().union(*EXPECTED_KERNELS.values())
+    assert seen == every, f"kernels no launcher uses: {sorted(every - seen)}"
