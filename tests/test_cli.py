@@ -118,3 +118,13 @@ def test_demo_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["demo", "--checkpoint", str(path)]) == 2
     err = capsys.readouterr().err
     assert "not a readable safetensors file" in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+def test_demo_on_gpu_runs_the_kernels_bit_exact(capsys):
+    "On a GPU box the demo runs the NVRTC kernels and reports them bit-exact with the CPU reference, with timings."
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bit-exact with the CPU reference: yes") == 2, out
+    times = [float(m) for m in re.findall(r"quantize \w+ \(bf16.*?: ([0-9.]+) us", out)]
+    assert len(times) == 2 and all(t > 0 for t in times), out
