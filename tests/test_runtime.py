@@ -446,9 +446,9 @@ def test_documented_variants_compile(nvrtc, clean_env):
     names = [n for n in DOCUMENTED_VARIANTS if n in src]
     if not names:
         pytest.skip("no documented kernel variant macros in kernels_cu/")
-    for f in ("nvfp4_quantize.cu", "nvfp4_rmsnorm_quantize.cu"):
-        r = rt.compile_cubin(f, "sm_90a", {n: None for n in names}, use_cache=False)
-        assert r.ok and elf_entry_points(bytes(r.cubin)) == EXPECTED_KERNELS[f]
+    f = "nvfp4_quantize.cu"  # the encoders live in nvfp4_common.cuh; the GPU test compiles the rest
+    r = rt.compile_cubin(f, "sm_90a", {n: None for n in names}, use_cache=False)
+    assert r.ok and elf_entry_points(bytes(r.cubin)) == EXPECTED_KERNELS[f]
 
 
 def ptx_signatures(files) -> dict:

@@ -1,0 +1,15 @@
+"""A plain install (no dev extras) imports every module: IPython, matplotlib, ml_dtypes and cuda-python are loaded
+lazily, only by the notebook helpers, the plots and the GPU paths that need them."""
+import subprocess
+import sys
+
+MODULES = ["dsv4_nvfp4", "dsv4_nvfp4.formats", "dsv4_nvfp4.quant", "dsv4_nvfp4.layout", "dsv4_nvfp4.runtime",
+           "dsv4_nvfp4.kernels", "dsv4_nvfp4.bench", "dsv4_nvfp4.cli"]
+
+
+def test_modules_import_without_dev_or_gpu_packages():
+    blocked = ["IPython", "matplotlib", "ml_dtypes", "cuda", "cuda.core", "cuda.bindings", "cutlass", "fastcore", "nbdev"]
+    code = ("import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked)
+            + "".join(f"import {m}\n" for m in MODULES) + "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
