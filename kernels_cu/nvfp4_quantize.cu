@@ -26,8 +26,8 @@
 //   nvfp4_quantize_<dt>            quantize with a given gs (step 4, or the given-gs mode)
 //   nvfp4_amax_rows_<dt>           per-row amax -> gs for any K (one CTA per row)
 //   nvfp4_quantize_rowgs_<dt>      fused per-row amax -> gs -> quantize, one CTA per row, the row
-//                                  in registers (X read once from HBM); K <= 16384 (1024 threads x
-//                                  16); larger K uses nvfp4_amax_rows_<dt> + nvfp4_quantize_<dt>
+//                                  in registers (X read once from HBM); K <= 16384 (NB blocks of 16 per
+//                                  thread); larger K uses nvfp4_amax_rows_<dt> + nvfp4_quantize_<dt>
 // Per-tensor fused mode is 4 launches on one stream (fill, amax, gs, quantize): no host sync, no
 // workspace (the gs output buffer doubles as the amax accumulator), CUDA-graph capturable. It reads
 // x twice (amax, then quantize): inherent for a tensor-wide scale larger than L2.
@@ -43,7 +43,8 @@
 //   nvfp4_amax_rows_<dt>(const T* x, i64 M, i64 K, float* gs_out)     grid M, block 256
 //   nvfp4_quantize_rowgs_<dt>(const T* x, i64 M, i64 K, float* gs_out, u8* codes, u8* sf, int swizzle)
 //                                                                     grid M (round_up(M,128) swizzled),
-//                                                                     block max(32, round_up(K/16, 32))
+//                                                                     block max(32, round_up(ceil(K/16 / NB), 32)),
+//                                                                     NB = 4 (bf16/fp16), 2 (fp32)
 #include "nvfp4_common.cuh"
 #include "nvfp4_row.cuh"
 
@@ -51,14 +52,31 @@ using namespace nvfp4;
 
 constexpr int kThreads = 256;  // flat kernels: threads per CTA
 constexpr int kAmaxUnroll = 4; // amax: 16-byte loads in flight per thread per iteration
-// NOTE: the fused per-row kernel fits 32 registers without spills: 8 CTAs of 256 threads per SM instead
+// Fused per-row kernel: NB 16-blocks per thread (row_quantize's template argument); the launcher
+// (_draft/kernels.py, rowgs branch) uses block = max(32, round_up(ceil(K/16 / NB), 32)) with the same NB.
+// NB = 1 (A/B: NVFP4_ROWGS_NB1): fits 32 registers without spills: 8 CTAs of 256 threads per SM instead
 // of 6 at the compiler's 39. __maxnreg__ (CUDA 12.4+) replaces __launch_bounds__.
 // The register caps are tuned on sm_90 (H100/H200); other archs allocate differently (sm_100a would spill)
 // and keep the compiler's choice.
-#if defined(NVFP4_ROW_NOCAP) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ != 900
-#define NVFP4_ROWGS_BOUNDS __launch_bounds__(RowMaxThreads<1>::value)
+#if defined(NVFP4_ROWGS_NB1)
+#define NVFP4_ROWGS_NB16 1
+#elif defined(NVFP4_ROWGS_NB2)
+#define NVFP4_ROWGS_NB16 2
+#elif defined(NVFP4_ROWGS_NB8)
+#define NVFP4_ROWGS_NB16 8
 #else
+#define NVFP4_ROWGS_NB16 4
+#endif
+#define NVFP4_ROWGS_NB32 (NVFP4_ROWGS_NB16 > 1 ? NVFP4_ROWGS_NB16 / 2 : 1)   // fp32 input
+#if NVFP4_ROWGS_NB16 == 1 && !defined(NVFP4_ROW_NOCAP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define NVFP4_ROWGS_BOUNDS __maxnreg__(32)
+#else
+#define NVFP4_ROWGS_BOUNDS __launch_bounds__(RowMaxThreads<NVFP4_ROWGS_NB16>::value)
+#endif
+#if NVFP4_ROWGS_NB16 == 1
+#define NVFP4_ROWGS_BOUNDS32 NVFP4_ROWGS_BOUNDS
+#else
+#define NVFP4_ROWGS_BOUNDS32 __launch_bounds__(RowMaxThreads<NVFP4_ROWGS_NB32>::value)
 #endif
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ != 900
 constexpr int kFlatMinBlocks = 1, kFlatMinBlocksF16 = 1, kFlatMinBlocksF32 = 1;
@@ -195,17 +213,21 @@ __device__ __forceinline__ void quantize_flat(const T* __restrict__ x, i64 M, i6
         quantize_flat<T>(x, M, K, gs, gs_stride, codes, sf, swizzle, div_m, div_l);                     \
     }
 
-#define NVFP4_ROWGS_ENTRY_POINT(SUF, T)                                                                 \
-    extern "C" __global__ void NVFP4_ROWGS_BOUNDS                             \
+#define NVFP4_ROWGS_ENTRY_POINT(SUF, T, BOUNDS, NB)                                                     \
+    extern "C" __global__ void BOUNDS                                                                   \
     nvfp4_quantize_rowgs_##SUF(const T* __restrict__ x, i64 M, i64 K, float* __restrict__ gs_out,       \
                                u8* __restrict__ codes, u8* __restrict__ sf, int swizzle) {              \
-        row_quantize<T, 1, kRowPlain>(x, nullptr, 0, M, K, nullptr, 0.0f, 0, nullptr, 0, gs_out,        \
-                                      nullptr, codes, sf, swizzle);                                     \
+        if constexpr (sizeof(T) == 2 && NB > 1)                                                         \
+            row_quantize_raw<T, NB, kRowPlain, false>(x, M, K, nullptr, 0.0f, 0, nullptr, 0, gs_out,        \
+                                                      nullptr, codes, sf, swizzle);                     \
+        else                                                                                            \
+            row_quantize<T, NB, kRowPlain>(x, nullptr, 0, M, K, nullptr, 0.0f, 0, nullptr, 0, gs_out,    \
+                                          nullptr, codes, sf, swizzle);                                 \
     }
 
 NVFP4_QUANTIZE_ENTRY_POINTS(bf16, __nv_bfloat16, kFlatMinBlocks)
 NVFP4_QUANTIZE_ENTRY_POINTS(f16, __half, kFlatMinBlocksF16)
 NVFP4_QUANTIZE_ENTRY_POINTS(f32, float, kFlatMinBlocksF32)
-NVFP4_ROWGS_ENTRY_POINT(bf16, __nv_bfloat16)
-NVFP4_ROWGS_ENTRY_POINT(f16, __half)
-NVFP4_ROWGS_ENTRY_POINT(f32, float)
+NVFP4_ROWGS_ENTRY_POINT(bf16, __nv_bfloat16, NVFP4_ROWGS_BOUNDS, NVFP4_ROWGS_NB16)
+NVFP4_ROWGS_ENTRY_POINT(f16, __half, NVFP4_ROWGS_BOUNDS, NVFP4_ROWGS_NB16)
+NVFP4_ROWGS_ENTRY_POINT(f32, float, NVFP4_ROWGS_BOUNDS32, NVFP4_ROWGS_NB32)
