@@ -1,0 +1,406 @@
+"""Tests for dsv4_nvfp4.gemm: routing, checked offsets, stacked experts, the float64 grouped GEMM reference,
+prepared weight layout and the wo_a case.
+
+Expected values come from
+* hand arithmetic (written next to each constant), or
+* independent computations: numpy stable argsort / bincount for routing; `dsv4_nvfp4.quant.dequantize_nvfp4`
+  per operand followed by a numpy float64 matmul per expert for the GEMM (equal to the reference bit for bit when
+  every global scale is a power of two, because then the fp32 dequantization is exact); ml_dtypes as the
+  E2M1 / E4M3 / bf16 value oracle; an integer-arithmetic float64 -> bf16 rounding.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from dsv4_nvfp4 import gemm as G
+from dsv4_nvfp4.layout import swizzle_scales
+from dsv4_nvfp4.quant import (ModelOptNVFP4, NVFP4Tensor, dequantize_nvfp4, load_modelopt_nvfp4, quantize_nvfp4,
+                              save_modelopt_nvfp4)
+
+I32 = torch.int32
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def offsets_from_sizes(sizes):
+    return torch.tensor(np.cumsum(sizes), dtype=I32)
+
+
+def np_grouped(a_deq, w_deq, sizes):
+    """Independent reference: float64 numpy matmul per expert on dequantized operands."""
+    a, w = np.asarray(a_deq, np.float64), np.asarray(w_deq, np.float64)
+    out = np.zeros((a.shape[0], w.shape[1]), np.float64)
+    start = 0
+    for e, m in enumerate(sizes):
+        out[start:start + m] = a[start:start + m] @ w[e].T
+        start += m
+    return out
+
+
+def pow2_experts(E, N, K, seed):
+    g = gen(seed)
+    return G.stack_experts([quantize_nvfp4(torch.randn(N, K, generator=g) * 3, 2.0 ** -(6 + e % 4))
+                            for e in range(E)])
+
+
+def np_bf16_rne(x):
+    """float64 -> bf16 value (float64), round to nearest even on the exact value, normal range only."""
+    x = np.asarray(x, np.float64)
+    m, ex = np.frexp(np.abs(x))                       # |x| = m 2^ex, m in [0.5, 1)
+    s = np.ldexp(m, 8)                                # 8 significant bits: integer part of s
+    fl = np.floor(s)
+    frac = s - fl                                     # exact
+    up = (frac > 0.5) | ((frac == 0.5) & (fl % 2 == 1))
+    r = np.ldexp(fl + up, ex - 8)
+    return np.where(x == 0, x, np.sign(x) * r)
+
+
+# ---------------------------------------------------------------------------------------------
+# the exactness claim behind in-kernel decode
+
+
+def test_every_e2m1_times_e4m3_product_is_a_bf16_value():
+    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    e4m3 = e4m3[np.isfinite(e4m3)]
+    assert e4m3.size == 254
+    p = e2m1[:, None] * e4m3[None, :]
+    back = p.astype(ml_dtypes.bfloat16).astype(np.float64)   # exact values need no rounding, so any cast works
+    assert np.array_equal(back, p)
+    sub = e4m3[(np.abs(e4m3) < 2.0 ** -6) & (e4m3 != 0)]     # subnormal scales m * 2^-9
+    assert sorted(set(np.abs(sub) * 2 ** 9)) == [1, 2, 3, 4, 5, 6, 7]
+    ps = e2m1[:, None] * sub[None, :]
+    assert np.array_equal(ps.astype(ml_dtypes.bfloat16).astype(np.float64), ps)
+    assert np.abs(p[p != 0]).min() == 2.0 ** -10 and np.abs(p).max() == 2688.0
+    # and FP8 would not do: e.g. 1.5 * 1.875 = 2.8125 needs 6 significant bits
+    assert float(np.float64(2.8125).astype(ml_dtypes.float8_e4m3fn)) != 2.8125
+
+
+# ---------------------------------------------------------------------------------------------
+# routing
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 4, 1), (1, 8, 6), (37, 16, 6), (200, 256, 6), (5, 3, 3)])
+def test_route_topk_matches_numpy(T, E, k):
+    ids = G.random_topk(T, E, k, generator=gen(T))
+    rt = G.route_topk(ids, E)
+    flat = ids.numpy().reshape(-1)
+    perm = np.argsort(flat, kind="stable")
+    assert rt.perm.tolist() == perm.tolist()
+    assert rt.token.tolist() == (perm // k).tolist()
+    assert rt.expert_offsets.dtype == I32
+    assert rt.expert_offsets.tolist() == np.cumsum(np.bincount(flat, minlength=E)).tolist()
+    assert rt.inv.shape == (T, k)
+    assert (rt.perm[rt.inv.reshape(-1)] == torch.arange(T * k)).all()
+    assert (np.diff(flat[perm]) >= 0).all()                                    # expert-major
+    assert all(len(set(r)) == k for r in ids.tolist())                          # random_topk: distinct experts
+    G.check_offsets(rt.expert_offsets, T * k, E)
+
+
+def test_route_topk_empty_experts_and_hand_case():
+    rt = G.route_topk(torch.tensor([[0, 3], [3, 1], [0, 1], [3, 0], [1, 3]], dtype=I32), 6)
+    assert rt.expert_offsets.tolist() == [3, 6, 6, 10, 10, 10]   # experts 2, 4, 5 empty
+    assert G.group_sizes(rt.expert_offsets).tolist() == [3, 3, 0, 4, 0, 0]
+    assert rt.token.tolist() == [0, 2, 3, 1, 2, 4, 0, 1, 3, 4]
+
+
+def test_route_topk_bad_input():
+    with pytest.raises(TypeError, match="integer"):
+        G.route_topk(torch.tensor([[0.0, 1.0]]), 4)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        G.route_topk(torch.tensor([[0, 4]]), 4)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        G.route_topk(torch.tensor([[-1, 2]]), 4)
+    with pytest.raises(ValueError, match=r"\(T, k\)"):
+        G.route_topk(torch.tensor([0, 1]), 4)
+    with pytest.raises(ValueError, match="k <= num_experts"):
+        G.random_topk(3, 4, 5)
+
+
+def test_ref_combine_matches_loop():
+    T, E, k, N = 7, 5, 2, 3
+    ids = G.random_topk(T, E, k, generator=gen(3))
+    rt = G.route_topk(ids, E)
+    c = torch.randn(T * k, N, generator=gen(4), dtype=torch.float64)
+    p = torch.rand(T, k, generator=gen(5), dtype=torch.float64)
+    want = np.zeros((T, N))
+    rows = {int(a): r for r, a in enumerate(rt.perm.tolist())}   # assignment -> row
+    for t in range(T):
+        for j in range(k):
+            want[t] += p[t, j].item() * c[rows[t * k + j]].numpy()
+    np.testing.assert_allclose(G.ref_combine(c, rt, p).numpy(), want, rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match="weights"):
+        G.ref_combine(c, rt, p[:, :1])
+
+
+# ---------------------------------------------------------------------------------------------
+# checked offsets
+
+
+def test_check_offsets_accepts_good_tables():
+    for offs, rows in [([0], 0), ([0, 0, 5], 5), ([5, 5, 5], 5), ([1, 2, 3], 3)]:
+        t = torch.tensor(offs, dtype=I32)
+        assert G.check_offsets(t, rows) is t
+
+
+@pytest.mark.parametrize("offs,rows,exc,msg", [
+    (torch.tensor([1, 2, 3], dtype=torch.int64), 3, TypeError, "int32"),
+    (torch.tensor([1, 2, 3], dtype=torch.int16), 3, TypeError, "int32"),
+    (torch.tensor([1.0, 3.0]), 3, TypeError, "int32"),
+    ([1, 2, 3], 3, TypeError, "torch.Tensor"),
+    (torch.tensor([3, 2, 3], dtype=I32), 3, ValueError, r"non-decreasing: offsets\[1\] = 2 < offsets\[0\] = 3"),
+    (torch.tensor([1, 2, 4], dtype=I32), 3, ValueError, "end at the row count 3"),
+    (torch.tensor([1, 2, 2], dtype=I32), 3, ValueError, "end at the row count 3"),
+    (torch.tensor([-1, 3], dtype=I32), 3, ValueError, ">= 0"),
+    (torch.zeros(2, 2, dtype=I32), 0, ValueError, "1-D"),
+    (torch.zeros(0, dtype=I32), 0, ValueError, "1-D"),
+])
+def test_check_offsets_bad(offs, rows, exc, msg):
+    with pytest.raises(exc, match=msg):
+        G.check_offsets(offs, rows)
+
+
+def test_check_offsets_expert_count():
+    with pytest.raises(ValueError, match="one per expert"):
+        G.check_offsets(torch.tensor([1, 2], dtype=I32), 2, num_experts=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# stacked experts
+
+
+def test_stack_experts_keeps_each_expert():
+    g = gen(1)
+    ws = [quantize_nvfp4(torch.randn(20, 40, generator=g) * (10.0 ** e)) for e in range(3)]
+    st = G.stack_experts(ws)
+    assert st.shape == (3, 20, 40) and st.data.shape == (3, 20, 24) and st.scale.shape == (3, 20, 3)
+    assert st.global_scale.tolist() == [w.global_scale.item() for w in ws]
+    for e, w in enumerate(ws):
+        assert torch.equal(st.expert(e).data, w.data)
+        assert torch.equal(st.dequantize()[e], dequantize_nvfp4(w))
+    # quantize_experts = each expert quantized alone
+    x = torch.randn(2, 16, 32, generator=g) * torch.tensor([1.0, 100.0])[:, None, None]
+    qe = G.quantize_experts(x)
+    for e in range(2):
+        q = quantize_nvfp4(x[e])
+        assert torch.equal(qe.data[e], q.data) and qe.global_scale[e] == q.global_scale
+
+
+def test_nvfp4experts_validation():
+    st = G.stack_experts([quantize_nvfp4(torch.randn(8, 32)) for _ in range(2)])
+    with pytest.raises(ValueError, match="one per expert"):
+        G.NVFP4Experts(st.data, st.scale, torch.ones((), dtype=torch.float32), st.shape)
+    with pytest.raises(ValueError, match="one per expert"):
+        G.NVFP4Experts(st.data, st.scale, torch.ones(2, 8), st.shape)
+    with pytest.raises(TypeError, match="float32"):
+        G.NVFP4Experts(st.data, st.scale, torch.ones(2, dtype=torch.float64), st.shape)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        G.NVFP4Experts(st.data, st.scale.view(torch.uint8), st.global_scale, st.shape)
+    with pytest.raises(ValueError, match="needs data"):
+        G.NVFP4Experts(st.data[..., :8], st.scale, st.global_scale, st.shape)
+    with pytest.raises(ValueError, match=r"\(E, N, K\)"):
+        G.NVFP4Experts(st.data[0], st.scale[0], st.global_scale, (8, 32))
+    with pytest.raises(ValueError, match="per-row"):
+        G.stack_experts([quantize_nvfp4(torch.randn(8, 32), per_row=True)])
+    with pytest.raises(ValueError, match="differ in shape"):
+        G.stack_experts([quantize_nvfp4(torch.randn(8, 32)), quantize_nvfp4(torch.randn(8, 48))])
+    with pytest.raises(TypeError, match="not an NVFP4Tensor"):
+        G.stack_experts([torch.zeros(8, 32)])
+    with pytest.raises(ValueError, match="at least one"):
+        G.stack_experts([])
+
+
+# ---------------------------------------------------------------------------------------------
+# the float64 reference: tier 2, exactly representable inputs
+
+
+CASES = [  # (group sizes, N, K): ragged with empty experts, one token, K not a multiple of 128 (or of 16)
+    ([3, 0, 5, 1, 0, 7], 24, 128),
+    ([0, 0, 1, 0], 16, 64),                 # one token in total
+    ([2, 0, 9], 40, 200),                   # K not a multiple of 16
+    ([4, 6, 0, 2], 32, 336),                # K multiple of 16, not of 128
+    ([0, 12, 5, 0, 0, 3, 8, 1], 64, 2048),  # DSV4 L2-like K
+    ([0, 0, 0], 8, 32),                     # no rows at all
+]
+
+
+@pytest.mark.parametrize("sizes,N,K", CASES)
+def test_ref_w4a4_exact_vs_dequantize_numpy(sizes, N, K):
+    R, E = sum(sizes), len(sizes)
+    g = gen(R + K)
+    w = pow2_experts(E, N, K, seed=K)
+    gs_rows = torch.tensor([2.0 ** -(3 + r % 5) for r in range(R)], dtype=torch.float32)
+    a = quantize_nvfp4(torch.randn(R, K, generator=g) * 5, gs_rows)           # per-row power-of-two gs
+    got = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
+    assert got.dtype == torch.float64 and got.shape == (R, N)
+    want = np_grouped(dequantize_nvfp4(a).numpy(), w.dequantize().numpy(), sizes)
+    assert np.array_equal(got.numpy(), want)
+    if R:
+        assert np.abs(want).max() > 0                                          # not vacuous
+    # scalar activation global scale too
+    a1 = quantize_nvfp4(torch.randn(R, K, generator=g), 0.125)
+    want1 = np_grouped(dequantize_nvfp4(a1).numpy(), w.dequantize().numpy(), sizes)
+    assert np.array_equal(G.ref_grouped_gemm_nvfp4(a1, w, offsets_from_sizes(sizes)).numpy(), want1)
+
+
+@pytest.mark.parametrize("sizes,N,K", CASES)
+def test_ref_w4a16_exact_vs_dequantize_numpy(sizes, N, K):
+    R, E = sum(sizes), len(sizes)
+    w = pow2_experts(E, N, K, seed=K + 1)
+    a = (torch.randn(R, K, generator=gen(K)) * 2).to(torch.bfloat16)
+    got = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
+    want = np_grouped(a.float().numpy(), w.dequantize().numpy(), sizes)
+    assert np.array_equal(got.numpy(), want)
+
+
+def test_ref_hand_values():
+    # expert 0: every code 1.0 (code 2), block scales 2 and 0.5, gs 0.25; expert 1: every code -6 (code 15), scale 1
+    def const(rows, code, scales, gs):
+        K = 16 * len(scales)
+        return NVFP4Tensor(torch.full((rows, K // 2), code | code << 4, dtype=torch.uint8),
+                           torch.tensor(scales).expand(rows, -1).to(torch.float8_e4m3fn),
+                           torch.tensor(gs, dtype=torch.float32), (rows, K))
+    w = G.stack_experts([const(3, 2, [2.0, 0.5], 0.25), const(3, 15, [1.0, 1.0], 1.0)])
+    a = NVFP4Tensor(const(4, 2, [1.0, 1.0], 1.0).data, const(4, 2, [1.0, 1.0], 1.0).scale,
+                    torch.tensor([1.0, 2.0, 0.5, 3.0]), (4, 32))
+    c = G.ref_grouped_gemm_nvfp4(a, w, torch.tensor([1, 4], dtype=I32))
+    # row 0 (expert 0): (16*2 + 16*0.5) * 0.25 * 1 = 10; rows 1-3 (expert 1): 32 * -6 * gs_a
+    assert c[:, 0].tolist() == [10.0, -384.0, -96.0, -576.0]
+    assert c.shape == (4, 3) and (c == c[:, :1]).all()
+
+
+def test_ref_realistic_global_scales_close_to_dequantize():
+    sizes, N, K = [5, 0, 11, 3], 48, 256
+    g = gen(9)
+    w = G.quantize_experts(torch.randn(4, N, K, generator=g))
+    a = quantize_nvfp4(torch.randn(sum(sizes), K, generator=g), per_row=True)
+    got = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes)).numpy()
+    want = np_grouped(dequantize_nvfp4(a).numpy(), w.dequantize().numpy(), sizes)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert 0 < rel < 1e-6, f"rel={rel} for sizes={sizes} N={N} K={K}"   # fp32 dequant rounding only
+
+
+def test_ref_bf16_output_is_one_rounding():
+    sizes, N, K = [6, 0, 9], 32, 160
+    w = G.quantize_experts(torch.randn(3, N, K, generator=gen(2)))
+    a = torch.randn(15, K, generator=gen(3)).to(torch.bfloat16)
+    f64 = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
+    b = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.bfloat16)
+    assert b.dtype == torch.bfloat16
+    assert np.array_equal(b.double().numpy(), np_bf16_rne(f64.numpy()))
+    # the double-rounding case: 1 + 2^-8 + 2^-40 must round up to 1 + 2^-7
+    v = torch.tensor([1 + 2.0 ** -8 + 2.0 ** -40, -(1 + 2.0 ** -8 + 2.0 ** -40), 1 + 2.0 ** -8], dtype=torch.float64)
+    assert G._f64_to_bf16(v).double().tolist() == [1 + 2.0 ** -7, -(1 + 2.0 ** -7), 1.0]
+    assert np_bf16_rne(v.numpy()).tolist() == [1 + 2.0 ** -7, -(1 + 2.0 ** -7), 1.0]
+    with pytest.raises(ValueError, match="out_dtype"):
+        G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.float32)
+
+
+def test_ref_bad_input():
+    w = pow2_experts(3, 16, 64, seed=0)
+    offs = torch.tensor([2, 2, 5], dtype=I32)
+    a = torch.randn(5, 64).to(torch.bfloat16)
+    G.ref_grouped_gemm_nvfp4(a, w, offs)  # the good call works
+    with pytest.raises(ValueError, match="K mismatch: activations have K = 48, weights K = 64"):
+        G.ref_grouped_gemm_nvfp4(a[:, :48], w, offs)
+    with pytest.raises(ValueError, match="K mismatch"):
+        G.ref_grouped_gemm_nvfp4(quantize_nvfp4(torch.randn(5, 80)), w, offs)
+    for dt in (torch.float32, torch.float16, torch.float64, torch.int32):
+        with pytest.raises(TypeError, match="bf16"):
+            G.ref_grouped_gemm_nvfp4(a.to(dt), w, offs)
+    with pytest.raises(TypeError, match="NVFP4Tensor or a bf16"):
+        G.ref_grouped_gemm_nvfp4(a.float().numpy(), w, offs)
+    with pytest.raises(ValueError, match="2-D"):
+        G.ref_grouped_gemm_nvfp4(quantize_nvfp4(torch.randn(5, 1, 64)), w, offs)
+    with pytest.raises(TypeError, match="NVFP4Experts"):
+        G.ref_grouped_gemm_nvfp4(a, w.expert(0), offs)
+    with pytest.raises(TypeError, match="int32"):
+        G.ref_grouped_gemm_nvfp4(a, w, offs.long())
+    with pytest.raises(ValueError, match="non-decreasing"):
+        G.ref_grouped_gemm_nvfp4(a, w, torch.tensor([3, 2, 5], dtype=I32))
+    with pytest.raises(ValueError, match="end at the row count 5"):
+        G.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 2, 4], dtype=I32))
+    with pytest.raises(ValueError, match="one per expert"):
+        G.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 5], dtype=I32))
+
+
+# ---------------------------------------------------------------------------------------------
+# prepared weights
+
+
+@pytest.mark.parametrize("K,k_tile,Kt", [(200, 128, 256), (256, 128, 256), (208, 64, 256), (4096, 128, 4096),
+                                          (7168, 256, 7168), (48, 128, 128)])
+def test_prepare_weights_layout(K, k_tile, Kt):
+    E, N = 3, 136
+    w = G.quantize_experts(torch.randn(E, N, K, generator=gen(K)))
+    p = G.prepare_weights(w, k_tile=k_tile)
+    Kp = -(-K // 16) * 16
+    assert p.w_fp4.dtype == torch.uint8 and p.w_fp4.shape == (E, N, Kt // 2) and p.w_fp4.is_contiguous()
+    assert p.w_sf.dtype == torch.float8_e4m3fn and p.w_sf.shape == (E, N, Kt // 16) and p.w_sf.is_contiguous()
+    assert p.w_sf_swz.shape == (E, 256, -(-Kt // 16 // 4) * 4)
+    assert p.w_gs.dtype == torch.float32 and torch.equal(p.w_gs, w.global_scale)
+    assert p.shape == (E, N, K) and p.a_gs is None
+    assert torch.equal(p.w_fp4[..., :Kp // 2], w.data)
+    assert int(p.w_fp4[..., Kp // 2:].sum()) == 0
+    assert torch.equal(p.w_sf.view(torch.uint8)[..., :Kp // 16], w.scale.view(torch.uint8))
+    assert int(p.w_sf.view(torch.uint8)[..., Kp // 16:].sum()) == 0
+    for e in range(E):
+        assert torch.equal(p.w_sf_swz[e].view(torch.uint8), swizzle_scales(p.w_sf[e]).view(torch.uint8))
+    back = p.experts()
+    assert back.shape == w.shape and torch.equal(back.data, w.data) and torch.equal(back.global_scale, w.global_scale)
+
+
+def test_prepare_weights_inputs_and_errors(tmp_path):
+    ws = [quantize_nvfp4(torch.randn(16, 64, generator=gen(e))) for e in range(2)]
+    from_list = G.prepare_weights(ws)
+    assert torch.equal(from_list.w_fp4, G.prepare_weights(G.stack_experts(ws)).w_fp4)
+    path = tmp_path / "m.safetensors"
+    save_modelopt_nvfp4(path, {f"blk.experts.{e}.down": w for e, w in enumerate(ws)},
+                        {f"blk.experts.{e}.down": 0.25 * (e + 1) for e in range(2)})
+    ck = load_modelopt_nvfp4(path)
+    pm = G.prepare_weights(G.modelopt_experts(ck, "blk.experts.{e}.down", 2))
+    assert torch.equal(pm.w_fp4, from_list.w_fp4) and torch.equal(pm.w_gs, from_list.w_gs)
+    assert pm.a_gs.tolist() == [0.25, 0.5]
+    no_inp = G.prepare_weights([ModelOptNVFP4(w) for w in ws])
+    assert no_inp.a_gs is None
+    with pytest.raises(KeyError, match="missing"):
+        G.modelopt_experts(ck, "blk.experts.{e}.down", 3)
+    with pytest.raises(ValueError, match=r"\{e\}"):
+        G.modelopt_experts(ck, "blk.experts.0.down", 1)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        G.prepare_weights(ws, k_tile=96)
+    with pytest.raises(TypeError, match="NVFP4Experts"):
+        G.prepare_weights(torch.zeros(2, 16, 32))
+
+
+# ---------------------------------------------------------------------------------------------
+# wo_a: every token through every group
+
+
+@pytest.mark.parametrize("T,Gn,K,N", [(1, 8, 64, 16), (5, 4, 96, 24), (3, 16, 48, 8)])
+def test_wo_a_reference(T, Gn, K, N):
+    g = gen(T * Gn)
+    x = (torch.randn(T, Gn, K, generator=g) * 2).to(torch.bfloat16)
+    v = G.wo_a_view(x)
+    assert v.shape == (Gn, T, K) and v.stride() == (K, Gn * K, 1) and v.data_ptr() == x.data_ptr()
+    w = pow2_experts(Gn, N, K, seed=T)
+    wd = w.dequantize().numpy().astype(np.float64)
+    got = G.ref_wo_a_nvfp4(x, w)
+    assert got.shape == (T, Gn, N)
+    assert np.array_equal(got.numpy(), np.einsum("bhr,hdr->bhd", x.float().numpy().astype(np.float64), wd))
+    # NVFP4 activations with a per-(token, group) power-of-two global scale
+    gs = torch.tensor([[2.0 ** -((t + h) % 5) for h in range(Gn)] for t in range(T)], dtype=torch.float32)
+    xq = quantize_nvfp4(x.float(), gs)
+    assert xq.global_scale.shape == (T, Gn)
+    got_q = G.ref_wo_a_nvfp4(xq, w)
+    want_q = np.einsum("bhr,hdr->bhd", dequantize_nvfp4(xq).numpy().astype(np.float64), wd)
+    assert np.array_equal(got_q.numpy(), want_q)
+    vq = G.wo_a_view(xq)
+    assert vq.data.data_ptr() == xq.data.data_ptr() and vq.global_scale.shape == (Gn, T)
+    with pytest.raises(ValueError, match="groups"):
+        G.ref_wo_a_nvfp4(x, pow2_experts(Gn + 1, N, K, seed=0))
+    with pytest.raises(ValueError, match=r"\(T, G, K\)"):
+        G.wo_a_view(x[0])
