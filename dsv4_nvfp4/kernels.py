@@ -30,7 +30,7 @@ _SF_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 # Compile-time variants for A/B checks on the GPU, e.g. DSV4_NVFP4_DEFINES=NVFP4_E2M1_COMPARE,NVFP4_SOFTWARE_E4M3
 # (the comparison-form E2M1 encoder, the software E4M3 encoder); empty = the default kernels.
 _DEFINES = {d.strip(): None for d in os.environ.get("DSV4_NVFP4_DEFINES", "").split(",") if d.strip()} or None
-_DEVICE_TYPE = "cuda"         # the device the kernels run on (cpu_dryrun.py sets "cpu" and emulates the kernels)
+_DEVICE_TYPE = "cuda"         # the device the kernels run on (tests/test_runtime.py sets "cpu" to check each launch against the PTX signature)
 
 Q_CU, DQ_CU, G_CU, RN_CU = ("nvfp4_quantize.cu", "nvfp4_dequantize.cu", "nvfp4_gather.cu",
                             "nvfp4_rmsnorm_quantize.cu")
