@@ -64,6 +64,8 @@ def _tensor(t, what: str, name: str, dtypes, device=None, dim=None, contiguous=T
     return t
 
 def _out(t, what: str, name: str, shape, dtypes, device, align=16):
+    "The caller's `out=` buffer `t`, checked; or, when `t` is None, a new one of `shape` and `dtypes[0]`."
+    if t is None: return torch.empty(tuple(shape), dtype=dtypes[0], device=device)
     _tensor(t, what, name, dtypes, device=device, align=align)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{what}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
@@ -111,6 +113,12 @@ def _launch(file, name, grid, block, args):
 def _sf_shape(lead, M, kb, swizzle):
     return (rt.round_up(M, 128), rt.round_up(kb, 4)) if swizzle else (*lead, kb)
 
+def _codes_scales_out(out_data, out_scale, what, lead, M, K, swizzle, dev):
+    "The packed-code and block-scale outputs (given or new) and the scales' byte view the kernels write."
+    data = _out(out_data, what, "out_data", (*lead, K // 2), (torch.uint8,), dev)
+    sf = _out(out_scale, what, "out_scale", _sf_shape(lead, M, K // 16, swizzle), _SF_DTYPES, dev, align=4)
+    return data, sf, sf.view(torch.uint8)
+
 # %% ../nbs/03a_nvfp4_kernels.ipynb #ee5dfef5
 def quantize_nvfp4_cuda(x: torch.Tensor,           # (..., K) bf16/fp16/fp32 CUDA, contiguous, K % 16 == 0
                         global_scale=None,         # None (computed on the GPU), a float, or a CUDA fp32 tensor
@@ -135,18 +143,12 @@ def quantize_nvfp4_cuda(x: torch.Tensor,           # (..., K) bf16/fp16/fp32 CUD
     computed = global_scale is None
     if computed:
         gs_shape = lead if per_row else ()
-        gs = (_out(out_gs, what, "out_gs", gs_shape, (torch.float32,), dev, align=4) if out_gs is not None
-              else torch.empty(gs_shape, dtype=torch.float32, device=dev))
+        gs = _out(out_gs, what, "out_gs", gs_shape, (torch.float32,), dev, align=4)
         gs_stride = 1 if per_row else 0
     else:
         if out_gs is not None: raise ValueError(f"{what}: out_gs is only used when the global scale is computed")
         gs, gs_stride = _gs_arg(global_scale, what, lead, dev, per_row)
-    data = (_out(out_data, what, "out_data", (*lead, K // 2), (torch.uint8,), dev) if out_data is not None
-            else torch.empty((*lead, K // 2), dtype=torch.uint8, device=dev))
-    sf_shape = _sf_shape(lead, M, kb, swizzle)
-    sf = (_out(out_scale, what, "out_scale", sf_shape, _SF_DTYPES, dev, align=4) if out_scale is not None
-          else torch.empty(sf_shape, dtype=torch.float8_e4m3fn, device=dev))
-    sfv = sf.view(torch.uint8)
+    data, sf, sfv = _codes_scales_out(out_data, out_scale, what, lead, M, K, swizzle, dev)
     dt = _DT[x.dtype]
     with torch.cuda.device(dev):
         if M * K == 0:
@@ -232,8 +234,7 @@ def dequantize_nvfp4_cuda(t,                          # NVFP4Tensor / SwizzledNV
     g, stride = _gs_arg(gs, what, lead, dev, per_row=False)
     if dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"{what}: dtype must be torch.bfloat16 or torch.float32, got {dtype}")
-    out = (_out(out, what, "out", (*lead, K), (dtype,), dev) if out is not None
-           else torch.empty((*lead, K), dtype=dtype, device=dev))
+    out = _out(out, what, "out", (*lead, K), (dtype,), dev)
     if M * K:
         with torch.cuda.device(dev):
             _launch(DQ_CU, f"nvfp4_dequantize_{_DT[dtype]}", rt.cdiv(M * kb, _THREADS), _THREADS,
@@ -408,20 +409,13 @@ def _fused(what, kernel, x, lead, N, weight, eps, global_scale, round_to_bf16, s
     M, kb = math.prod(lead), N // 16
     if global_scale is None:
         gs_in, gs_stride = None, 0
-        gs = (_out(out_gs, what, "out_gs", lead, (torch.float32,), dev, align=4) if out_gs is not None
-              else torch.empty(lead, dtype=torch.float32, device=dev))
+        gs = _out(out_gs, what, "out_gs", lead, (torch.float32,), dev, align=4)
     else:
         if out_gs is not None: raise ValueError(f"{what}: out_gs is only used when the global scale is computed")
         gs_in, gs_stride = _gs_arg(global_scale, what, lead, dev, per_row=False)
         gs = None
-    inv = (_out(out_inv_rms, what, "out_inv_rms", lead, (torch.float32,), dev, align=4) if out_inv_rms is not None
-           else torch.empty(lead, dtype=torch.float32, device=dev))
-    data = (_out(out_data, what, "out_data", (*lead, N // 2), (torch.uint8,), dev) if out_data is not None
-            else torch.empty((*lead, N // 2), dtype=torch.uint8, device=dev))
-    sf_shape = _sf_shape(lead, M, kb, swizzle)
-    sf = (_out(out_scale, what, "out_scale", sf_shape, _SF_DTYPES, dev, align=4) if out_scale is not None
-          else torch.empty(sf_shape, dtype=torch.float8_e4m3fn, device=dev))
-    sfv = sf.view(torch.uint8)
+    inv = _out(out_inv_rms, what, "out_inv_rms", lead, (torch.float32,), dev, align=4)
+    data, sf, sfv = _codes_scales_out(out_data, out_scale, what, lead, M, N, swizzle, dev)
     grid = rt.round_up(M, 128) if swizzle else M
     # NB 16-blocks per thread: must match NVFP4_RMS_NB16 / NVFP4_MHC_NB16 (fp32: half) in nvfp4_rmsnorm_quantize.cu
     d = _DEFINES or {}
