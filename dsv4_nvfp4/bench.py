@@ -242,14 +242,24 @@ def plot_kernels(res: dict, path=None):
 
 # %% ../nbs/03b_bench.ipynb #8595ab35
 def main(argv=None) -> int:
-    "python -m dsv4_nvfp4.bench kernels [--sizes-mb ...] [--out DIR]"
+    "python -m dsv4_nvfp4.bench kernels|gemm [--sizes-mb ...] [--out DIR]"
     p = argparse.ArgumentParser(prog="python -m dsv4_nvfp4.bench")
-    p.add_argument("what", choices=["kernels"], help="which benchmark")
+    p.add_argument("what", choices=["kernels", "gemm"], help="which benchmark: the memory-bound kernels, or the grouped GEMM")
     p.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     p.add_argument("--out", type=Path, default=Path("."), help="folder for bench_kernels.{md,json,png}")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("dsv4_nvfp4.bench: no CUDA device", file=sys.stderr); return 2
+    if a.what == "gemm":  # the grouped GEMM against torch bf16 / fp8 (dsv4_nvfp4.gemm)
+        from dsv4_nvfp4.gemm import bench_gemm, gemm_table, plot_gemm
+        res = bench_gemm(log=lambda *m: print(*m, file=sys.stderr, flush=True))
+        table = gemm_table(res)
+        print(table)
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "bench_gemm.md").write_text(table + "\n")
+        (a.out / "bench_gemm.json").write_text(json.dumps(res, indent=1))
+        plot_gemm(res, a.out / "bench_gemm.png")
+        return 0
     res = bench_kernels(a.sizes_mb)
     table = kernels_table(res)
     print(table)

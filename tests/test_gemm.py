@@ -404,3 +404,99 @@ def test_wo_a_reference(T, Gn, K, N):
         G.ref_wo_a_nvfp4(x, pow2_experts(Gn + 1, N, K, seed=0))
     with pytest.raises(ValueError, match=r"\(T, G, K\)"):
         G.wo_a_view(x[0])
+
+
+# ================================================================================================================
+# The sm_90a kernel's weight layout and host-side launcher (CPU: layout model, config choice, errors, compilation)
+@pytest.mark.parametrize("E,N,K", [(1, 64, 128), (2, 128, 256), (3, 192, 384)])
+def test_sm90_slabs_decode_exactly(E, N, K):
+    # the CPU model of the kernel's bit operations recovers e2m1 * s * 2^-7 for every element; oracle: ml_dtypes
+    g = gen(E)
+    w = torch.randn(E, N, K, generator=g) * torch.rand(E, N, 1, generator=g) ** 8    # tiny rows: subnormal e4m3 scales
+    w[0, 1, :16] = 0                                                                 # a zero block (scale 0)
+    q = G.quantize_experts(w)
+    t = G.tile_weights_sm90(q.data, q.scale)
+    assert t.shape == (E * N // 64 * K // 128 * 18, 256) and t.dtype == torch.uint8
+    codes = np.stack([q.data.numpy() & 15, q.data.numpy() >> 4], -1).reshape(E, N, K).astype(np.uint8)
+    e2m1 = np.array([float(np.uint8(c).view(ml_dtypes.float4_e2m1fn)) for c in range(16)])[codes]
+    s = q.scale.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    want = e2m1 * np.repeat(s, 16, -1) * 2.0 ** -7
+    assert (s[s > 0].min() < 2.0 ** -6) and (s == 0).any()                        # the hard cases are present
+    np.testing.assert_array_equal(G.emulate_decode_sm90(t, E, N, K).numpy(), want)
+
+
+def test_sm90_scale_codes():
+    # every finite non-negative e4m3 value: (code << 4) | 0x7000 read as bf16 is s * 2^119 exactly; zero -> code 0
+    allv = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    ok = torch.isfinite(allv.float()) & (allv.float() >= 0)
+    sf = allv[ok]
+    c = G.scale_codes(sf).to(torch.int32)
+    bits = ((c << 4) | 0x7000).numpy().astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    s = sf.float().double().numpy()
+    np.testing.assert_array_equal(np.where(s > 0, bits, 0.0), s * 2.0 ** 119)
+    assert set(c[s == 0].tolist()) == {0}                 # +0 and -0
+    with pytest.raises(ValueError, match="finite"):
+        G.scale_codes(torch.tensor([-1.0]).to(torch.float8_e4m3fn))
+
+
+def test_sm90_slab_order():
+    # hand-placed: weight (row 9, col 1) of slab 0: row 9 = r1 = r0 + 8 with r0 = lane // 4 = 1, col 1 = c + 1 with
+    # c = 2 (lane % 4) = 0 -> lane 4 of warp 0, thread 4; value v3 = (r1, c+1) is pair 1's high element: nibble
+    # slot 5 of its word for K block 0 -> byte 2 (high nibble) of thread 4's first 16 bytes, at 4 * 16 + 2 = 66
+    w_fp4 = torch.zeros(1, 64, 64, dtype=torch.uint8)
+    w_fp4[0, 9, 0] = 0x70                              # element (9, 1) = code 7 (high nibble of byte 0 of row 9)
+    sf = torch.zeros(1, 64, 8).to(torch.float8_e4m3fn)
+    t = G.tile_weights_sm90(w_fp4, sf).view(-1)
+    nz = torch.nonzero(t[:4096]).flatten().tolist()
+    assert nz == [66] and t[66].item() == 0x70
+
+
+def test_pick_config(monkeypatch):
+    monkeypatch.delenv("DSV4_GEMM_CONFIG", raising=False)
+    assert G.pick_config(6, 256).tok_tile == 16           # 1 token top-6: 1 row per active expert
+    assert G.pick_config(192, 256).tok_tile == 16         # 192 rows over 192 experts at most
+    assert G.pick_config(3072, 256).tok_tile == 16        # 12 rows per expert
+    assert G.pick_config(12288, 256).tok_tile == 64       # 48
+    assert G.pick_config(49152, 256).tok_tile == 128      # 192
+    assert G.pick_config(8 * 32, 8).tok_tile == 32
+    monkeypatch.setenv("DSV4_GEMM_CONFIG", "64")
+    assert G.pick_config(6, 256).tok_tile == 64
+    monkeypatch.setenv("DSV4_GEMM_CONFIG", "48")
+    with pytest.raises(ValueError, match="one of"):
+        G.pick_config(6, 256)
+
+
+def test_smem_fits():
+    for cfg in G.CONFIGS.values():
+        assert G.smem_bytes(cfg) <= 227 * 1024, cfg
+
+
+def test_launcher_bad_input_cpu():
+    w = G.quantize_experts(torch.randn(2, 64, 128, generator=gen(3)))
+    pw = G.prepare_weights(w)
+    a = torch.randn(4, 128).to(torch.bfloat16)
+    offs = torch.tensor([2, 4], dtype=I32)
+    with pytest.raises(TypeError, match="PreparedWeights"):
+        G.grouped_gemm_nvfp4(a, w, offs)
+    with pytest.raises(TypeError, match="bf16"):
+        G.grouped_gemm_nvfp4(a.float(), pw, offs)
+    with pytest.raises(ValueError, match="K mismatch"):
+        G.grouped_gemm_nvfp4(a[:, :96].contiguous(), pw, offs)
+    with pytest.raises(ValueError, match="CUDA"):
+        G.grouped_gemm_nvfp4(a, pw, offs)
+    with pytest.raises(ValueError, match="sm_90a layout"):
+        G.grouped_gemm_nvfp4(a, G.prepare_weights(w, k_tile=64), offs)
+    with pytest.raises(TypeError, match="PreparedWeights"):
+        G.wo_a_nvfp4(a.view(4, 1, 128), w)
+    with pytest.raises(ValueError, match="k_tile = 128"):
+        G.prepare_weights(w, k_tile=64, sm90=True)
+
+
+@pytest.mark.parametrize("tok_tile", sorted(G.CONFIGS))
+def test_sm90_kernel_compiles_without_gpu(tok_tile):
+    # CuTeDSL builds the kernel for sm_90a from fake tensors (no GPU): MLIR -> PTX -> cubin
+    pytest.importorskip("cutlass")
+    cfg = G.CONFIGS[tok_tile]
+    assert G.compile_sm90(cfg) is not None
+    if tok_tile == 16:
+        assert G.compile_sm90(cfg, per_row=True, wo_a=True) is not None
