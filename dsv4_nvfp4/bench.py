@@ -252,21 +252,15 @@ def main(argv=None) -> int:
         print("dsv4_nvfp4.bench: no CUDA device", file=sys.stderr); return 2
     if a.what == "gemm":  # the grouped GEMM against torch bf16 / fp8 (dsv4_nvfp4.gemm)
         from dsv4_nvfp4.gemm import bench_gemm, gemm_table, plot_gemm
-        res = bench_gemm(log=lambda *m: print(*m, file=sys.stderr, flush=True))
-        table = gemm_table(res)
-        print(table)
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "bench_gemm.md").write_text(table + "\n")
-        (a.out / "bench_gemm.json").write_text(json.dumps(res, indent=1))
-        plot_gemm(res, a.out / "bench_gemm.png")
-        return 0
-    res = bench_kernels(a.sizes_mb)
-    table = kernels_table(res)
-    print(table)
+        res, table, plot = bench_gemm(log=lambda *m: print(*m, file=sys.stderr, flush=True)), gemm_table, plot_gemm
+    else:
+        res, table, plot = bench_kernels(a.sizes_mb), kernels_table, plot_kernels
+    text = table(res)
+    print(text)
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "bench_kernels.md").write_text(table + "\n")
-    (a.out / "bench_kernels.json").write_text(json.dumps(res, indent=1))
-    plot_kernels(res, a.out / "bench_kernels.png")
+    (a.out / f"bench_{a.what}.md").write_text(text + "\n")
+    (a.out / f"bench_{a.what}.json").write_text(json.dumps(res, indent=1))
+    plot(res, a.out / f"bench_{a.what}.png")
     return 0
 
 if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .formats import e2m1_decode, unpack_fp4
 from .layout import assemble_weight_scales
 from .quant import BLOCK, ModelOptNVFP4, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from .kernels import _out, _tensor
 
 # %% auto #0
 __all__ = ['SLAB_BYTES', 'SLAB_ROWS', 'CONFIGS', 'MAX_EXPERTS', 'GEMM_PROBLEMS', 'Routing', 'route_topk', 'random_topk',
@@ -422,13 +423,13 @@ def compile_sm90(cfg: GemmConfig, per_row: bool = False, wo_a: bool = False, arc
             fake(cutlass.Float32, (si(), si()), stride_order=(1, 0)), cutlass.Int32(1), make_fake_stream())
     return cute.compile(GroupedGemmSm90(cfg.tok_tile, cfg.wgs, cfg.stages, per_row, wo_a), *args, options=f"--gpu-arch={arch}")
 
-def _cuda_tensor(t, what, name, dtype, dev=None):
-    if not isinstance(t, torch.Tensor): raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype: raise TypeError(f"{what}: {name} must be {dtype}, got {t.dtype}")
-    if not t.is_cuda: raise ValueError(f"{what}: {name} must be on a CUDA device, got {t.device}")
-    if dev is not None and t.device != dev: raise ValueError(f"{what}: {name} is on {t.device}, expected {dev}")
-    if t.data_ptr() % 16: raise ValueError(f"{what}: {name} must be 16-byte aligned")
-    return t
+_ONES = {}
+
+def _ones(shape, dev):
+    "A cached fp32 tensor of ones on `dev` (unit global scales): no allocation per call."
+    key = (tuple(shape), dev)
+    if key not in _ONES: _ONES[key] = torch.ones(shape, dtype=torch.float32, device=dev)
+    return _ONES[key]
 
 def _activations(a, K, what, workspace):
     "(bf16 activations, gs_a fp32 tensor or None) for W4A16 (bf16) or W4A4 (NVFP4Tensor, decoded exactly to bf16)."
@@ -437,22 +438,31 @@ def _activations(a, K, what, workspace):
         dev = a.data.device
         if not a.data.is_cuda: raise ValueError(f"{what}: activations must be on a CUDA device, got {dev}")
         from dsv4_nvfp4.kernels import dequantize_nvfp4_cuda
-        one = torch.ones((), dtype=torch.float32, device=dev)
-        ab = dequantize_nvfp4_cuda(a.data, a.scale, one, out=workspace)
-        return ab, _cuda_tensor(a.global_scale, what, "the activations' global_scale", torch.float32, dev)
+        ab = dequantize_nvfp4_cuda(a.data, a.scale, _ones((), dev), out=workspace)
+        return ab, _tensor(a.global_scale, what, "the activations' global_scale", (torch.float32,), dev, align=0)
     if isinstance(a, torch.Tensor):
         if a.dtype != torch.bfloat16:
             raise TypeError(f"{what}: activations must be bf16 (W4A16) or an NVFP4Tensor (W4A4), got {a.dtype}")
         if a.shape[-1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {a.shape[-1]}, weights K = {K}")
-        return _cuda_tensor(a, what, "activations", torch.bfloat16), None
+        return _tensor(a, what, "activations", (torch.bfloat16,)), None
     raise TypeError(f"{what}: activations must be a bf16 tensor or an NVFP4Tensor, got {type(a).__name__}")
 
-def _check_weights(w, what, dev):
+def _operands(what, a, w, workspace):
+    "Checks shared by both entry points: (bf16 activations, gs_a or None) with the weights checked against them."
     if not isinstance(w, PreparedWeights): raise TypeError(f"{what}: w must be PreparedWeights (prepare_weights), got {type(w).__name__}")
     if w.w_sm90 is None: raise ValueError(f"{what}: w has no sm_90a layout (prepare_weights(..., sm90=True))")
-    _cuda_tensor(w.w_sm90, what, "w.w_sm90", torch.uint8, dev); _cuda_tensor(w.w_gs, what, "w.w_gs", torch.float32, dev)
+    ab, gs_a = _activations(a, w.k, what, workspace)
+    _tensor(w.w_sm90, what, "w.w_sm90", (torch.uint8,), ab.device); _tensor(w.w_gs, what, "w.w_gs", (torch.float32,), ab.device)
     if w.shape[0] > MAX_EXPERTS: raise ValueError(f"{what}: at most {MAX_EXPERTS} experts, got {w.shape[0]}")
     if w.k % 16: raise ValueError(f"{what}: K must be a multiple of 16 (NVFP4 blocks), got {w.k}")
+    return ab, gs_a
+
+def _gs_rows(gs_a, rows, cols, what, dev):
+    "gs_a as the kernel's 2-D (rows, cols) per-row tensor, or (1, 1); and whether it is per row."
+    if gs_a is None: return _ones((1, 1), dev), False
+    if gs_a.numel() == 1: return gs_a.reshape(1, 1), False
+    if gs_a.numel() != rows * cols: raise ValueError(f"{what}: per-row global scale must have {rows * cols} entries, got {gs_a.numel()}")
+    return gs_a.reshape(rows, cols), True
 
 def _sm100():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
@@ -468,30 +478,18 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16) or N
                       ) -> torch.Tensor:                       # bf16 (R, N)
     "C[rows of e] = gs_a gs_w[e] A[rows of e] W[e]^T, NVFP4 weights decoded in-kernel on Hopper WGMMA (sm_90a)."
     what = "grouped_gemm_nvfp4"
-    if not isinstance(w, PreparedWeights): raise TypeError(f"{what}: w must be PreparedWeights (prepare_weights), got {type(w).__name__}")
-    if w.w_sm90 is None: raise ValueError(f"{what}: w has no sm_90a layout (prepare_weights(..., sm90=True))")
-    ab, gs_a = _activations(a, w.k, what, workspace)
-    _check_weights(w, what, ab.device)
+    ab, gs_a = _operands(what, a, w, workspace)
     if ab.dim() != 2: raise ValueError(f"{what}: activations must be 2-D (rows, K), got {tuple(ab.shape)}")
-    if not ab.is_contiguous(): raise ValueError(f"{what}: activations must be contiguous (rows, K)")
     E, N, K = w.shape
     R = ab.shape[0]
-    _cuda_tensor(expert_offsets, what, "expert_offsets (int32 cumulative ends)", torch.int32, ab.device)
+    _tensor(expert_offsets, what, "expert_offsets (int32 cumulative ends)", (torch.int32,), ab.device)
     if expert_offsets.dim() != 1 or expert_offsets.numel() != E:
         raise ValueError(f"{what}: expert_offsets must be (E,) = ({E},), got {tuple(expert_offsets.shape)}")
     if check: check_offsets(expert_offsets, R, E)
-    if out is None: out = torch.empty(R, N, dtype=torch.bfloat16, device=ab.device)
-    else:
-        _cuda_tensor(out, what, "out", torch.bfloat16, ab.device)
-        if tuple(out.shape) != (R, N) or not out.is_contiguous(): raise ValueError(f"{what}: out must be contiguous ({R}, {N}), got {tuple(out.shape)}")
+    out = _out(out, what, "out", (R, N), (torch.bfloat16,), ab.device)
     if R == 0 or N == 0: return out
     if _sm100(): return _grouped_mm_sm100(a, w, expert_offsets, out)
-    per_row = gs_a is not None and gs_a.numel() > 1
-    if gs_a is None: gs_a2 = torch.ones(1, 1, dtype=torch.float32, device=ab.device)
-    elif per_row:
-        if gs_a.numel() != R: raise ValueError(f"{what}: per-row global scale must have {R} entries, got {gs_a.numel()}")
-        gs_a2 = gs_a.reshape(R, 1)
-    else: gs_a2 = gs_a.reshape(1, 1)
+    gs_a2, per_row = _gs_rows(gs_a, R, 1, what, ab.device)
     cfg = config or pick_config(R, E)
     _run_sm90(w.w_sm90, ab.unsqueeze(-1), out.unsqueeze(-1), expert_offsets, w.w_gs, gs_a2, cfg, per_row, False)
     return out
@@ -507,25 +505,16 @@ def wo_a_nvfp4(x,                   # (T, G, K): bf16, or NVFP4Tensor (gs scalar
               ) -> torch.Tensor:                       # bf16 (T, G, N)
     "The attention-output projection `out[t, g] = W[g] x[t, g]`: the grouped kernel on a strided view, no copy of x."
     what = "wo_a_nvfp4"
-    if not isinstance(w, PreparedWeights): raise TypeError(f"{what}: w must be PreparedWeights, got {type(w).__name__}")
-    if w.w_sm90 is None: raise ValueError(f"{what}: w has no sm_90a layout (prepare_weights(..., sm90=True))")
-    xb, gs_a = _activations(x, w.k, what, workspace)
-    _check_weights(w, what, xb.device)
-    if xb.dim() != 3 or not xb.is_contiguous(): raise ValueError(f"{what}: x must be contiguous (T, G, K), got {tuple(xb.shape)}")
+    xb, gs_a = _operands(what, x, w, workspace)
+    if xb.dim() != 3: raise ValueError(f"{what}: x must be (T, G, K), got {tuple(xb.shape)}")
     T, G, K = xb.shape
     E, N, _ = w.shape
     if G != E: raise ValueError(f"{what}: x has G = {G} groups but w has {E} experts")
-    if out is None: out = torch.empty(T, G, N, dtype=torch.bfloat16, device=xb.device)
-    else:
-        _cuda_tensor(out, what, "out", torch.bfloat16, xb.device)
-        if tuple(out.shape) != (T, G, N) or not out.is_contiguous(): raise ValueError(f"{what}: out must be contiguous ({T}, {G}, {N})")
+    out = _out(out, what, "out", (T, G, N), (torch.bfloat16,), xb.device)
     if T == 0 or N == 0: return out
     key = (T, G, xb.device)
     if key not in _WO_A_OFFS: _WO_A_OFFS[key] = torch.arange(1, G + 1, dtype=torch.int32, device=xb.device) * T
-    per_row = gs_a is not None and gs_a.numel() > 1
-    if gs_a is None: gs_a2 = torch.ones(1, 1, dtype=torch.float32, device=xb.device)
-    elif per_row: gs_a2 = gs_a.reshape(T, G)
-    else: gs_a2 = gs_a.reshape(1, 1)
+    gs_a2, per_row = _gs_rows(gs_a, T, G, what, xb.device)
     cfg = config or pick_config(T * G, G)
     _run_sm90(w.w_sm90, xb.permute(0, 2, 1), out.permute(0, 2, 1), _WO_A_OFFS[key], w.w_gs, gs_a2, cfg, per_row, True)
     return out

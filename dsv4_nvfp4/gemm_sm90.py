@@ -6,7 +6,6 @@
 __all__ = ['GroupedGemmSm90']
 
 # %% ../nbs/04a_gemm_sm90.ipynb #24546499
-import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -112,6 +111,18 @@ class GroupedGemmSm90:
                     go = cutlass.Boolean(False)
         return found, e_f, start, cnt, local, e0, acc
 
+    @cute.jit
+    def unit_tile(self, e, start, cnt, local, TR):
+        "(m tile, token tile, batch mode l, row base) of a unit; wo_a rows count from 0 inside group e's mode."
+        ntt = (cnt + self.tt - 1) // self.tt
+        mt = local // ntt
+        l = cutlass.Int32(0)
+        rb = start
+        if cutlass.const_expr(self.wo_a):
+            l = e
+            rb = start - e * TR
+        return mt, local - mt * ntt, l, rb
+
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,
                mC: cute.Tensor, mOff: cute.Tensor, mGw: cute.Tensor, mGa: cute.Tensor,
@@ -157,14 +168,7 @@ class GroupedGemmSm90:
                 u = bidx
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
                 while found:
-                    ntt = (cnt + tt - 1) // tt
-                    mt = local // ntt
-                    ti = local - mt * ntt
-                    l = cutlass.Int32(0)
-                    rb = start
-                    if cutlass.const_expr(self.wo_a):
-                        l = e
-                        rb = start - e * TR
+                    mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
                     gA = cute.local_tile(cute.domain_offset((rb + ti * tt, 0, 0), tA), (tt, kt_), (0, None, l))
                     tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                                      cute.group_modes(sB, 0, 2), cute.group_modes(gA, 0, 2))
@@ -201,9 +205,7 @@ class GroupedGemmSm90:
             u = bidx
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
             while found:
-                ntt = (cnt + tt - 1) // tt
-                mt = local // ntt
-                ti = local - mt * ntt
+                mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
                 for k in cutlass.range(KT, unroll=1):
                     pipe.consumer_wait(cs)
                     base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, cs.index].iterator, dtype=cutlass.Uint32),
@@ -231,13 +233,8 @@ class GroupedGemmSm90:
                     cs.advance()
                 # epilogue: C[row, n] = acc * 2^7 * gs_w[e] * gs_a
                 g = mGw[e] * cutlass.Float32(128.0)
-                row0 = start + ti * tt
-                rend = start + cnt
-                l = cutlass.Int32(0)
-                if cutlass.const_expr(self.wo_a):
-                    l = e
-                    row0 = row0 - e * TR
-                    rend = rend - e * TR
+                row0 = rb + ti * tt
+                rend = rb + cnt
                 n0 = mt * self.m_tile
                 for i in cutlass.range_constexpr(cute.size(acc_frag)):
                     m_, c_ = tCc[i]
