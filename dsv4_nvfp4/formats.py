@@ -9,8 +9,9 @@ import torch
 
 # %% auto #0
 __all__ = ['E2M1_MAX', 'E2M1_VALUES', 'E2M1_MIDPOINTS', 'E4M3_MAX', 'E4M3_VALUES', 'HALFSTEP_TABLE', 'e2m1_value_from_bits',
-           'markdown_table', 'e4m3_value_from_bits', 'e2m1_encode', 'e2m1_decode', 'rounding_decision', 'explore_e2m1',
-           'pack_fp4', 'unpack_fp4', 'ref_halfstep_table_encode']
+           'markdown_table', 'e4m3_value_from_bits', 'check_float', 'e2m1_encode_fp32', 'e2m1_encode', 'e2m1_decode',
+           'rounding_decision', 'explore_e2m1', 'pack_fp4', 'unpack_fp4', 'ref_halfstep_table_encode', 'cdiv',
+           'round_up']
 
 # %% ../nbs/00_formats.ipynb #d5018b67
 def e2m1_value_from_bits(code: int) -> float:
@@ -54,7 +55,7 @@ E4M3_VALUES = torch.tensor([e4m3_value_from_bits(b) for b in range(256)], dtype=
 # %% ../nbs/00_formats.ipynb #461fe7d9
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-def _check_float(x: torch.Tensor, what: str) -> torch.Tensor:
+def check_float(x: torch.Tensor, what: str) -> torch.Tensor:
     "Return `x` as float32, or raise a TypeError naming `what` when it is not fp32/bf16/fp16."
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
@@ -63,7 +64,7 @@ def _check_float(x: torch.Tensor, what: str) -> torch.Tensor:
                         "(float64 is rejected on purpose: cast to float32 explicitly)")
     return x.float()  # exact for bf16/fp16; a no-op for fp32
 
-def _e2m1_encode_fp32(x: torch.Tensor) -> torch.Tensor:
+def e2m1_encode_fp32(x: torch.Tensor) -> torch.Tensor:
     "E2M1 codes of a float32 tensor with no NaN (no checks: the hot path of the references)."
     mag = x.abs()
     code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
@@ -74,10 +75,10 @@ def _e2m1_encode_fp32(x: torch.Tensor) -> torch.Tensor:
 def e2m1_encode(x: torch.Tensor,  # float32, bfloat16 or float16 values, any shape
                ) -> torch.Tensor:  # uint8 codes 0..15, same shape
     "Encode `x` to E2M1 codes: round to nearest even on the exact fp32 value, saturate at +-6, keep the sign bit."
-    x = _check_float(x, "e2m1_encode")
+    x = check_float(x, "e2m1_encode")
     if torch.isnan(x).any():
         raise ValueError(f"e2m1_encode: input contains {int(torch.isnan(x).sum())} NaN value(s); E2M1 has no NaN")
-    return _e2m1_encode_fp32(x)
+    return e2m1_encode_fp32(x)
 
 # %% ../nbs/00_formats.ipynb #28bf866b
 def e2m1_decode(codes: torch.Tensor,  # uint8 codes 0..15, any shape
@@ -94,7 +95,7 @@ def e2m1_decode(codes: torch.Tensor,  # uint8 codes 0..15, any shape
 def rounding_decision(v: float) -> dict:
     "The E2M1 neighbours of `v`, its distances to them, and the code the encoder picks."
     x = torch.tensor([v], dtype=torch.float32)
-    code = int(_e2m1_encode_fp32(x)[0]); mag = abs(float(x[0]))
+    code = int(e2m1_encode_fp32(x)[0]); mag = abs(float(x[0]))
     lo = max(i for i in range(8) if E2M1_VALUES[i] <= min(mag, E2M1_MAX))
     hi = min(lo + 1, 7)
     d_lo, d_hi = mag - E2M1_VALUES[lo].item(), E2M1_VALUES[hi].item() - mag
@@ -158,7 +159,20 @@ HALFSTEP_TABLE = (0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 6, 7, 7)
 
 def ref_halfstep_table_encode(x: torch.Tensor) -> torch.Tensor:
     "The WRONG legacy E2M1 quantizer (round 2|x|, then a 13-entry table); kept only for comparison."
-    x = _check_float(x, "ref_halfstep_table_encode")
+    x = check_float(x, "ref_halfstep_table_encode")
     idx = torch.round(2 * x.abs()).clamp(max=len(HALFSTEP_TABLE) - 1).long()
     code = torch.tensor(HALFSTEP_TABLE, dtype=torch.uint8, device=x.device)[idx]
     return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+# %% ../nbs/00_formats.ipynb #30807fd5
+def cdiv(a: int,  # a count, >= 0
+         b: int,  # a piece size, >= 1
+        ) -> int:
+    "Ceiling division: how many pieces of size `b` cover `a`."
+    return -(-a // b)
+
+def round_up(a: int,  # a size, >= 0
+             b: int,  # a multiple, >= 1
+            ) -> int:
+    "`a` rounded up to a multiple of `b` (K to 16-blocks, rows to 128-row tiles, ...)."
+    return cdiv(a, b) * b

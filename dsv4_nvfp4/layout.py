@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import torch
 
+from .formats import round_up
+
 # %% auto #0
 __all__ = ['swizzled_offset', 'swizzle_scales', 'unswizzle_scales', 'assemble_activation_scales', 'assemble_weight_scales']
 
 # %% ../nbs/02_swizzle.ipynb #edd6c3e4
-def _round_up(n: int, m: int) -> int: return (n + m - 1) // m * m
-
 def swizzled_offset(r,     # row index (int or integer tensor)
                     c,     # column (block) index (int or integer tensor)
                     cols,  # number of columns of the unpadded scale matrix (K/16)
                    ):      # byte offset in the swizzled buffer (int, or int64 tensor)
     "Byte offset of scale `(r, c)` in the 32_4_4 swizzled layout of a matrix with `cols` columns."
-    tiles_per_row_block = _round_up(int(cols), 4) // 4
+    tiles_per_row_block = round_up(int(cols), 4) // 4
     tile = (r // 128) * tiles_per_row_block + c // 4
     return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
 
@@ -37,7 +37,7 @@ def swizzle_scales(sf: torch.Tensor,  # (..., rows, cols) float8_e4m3fn or uint8
     "Pad and swizzle block scales into the 32_4_4 layout (each leading index on its own)."
     _check_sf(sf, "swizzle_scales")
     *lead, rows, cols = sf.shape
-    Rp, Cp = _round_up(rows, 128), _round_up(cols, 4)
+    Rp, Cp = round_up(rows, 128), round_up(cols, 4)
     b = sf.view(torch.uint8)
     padded = b.new_zeros(*lead, Rp, Cp)
     padded[..., :rows, :cols] = b
@@ -52,9 +52,9 @@ def unswizzle_scales(sf_swz: torch.Tensor,  # (..., Rp, Cp) swizzled scales
     "Invert `swizzle_scales` and crop the padding."
     _check_sf(sf_swz, "unswizzle_scales")
     *lead, Rp, Cp = sf_swz.shape
-    if (Rp, Cp) != (_round_up(rows, 128), _round_up(cols, 4)):
+    if (Rp, Cp) != (round_up(rows, 128), round_up(cols, 4)):
         raise ValueError(f"unswizzle_scales: a ({rows}, {cols}) matrix swizzles to "
-                         f"{(_round_up(rows, 128), _round_up(cols, 4))}, got {(Rp, Cp)}")
+                         f"{(round_up(rows, 128), round_up(cols, 4))}, got {(Rp, Cp)}")
     n = len(lead)
     t = sf_swz.view(torch.uint8).reshape(*lead, Rp // 128, Cp // 4, 32, 4, 4)  # (..., rb, cb, p, q, cc)
     t = t.permute(*range(n), n + 0, n + 3, n + 2, n + 1, n + 4)               # (..., rb, q, p, cb, cc)

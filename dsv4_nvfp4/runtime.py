@@ -16,14 +16,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from .formats import cdiv, round_up  # noqa: F401 (launchers use rt.cdiv / rt.round_up)
+
 
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")  # compile-checked in CI; sm_90a is the verified target
 
 # %% auto #0
-__all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'KernelCompileError', 'KernelLaunchError', 'CudaUnavailableError', 'kernels_dir',
-           'kernel_files', 'kernel_source', 'cache_dir', 'show_cu', 'nvrtc_version', 'cuda_include_dirs',
-           'compile_options', 'cache_key', 'CompileResult', 'compile_cubin', 'compile_all', 'device_arch', 'sm_count',
-           'get_kernel', 'launch', 'ptr', 'i64', 'i32', 'u32', 'f32', 'cdiv', 'round_up']
+__all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'KERNEL_DEFINES', 'DTYPE_SUFFIX', 'KernelCompileError', 'KernelLaunchError',
+           'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir', 'show_cu',
+           'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult', 'compile_cubin',
+           'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'i64', 'i32', 'u32', 'f32',
+           'check_tensor', 'out_tensor', 'check_k16', 'launch_1d']
 
 # %% ../nbs/03_runtime.ipynb #2ee0e57b
 class KernelCompileError(RuntimeError):
@@ -445,8 +450,67 @@ def i32(v): return _I32(v)
 def u32(v): return _U32(v)
 def f32(v): return _F32(v)
 
-def cdiv(a: int, b: int) -> int: return -(-a // b)
-def round_up(a: int, b: int) -> int: return cdiv(a, b) * b
 
 
 # ----------------------------------------------------------------------------------------------------------------
+
+# %% ../nbs/03_runtime.ipynb #95df1afa
+_DEVICE_TYPE = "cuda"  # the device launchers accept (tests/test_runtime.py sets "cpu" to record launches on CPU tensors)
+
+# Compile-time variants for A/B checks on the GPU, e.g. DSV4_NVFP4_DEFINES=NVFP4_E2M1_COMPARE,NVFP4_SOFTWARE_E4M3
+# (the comparison-form E2M1 encoder, the software E4M3 encoder); empty: the default kernels.
+KERNEL_DEFINES = {d.strip(): None for d in os.environ.get("DSV4_NVFP4_DEFINES", "").split(",") if d.strip()} or None
+DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+def check_tensor(t,                       # the argument to check
+                 what: str,               # the calling op, for the message
+                 name: str,               # the argument's name, for the message
+                 dtypes=None,             # allowed dtypes (None: any)
+                 device=None,             # the torch.device it must be on (None: any CUDA device)
+                 dim=None,                # allowed rank: an int or a tuple of ints (None: any)
+                 contiguous: bool = True, # must be contiguous
+                 align: int = 16,         # required alignment of data_ptr() in bytes (0: none)
+                ) -> torch.Tensor:        # `t` itself
+    "Check one launcher argument on the host (no sync): TypeError for a non-tensor or a wrong dtype, ValueError for the rest."
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != _DEVICE_TYPE:
+        raise ValueError(f"{what}: {name} must be a CUDA tensor, got device {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{what}: {name} is on {t.device} but the input is on {device}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{what}: {name} must be {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, "
+                        f"got {t.dtype}")
+    if dim is not None and t.dim() not in ((dim,) if isinstance(dim, int) else dim):
+        raise ValueError(f"{what}: {name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{what}: {name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)}); "
+                         "call .contiguous() first")
+    if align and t.numel() and t.data_ptr() % align:
+        raise ValueError(f"{what}: {name} must be {align}-byte aligned (data_ptr % {align} = {t.data_ptr() % align}); "
+                         "a fresh tensor or .clone() is")
+    return t
+
+def out_tensor(t,                 # the caller's out= buffer, or None
+               what: str, name: str,
+               shape,             # the shape the op writes
+               dtypes,            # allowed dtypes; a new buffer gets dtypes[0]
+               device,            # the input's device
+               align: int = 16,
+              ) -> torch.Tensor:  # `t`, checked, or a new tensor
+    "The caller's `out=` buffer checked against `shape` and `dtypes` (no allocation), or a new `torch.empty` when `t` is None."
+    if t is None: return torch.empty(tuple(shape), dtype=dtypes[0], device=device)
+    check_tensor(t, what, name, dtypes, device=device, align=align)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{what}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+def check_k16(K: int, what: str, name: str = "K (the last dim)"):
+    "ValueError unless `K` is a multiple of 16 (whole NVFP4 blocks: the kernels never pad, the CPU reference does)."
+    if K % 16:
+        raise ValueError(f"{what}: {name} = {K} must be a multiple of 16 (NVFP4 blocks); zero-pad the input "
+                         "(the CPU reference ref_quantize_nvfp4 pads, the kernels do not)")
+
+def launch_1d(file: str, name: str, grid: int, block: int, args):
+    "`launch` with a 1-D grid and block on the current stream, compiled with `KERNEL_DEFINES`."
+    launch(file, name, (int(grid), 1, 1), (int(block), 1, 1), args, defines=KERNEL_DEFINES)

@@ -3,7 +3,7 @@
 // Included (by the NVRTC runtime, with kernels_cu/ on the include path) by every nvfp4_*.cu file.
 // Its bytes are part of each file's cache key, so editing it recompiles every kernel.
 //
-// Numerics (normative, DESIGN.md "Numerics"; the CPU reference is dsv4_nvfp4.quant.quantize_nvfp4):
+// Numerics (normative; derived in nbs/01_quantize.ipynb, the CPU reference is dsv4_nvfp4.quant.ref_quantize_nvfp4):
 //   gs   = amax / 2688 (fp32 division; 2688 = 6 * 448); gs == 0 -> 1; gs < 2^-110 -> 2^-110; NaN stays NaN
 //   per 16-element block with block amax `ba`:
 //   s    = e4m3_rne( min(ba / (6 * gs), 448) )      6*gs, the division: fp32 IEEE, round to nearest even
@@ -45,7 +45,7 @@ static_assert(kGsMin * 0x1p-9f >= 0x1p-126f, "GS_MIN * smallest e4m3 scale (2^-9
 __device__ __forceinline__ i64 round_up(i64 n, i64 m) { return (n + m - 1) / m * m; }
 
 // ---------------------------------------------------------------------------------------------
-// Global scale from amax (DESIGN.md; API.md global_scale_from_amax).
+// Global scale from amax (the reference: dsv4_nvfp4.quant.global_scale_from_amax).
 // NOTE: the `g < kGsMin` comparison is false for NaN, so a NaN amax gives a NaN gs (never a
 // finite value): that is how NaN input shows up in the fused amax -> gs path.
 __device__ __forceinline__ float gs_from_amax(float amax) {
@@ -69,8 +69,8 @@ __device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0
 //             that grid with ties to even k (= the even code), and k is the low bits of the sum.
 //   |v| >= 1: E2M1 is a float with 1 mantissa bit and exponent bias 1: round the fp32 mantissa to
 //             1 bit with ties to even in integer arithmetic, rebias 127 -> 1 (254 - 2 = 252), cap at 7.
-// Both are checked against the reference encoder (exhaustive bf16, 10M random fp32, +-4 ulps around
-// every midpoint; exhaustive on [0, 8] with --exhaustive) by _draft/cpu_bitcheck.py. NaN gives
+// Both are checked bit-exact against the reference encoder on the GPU by tests/test_kernels_gpu.py (ties at
+// every midpoint and one ulp around them, heavy-tailed and spread-magnitude rows, both variants). NaN gives
 // magnitude 7 (the reference rejects NaN). -DNVFP4_E2M1_COMPARE selects the comparison form instead.
 // NOTE: the quantize kernels no longer call this per element by default: encode16 below (pairs of values,
 // three magic additions + a 16x2 SIMD min, ~9 instructions per element instead of ~15) is the default;
@@ -107,7 +107,7 @@ __device__ __forceinline__ float e2m1_to_float(u32 code) {
 // ---------------------------------------------------------------------------------------------
 // E4M3 (float8_e4m3fn). Encode is only ever applied to q in [0, 448] or NaN (the caller clamps).
 #ifdef NVFP4_SOFTWARE_E4M3
-// Exact software RNE (kept for cross-checking the hardware conversion; see _draft/cpu_bitcheck.py).
+// Exact software RNE (kept for cross-checking the hardware conversion: test_kernel_variants_bit_exact).
 __device__ __forceinline__ u32 e4m3_encode(float q) {
     const u32 b = __float_as_uint(q);
     if (b > 0x7f800000u) return 0x7fu;                       // NaN
@@ -156,7 +156,7 @@ __device__ __forceinline__ i64 sf_swizzled_offset(i64 r, i64 c, i64 cp) {
 // Division of a 32-bit index by a runtime divisor d via a host-computed magic number
 // (Granlund-Montgomery): with l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1,
 // n / d = (n + umulhi(n, m)) >> l for every 32-bit n (the sum in 64 bits). The launcher passes
-// (m, l); see _draft/kernels.py::_magic. Replaces a ~70-instruction 64-bit division per thread.
+// (m, l) (dsv4_nvfp4.quantize_cuda computes them). Replaces a ~70-instruction 64-bit division per thread.
 __device__ __forceinline__ u32 fast_div(u32 n, u32 m, u32 l) {
     return (u32)(((unsigned long long)n + __umulhi(n, m)) >> l);
 }
@@ -310,7 +310,7 @@ __device__ __forceinline__ void encode16(const float (&v)[16], float r, u32& lo,
 // The constant offsets are even numbers of ulps, so ties still go to the even index = the even code;
 // on each range the valid index is <= the other two (2a >= a+2 >= a/2+4 for a >= 4, etc.), so
 // code = min(t1, t2, t3) on the low halfwords (a <= 6 keeps them < 2^16): two fp32 values share one
-// 16x2 SIMD min (VIMNMX.U16x2). Proven by _draft/cpu_bitcheck.py (exhaustive on [0, 8] with --exhaustive).
+// 16x2 SIMD min (VIMNMX.U16x2). Checked bit-exact against the reference on the GPU (tests/test_kernels_gpu.py).
 __device__ __forceinline__ u32 e2m1_mag2(float va, float vb) {
     const float aa = fminf(fabsf(va), 6.0f), ab = fminf(fabsf(vb), 6.0f);
     const u32 p1 = __byte_perm(__float_as_uint(__fadd_rn(aa, 4194304.0f)), __float_as_uint(__fadd_rn(ab, 4194304.0f)), 0x5410);

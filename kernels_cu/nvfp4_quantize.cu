@@ -32,7 +32,7 @@
 // workspace (the gs output buffer doubles as the amax accumulator), CUDA-graph capturable. It reads
 // x twice (amax, then quantize): inherent for a tensor-wide scale larger than L2.
 //
-// Signatures and launch shapes (_draft/kernels.py):
+// Signatures and launch shapes (the launcher: dsv4_nvfp4.quantize_cuda, nbs/03a_quantize_cuda.ipynb):
 //   nvfp4_fill_u32(u32* p, i64 n, u32 value)                          grid 1, block 32 (n = 1)
 //   nvfp4_amax_tensor_<dt>(const T* x, i64 n_elems, u32* amax_bits)   block 256, grid min(ceil(n*sizeof(T)/16
 //                                                                     / 1024), 8 * SMs)
@@ -53,7 +53,7 @@ using namespace nvfp4;
 constexpr int kThreads = 256;  // flat kernels: threads per CTA
 constexpr int kAmaxUnroll = 4; // amax: 16-byte loads in flight per thread per iteration
 // Fused per-row kernel: NB 16-blocks per thread (row_quantize's template argument); the launcher
-// (_draft/kernels.py, rowgs branch) uses block = max(32, round_up(ceil(K/16 / NB), 32)) with the same NB.
+// (quantize_nvfp4_cuda, per-row branch) uses block = max(32, round_up(ceil(K/16 / NB), 32)) with the same NB.
 // NB = 1 (A/B: NVFP4_ROWGS_NB1): fits 32 registers without spills: 8 CTAs of 256 threads per SM instead
 // of 6 at the compiler's 39. __maxnreg__ (CUDA 12.4+) replaces __launch_bounds__.
 // The register caps are tuned on sm_90 (H100/H200); other archs allocate differently (sm_100a would spill)

@@ -37,7 +37,7 @@ using namespace nvfp4;
 // Blocks of 16 per thread (NB, the template argument of row_quantize / row_quantize_raw). RMSNorm: NB = 4 for
 // bf16/fp16 (2 for fp32): a 4096-wide row is 2 warps, the per-row scalar work (reductions, division, sqrt,
 // gs) is paid once per 64 elements per thread instead of once per 16. The launcher
-// (_draft/kernels.py::_fused) uses block = max(32, round_up(ceil(N/16 / NB), 32)) with the same NB: keep the
+// (dsv4_nvfp4.norm._fused) uses block = max(32, round_up(ceil(N/16 / NB), 32)) with the same NB: keep the
 // two in step. A/B variants (DSV4_NVFP4_DEFINES): NVFP4_ROW_NB1 / NB2 / NB8 for RMSNorm, NVFP4_MHC_NB2 / NB4 /
 // NB8 for mHC (default NB 1 for mHC: near the copy ceiling, NB 2/4 measured slower), NVFP4_RMS_INTMAX.
 #if defined(NVFP4_ROW_NB1)

@@ -346,7 +346,7 @@ def test_unpack_bad_dtype():
 
 
 def _old_quantizer_np(x: np.ndarray) -> np.ndarray:
-    """Independent implementation of the OLD algorithm described in API.md."""
+    """Independent implementation of the OLD half-step table algorithm (nbs/00_formats.ipynb, "Why not the half-step table quantizer")."""
     table = np.array([0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 6, 7, 7], np.uint8)
     idx = np.minimum(np.rint(2.0 * np.abs(x.astype(np.float32))), 12).astype(np.int64)  # rint = RNE
     return (table[idx] | np.where(np.signbit(x), 8, 0)).astype(np.uint8)

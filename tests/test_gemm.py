@@ -13,10 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4_nvfp4 import gemm as G
+from dsv4_nvfp4 import checkpoint as CK
+from dsv4_nvfp4 import grouped_gemm as GG
+from dsv4_nvfp4 import quant as Q
+from dsv4_nvfp4 import routing as R
+from dsv4_nvfp4 import gemm_sm90 as S90
 from dsv4_nvfp4.layout import swizzle_scales
-from dsv4_nvfp4.quant import (ModelOptNVFP4, NVFP4Tensor, dequantize_nvfp4, load_modelopt_nvfp4, quantize_nvfp4,
-                              save_modelopt_nvfp4)
+from dsv4_nvfp4.checkpoint import ModelOptNVFP4, load_modelopt_nvfp4, save_modelopt_nvfp4
+from dsv4_nvfp4.quant import NVFP4Tensor, ref_dequantize_nvfp4, ref_quantize_nvfp4
 
 I32 = torch.int32
 
@@ -42,7 +46,7 @@ def np_grouped(a_deq, w_deq, sizes):
 
 def pow2_experts(E, N, K, seed):
     g = gen(seed)
-    return G.stack_experts([quantize_nvfp4(torch.randn(N, K, generator=g) * 3, 2.0 ** -(6 + e % 4))
+    return Q.stack_experts([ref_quantize_nvfp4(torch.randn(N, K, generator=g) * 3, 2.0 ** -(6 + e % 4))
                             for e in range(E)])
 
 
@@ -85,8 +89,8 @@ def test_every_e2m1_times_e4m3_product_is_a_bf16_value():
 
 @pytest.mark.parametrize("T,E,k", [(1, 4, 1), (1, 8, 6), (37, 16, 6), (200, 256, 6), (5, 3, 3)])
 def test_route_topk_matches_numpy(T, E, k):
-    ids = G.random_topk(T, E, k, generator=gen(T))
-    rt = G.route_topk(ids, E)
+    ids = R.random_topk(T, E, k, generator=gen(T))
+    rt = R.route_topk(ids, E)
     flat = ids.numpy().reshape(-1)
     perm = np.argsort(flat, kind="stable")
     assert rt.perm.tolist() == perm.tolist()
@@ -97,33 +101,33 @@ def test_route_topk_matches_numpy(T, E, k):
     assert (rt.perm[rt.inv.reshape(-1)] == torch.arange(T * k)).all()
     assert (np.diff(flat[perm]) >= 0).all()                                    # expert-major
     assert all(len(set(r)) == k for r in ids.tolist())                          # random_topk: distinct experts
-    G.check_offsets(rt.expert_offsets, T * k, E)
+    R.check_offsets(rt.expert_offsets, T * k, E)
 
 
 def test_route_topk_empty_experts_and_hand_case():
-    rt = G.route_topk(torch.tensor([[0, 3], [3, 1], [0, 1], [3, 0], [1, 3]], dtype=I32), 6)
+    rt = R.route_topk(torch.tensor([[0, 3], [3, 1], [0, 1], [3, 0], [1, 3]], dtype=I32), 6)
     assert rt.expert_offsets.tolist() == [3, 6, 6, 10, 10, 10]   # experts 2, 4, 5 empty
-    assert G.group_sizes(rt.expert_offsets).tolist() == [3, 3, 0, 4, 0, 0]
+    assert R.group_sizes(rt.expert_offsets).tolist() == [3, 3, 0, 4, 0, 0]
     assert rt.token.tolist() == [0, 2, 3, 1, 2, 4, 0, 1, 3, 4]
 
 
 def test_route_topk_bad_input():
     with pytest.raises(TypeError, match="integer"):
-        G.route_topk(torch.tensor([[0.0, 1.0]]), 4)
+        R.route_topk(torch.tensor([[0.0, 1.0]]), 4)
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
-        G.route_topk(torch.tensor([[0, 4]]), 4)
+        R.route_topk(torch.tensor([[0, 4]]), 4)
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
-        G.route_topk(torch.tensor([[-1, 2]]), 4)
+        R.route_topk(torch.tensor([[-1, 2]]), 4)
     with pytest.raises(ValueError, match=r"\(T, k\)"):
-        G.route_topk(torch.tensor([0, 1]), 4)
+        R.route_topk(torch.tensor([0, 1]), 4)
     with pytest.raises(ValueError, match="k <= num_experts"):
-        G.random_topk(3, 4, 5)
+        R.random_topk(3, 4, 5)
 
 
 def test_ref_combine_matches_loop():
     T, E, k, N = 7, 5, 2, 3
-    ids = G.random_topk(T, E, k, generator=gen(3))
-    rt = G.route_topk(ids, E)
+    ids = R.random_topk(T, E, k, generator=gen(3))
+    rt = R.route_topk(ids, E)
     c = torch.randn(T * k, N, generator=gen(4), dtype=torch.float64)
     p = torch.rand(T, k, generator=gen(5), dtype=torch.float64)
     want = np.zeros((T, N))
@@ -131,9 +135,9 @@ def test_ref_combine_matches_loop():
     for t in range(T):
         for j in range(k):
             want[t] += p[t, j].item() * c[rows[t * k + j]].numpy()
-    np.testing.assert_allclose(G.ref_combine(c, rt, p).numpy(), want, rtol=1e-15, atol=0)
+    np.testing.assert_allclose(R.ref_combine(c, rt, p).numpy(), want, rtol=1e-15, atol=0)
     with pytest.raises(ValueError, match="weights"):
-        G.ref_combine(c, rt, p[:, :1])
+        R.ref_combine(c, rt, p[:, :1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +147,7 @@ def test_ref_combine_matches_loop():
 def test_check_offsets_accepts_good_tables():
     for offs, rows in [([0], 0), ([0, 0, 5], 5), ([5, 5, 5], 5), ([1, 2, 3], 3)]:
         t = torch.tensor(offs, dtype=I32)
-        assert G.check_offsets(t, rows) is t
+        assert R.check_offsets(t, rows) is t
 
 
 @pytest.mark.parametrize("offs,rows,exc,msg", [
@@ -160,12 +164,12 @@ def test_check_offsets_accepts_good_tables():
 ])
 def test_check_offsets_bad(offs, rows, exc, msg):
     with pytest.raises(exc, match=msg):
-        G.check_offsets(offs, rows)
+        R.check_offsets(offs, rows)
 
 
 def test_check_offsets_expert_count():
     with pytest.raises(ValueError, match="one per expert"):
-        G.check_offsets(torch.tensor([1, 2], dtype=I32), 2, num_experts=3)
+        R.check_offsets(torch.tensor([1, 2], dtype=I32), 2, num_experts=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,43 +178,43 @@ def test_check_offsets_expert_count():
 
 def test_stack_experts_keeps_each_expert():
     g = gen(1)
-    ws = [quantize_nvfp4(torch.randn(20, 40, generator=g) * (10.0 ** e)) for e in range(3)]
-    st = G.stack_experts(ws)
+    ws = [ref_quantize_nvfp4(torch.randn(20, 40, generator=g) * (10.0 ** e)) for e in range(3)]
+    st = Q.stack_experts(ws)
     assert st.shape == (3, 20, 40) and st.data.shape == (3, 20, 24) and st.scale.shape == (3, 20, 3)
     assert st.global_scale.tolist() == [w.global_scale.item() for w in ws]
     for e, w in enumerate(ws):
         assert torch.equal(st.expert(e).data, w.data)
-        assert torch.equal(st.dequantize()[e], dequantize_nvfp4(w))
+        assert torch.equal(st.dequantize()[e], ref_dequantize_nvfp4(w))
     # quantize_experts = each expert quantized alone
     x = torch.randn(2, 16, 32, generator=g) * torch.tensor([1.0, 100.0])[:, None, None]
-    qe = G.quantize_experts(x)
+    qe = Q.quantize_experts(x)
     for e in range(2):
-        q = quantize_nvfp4(x[e])
+        q = ref_quantize_nvfp4(x[e])
         assert torch.equal(qe.data[e], q.data) and qe.global_scale[e] == q.global_scale
 
 
 def test_nvfp4experts_validation():
-    st = G.stack_experts([quantize_nvfp4(torch.randn(8, 32)) for _ in range(2)])
+    st = Q.stack_experts([ref_quantize_nvfp4(torch.randn(8, 32)) for _ in range(2)])
     with pytest.raises(ValueError, match="one per expert"):
-        G.NVFP4Experts(st.data, st.scale, torch.ones((), dtype=torch.float32), st.shape)
+        Q.NVFP4Experts(st.data, st.scale, torch.ones((), dtype=torch.float32), st.shape)
     with pytest.raises(ValueError, match="one per expert"):
-        G.NVFP4Experts(st.data, st.scale, torch.ones(2, 8), st.shape)
+        Q.NVFP4Experts(st.data, st.scale, torch.ones(2, 8), st.shape)
     with pytest.raises(TypeError, match="float32"):
-        G.NVFP4Experts(st.data, st.scale, torch.ones(2, dtype=torch.float64), st.shape)
+        Q.NVFP4Experts(st.data, st.scale, torch.ones(2, dtype=torch.float64), st.shape)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
-        G.NVFP4Experts(st.data, st.scale.view(torch.uint8), st.global_scale, st.shape)
+        Q.NVFP4Experts(st.data, st.scale.view(torch.uint8), st.global_scale, st.shape)
     with pytest.raises(ValueError, match="needs data"):
-        G.NVFP4Experts(st.data[..., :8], st.scale, st.global_scale, st.shape)
+        Q.NVFP4Experts(st.data[..., :8], st.scale, st.global_scale, st.shape)
     with pytest.raises(ValueError, match=r"\(E, N, K\)"):
-        G.NVFP4Experts(st.data[0], st.scale[0], st.global_scale, (8, 32))
+        Q.NVFP4Experts(st.data[0], st.scale[0], st.global_scale, (8, 32))
     with pytest.raises(ValueError, match="per-row"):
-        G.stack_experts([quantize_nvfp4(torch.randn(8, 32), per_row=True)])
+        Q.stack_experts([ref_quantize_nvfp4(torch.randn(8, 32), per_row=True)])
     with pytest.raises(ValueError, match="differ in shape"):
-        G.stack_experts([quantize_nvfp4(torch.randn(8, 32)), quantize_nvfp4(torch.randn(8, 48))])
+        Q.stack_experts([ref_quantize_nvfp4(torch.randn(8, 32)), ref_quantize_nvfp4(torch.randn(8, 48))])
     with pytest.raises(TypeError, match="not an NVFP4Tensor"):
-        G.stack_experts([torch.zeros(8, 32)])
+        Q.stack_experts([torch.zeros(8, 32)])
     with pytest.raises(ValueError, match="at least one"):
-        G.stack_experts([])
+        Q.stack_experts([])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,17 +237,17 @@ def test_ref_w4a4_exact_vs_dequantize_numpy(sizes, N, K):
     g = gen(R + K)
     w = pow2_experts(E, N, K, seed=K)
     gs_rows = torch.tensor([2.0 ** -(3 + r % 5) for r in range(R)], dtype=torch.float32)
-    a = quantize_nvfp4(torch.randn(R, K, generator=g) * 5, gs_rows)           # per-row power-of-two gs
-    got = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
+    a = ref_quantize_nvfp4(torch.randn(R, K, generator=g) * 5, gs_rows)           # per-row power-of-two gs
+    got = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
     assert got.dtype == torch.float64 and got.shape == (R, N)
-    want = np_grouped(dequantize_nvfp4(a).numpy(), w.dequantize().numpy(), sizes)
+    want = np_grouped(ref_dequantize_nvfp4(a).numpy(), w.dequantize().numpy(), sizes)
     assert np.array_equal(got.numpy(), want)
     if R:
         assert np.abs(want).max() > 0                                          # not vacuous
     # scalar activation global scale too
-    a1 = quantize_nvfp4(torch.randn(R, K, generator=g), 0.125)
-    want1 = np_grouped(dequantize_nvfp4(a1).numpy(), w.dequantize().numpy(), sizes)
-    assert np.array_equal(G.ref_grouped_gemm_nvfp4(a1, w, offsets_from_sizes(sizes)).numpy(), want1)
+    a1 = ref_quantize_nvfp4(torch.randn(R, K, generator=g), 0.125)
+    want1 = np_grouped(ref_dequantize_nvfp4(a1).numpy(), w.dequantize().numpy(), sizes)
+    assert np.array_equal(GG.ref_grouped_gemm_nvfp4(a1, w, offsets_from_sizes(sizes)).numpy(), want1)
 
 
 @pytest.mark.parametrize("sizes,N,K", CASES)
@@ -251,7 +255,7 @@ def test_ref_w4a16_exact_vs_dequantize_numpy(sizes, N, K):
     R, E = sum(sizes), len(sizes)
     w = pow2_experts(E, N, K, seed=K + 1)
     a = (torch.randn(R, K, generator=gen(K)) * 2).to(torch.bfloat16)
-    got = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
+    got = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
     want = np_grouped(a.float().numpy(), w.dequantize().numpy(), sizes)
     assert np.array_equal(got.numpy(), want)
 
@@ -263,10 +267,10 @@ def test_ref_hand_values():
         return NVFP4Tensor(torch.full((rows, K // 2), code | code << 4, dtype=torch.uint8),
                            torch.tensor(scales).expand(rows, -1).to(torch.float8_e4m3fn),
                            torch.tensor(gs, dtype=torch.float32), (rows, K))
-    w = G.stack_experts([const(3, 2, [2.0, 0.5], 0.25), const(3, 15, [1.0, 1.0], 1.0)])
+    w = Q.stack_experts([const(3, 2, [2.0, 0.5], 0.25), const(3, 15, [1.0, 1.0], 1.0)])
     a = NVFP4Tensor(const(4, 2, [1.0, 1.0], 1.0).data, const(4, 2, [1.0, 1.0], 1.0).scale,
                     torch.tensor([1.0, 2.0, 0.5, 3.0]), (4, 32))
-    c = G.ref_grouped_gemm_nvfp4(a, w, torch.tensor([1, 4], dtype=I32))
+    c = GG.ref_grouped_gemm_nvfp4(a, w, torch.tensor([1, 4], dtype=I32))
     # row 0 (expert 0): (16*2 + 16*0.5) * 0.25 * 1 = 10; rows 1-3 (expert 1): 32 * -6 * gs_a
     assert c[:, 0].tolist() == [10.0, -384.0, -96.0, -576.0]
     assert c.shape == (4, 3) and (c == c[:, :1]).all()
@@ -275,56 +279,56 @@ def test_ref_hand_values():
 def test_ref_realistic_global_scales_close_to_dequantize():
     sizes, N, K = [5, 0, 11, 3], 48, 256
     g = gen(9)
-    w = G.quantize_experts(torch.randn(4, N, K, generator=g))
-    a = quantize_nvfp4(torch.randn(sum(sizes), K, generator=g), per_row=True)
-    got = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes)).numpy()
-    want = np_grouped(dequantize_nvfp4(a).numpy(), w.dequantize().numpy(), sizes)
+    w = Q.quantize_experts(torch.randn(4, N, K, generator=g))
+    a = ref_quantize_nvfp4(torch.randn(sum(sizes), K, generator=g), per_row=True)
+    got = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes)).numpy()
+    want = np_grouped(ref_dequantize_nvfp4(a).numpy(), w.dequantize().numpy(), sizes)
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert 0 < rel < 1e-6, f"rel={rel} for sizes={sizes} N={N} K={K}"   # fp32 dequant rounding only
 
 
 def test_ref_bf16_output_is_one_rounding():
     sizes, N, K = [6, 0, 9], 32, 160
-    w = G.quantize_experts(torch.randn(3, N, K, generator=gen(2)))
+    w = Q.quantize_experts(torch.randn(3, N, K, generator=gen(2)))
     a = torch.randn(15, K, generator=gen(3)).to(torch.bfloat16)
-    f64 = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
-    b = G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.bfloat16)
+    f64 = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
+    b = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.bfloat16)
     assert b.dtype == torch.bfloat16
     assert np.array_equal(b.double().numpy(), np_bf16_rne(f64.numpy()))
     # the double-rounding case: 1 + 2^-8 + 2^-40 must round up to 1 + 2^-7
     v = torch.tensor([1 + 2.0 ** -8 + 2.0 ** -40, -(1 + 2.0 ** -8 + 2.0 ** -40), 1 + 2.0 ** -8], dtype=torch.float64)
-    assert G._f64_to_bf16(v).double().tolist() == [1 + 2.0 ** -7, -(1 + 2.0 ** -7), 1.0]
+    assert GG._f64_to_bf16(v).double().tolist() == [1 + 2.0 ** -7, -(1 + 2.0 ** -7), 1.0]
     assert np_bf16_rne(v.numpy()).tolist() == [1 + 2.0 ** -7, -(1 + 2.0 ** -7), 1.0]
     with pytest.raises(ValueError, match="out_dtype"):
-        G.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.float32)
+        GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.float32)
 
 
 def test_ref_bad_input():
     w = pow2_experts(3, 16, 64, seed=0)
     offs = torch.tensor([2, 2, 5], dtype=I32)
     a = torch.randn(5, 64).to(torch.bfloat16)
-    G.ref_grouped_gemm_nvfp4(a, w, offs)  # the good call works
+    GG.ref_grouped_gemm_nvfp4(a, w, offs)  # the good call works
     with pytest.raises(ValueError, match="K mismatch: activations have K = 48, weights K = 64"):
-        G.ref_grouped_gemm_nvfp4(a[:, :48], w, offs)
+        GG.ref_grouped_gemm_nvfp4(a[:, :48], w, offs)
     with pytest.raises(ValueError, match="K mismatch"):
-        G.ref_grouped_gemm_nvfp4(quantize_nvfp4(torch.randn(5, 80)), w, offs)
+        GG.ref_grouped_gemm_nvfp4(ref_quantize_nvfp4(torch.randn(5, 80)), w, offs)
     for dt in (torch.float32, torch.float16, torch.float64, torch.int32):
         with pytest.raises(TypeError, match="bf16"):
-            G.ref_grouped_gemm_nvfp4(a.to(dt), w, offs)
+            GG.ref_grouped_gemm_nvfp4(a.to(dt), w, offs)
     with pytest.raises(TypeError, match="NVFP4Tensor or a bf16"):
-        G.ref_grouped_gemm_nvfp4(a.float().numpy(), w, offs)
+        GG.ref_grouped_gemm_nvfp4(a.float().numpy(), w, offs)
     with pytest.raises(ValueError, match="2-D"):
-        G.ref_grouped_gemm_nvfp4(quantize_nvfp4(torch.randn(5, 1, 64)), w, offs)
+        GG.ref_grouped_gemm_nvfp4(ref_quantize_nvfp4(torch.randn(5, 1, 64)), w, offs)
     with pytest.raises(TypeError, match="NVFP4Experts"):
-        G.ref_grouped_gemm_nvfp4(a, w.expert(0), offs)
+        GG.ref_grouped_gemm_nvfp4(a, w.expert(0), offs)
     with pytest.raises(TypeError, match="int32"):
-        G.ref_grouped_gemm_nvfp4(a, w, offs.long())
+        GG.ref_grouped_gemm_nvfp4(a, w, offs.long())
     with pytest.raises(ValueError, match="non-decreasing"):
-        G.ref_grouped_gemm_nvfp4(a, w, torch.tensor([3, 2, 5], dtype=I32))
+        GG.ref_grouped_gemm_nvfp4(a, w, torch.tensor([3, 2, 5], dtype=I32))
     with pytest.raises(ValueError, match="end at the row count 5"):
-        G.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 2, 4], dtype=I32))
+        GG.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 2, 4], dtype=I32))
     with pytest.raises(ValueError, match="one per expert"):
-        G.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 5], dtype=I32))
+        GG.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 5], dtype=I32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,8 +339,8 @@ def test_ref_bad_input():
                                           (7168, 256, 7168), (48, 128, 128)])
 def test_prepare_weights_layout(K, k_tile, Kt):
     E, N = 3, 136
-    w = G.quantize_experts(torch.randn(E, N, K, generator=gen(K)))
-    p = G.prepare_weights(w, k_tile=k_tile)
+    w = Q.quantize_experts(torch.randn(E, N, K, generator=gen(K)))
+    p = GG.prepare_weights(w, k_tile=k_tile)
     Kp = -(-K // 16) * 16
     assert p.w_fp4.dtype == torch.uint8 and p.w_fp4.shape == (E, N, Kt // 2) and p.w_fp4.is_contiguous()
     assert p.w_sf.dtype == torch.float8_e4m3fn and p.w_sf.shape == (E, N, Kt // 16) and p.w_sf.is_contiguous()
@@ -354,26 +358,26 @@ def test_prepare_weights_layout(K, k_tile, Kt):
 
 
 def test_prepare_weights_inputs_and_errors(tmp_path):
-    ws = [quantize_nvfp4(torch.randn(16, 64, generator=gen(e))) for e in range(2)]
-    from_list = G.prepare_weights(ws)
-    assert torch.equal(from_list.w_fp4, G.prepare_weights(G.stack_experts(ws)).w_fp4)
+    ws = [ref_quantize_nvfp4(torch.randn(16, 64, generator=gen(e))) for e in range(2)]
+    from_list = GG.prepare_weights(ws)
+    assert torch.equal(from_list.w_fp4, GG.prepare_weights(Q.stack_experts(ws)).w_fp4)
     path = tmp_path / "m.safetensors"
     save_modelopt_nvfp4(path, {f"blk.experts.{e}.down": w for e, w in enumerate(ws)},
                         {f"blk.experts.{e}.down": 0.25 * (e + 1) for e in range(2)})
     ck = load_modelopt_nvfp4(path)
-    pm = G.prepare_weights(G.modelopt_experts(ck, "blk.experts.{e}.down", 2))
+    pm = GG.prepare_weights(CK.modelopt_experts(ck, "blk.experts.{e}.down", 2))
     assert torch.equal(pm.w_fp4, from_list.w_fp4) and torch.equal(pm.w_gs, from_list.w_gs)
     assert pm.a_gs.tolist() == [0.25, 0.5]
-    no_inp = G.prepare_weights([ModelOptNVFP4(w) for w in ws])
+    no_inp = GG.prepare_weights([ModelOptNVFP4(w) for w in ws])
     assert no_inp.a_gs is None
     with pytest.raises(KeyError, match="missing"):
-        G.modelopt_experts(ck, "blk.experts.{e}.down", 3)
+        CK.modelopt_experts(ck, "blk.experts.{e}.down", 3)
     with pytest.raises(ValueError, match=r"\{e\}"):
-        G.modelopt_experts(ck, "blk.experts.0.down", 1)
+        CK.modelopt_experts(ck, "blk.experts.0.down", 1)
     with pytest.raises(ValueError, match="multiple of 64"):
-        G.prepare_weights(ws, k_tile=96)
+        GG.prepare_weights(ws, k_tile=96)
     with pytest.raises(TypeError, match="NVFP4Experts"):
-        G.prepare_weights(torch.zeros(2, 16, 32))
+        GG.prepare_weights(torch.zeros(2, 16, 32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,26 +388,26 @@ def test_prepare_weights_inputs_and_errors(tmp_path):
 def test_wo_a_reference(T, Gn, K, N):
     g = gen(T * Gn)
     x = (torch.randn(T, Gn, K, generator=g) * 2).to(torch.bfloat16)
-    v = G.wo_a_view(x)
+    v = GG.wo_a_view(x)
     assert v.shape == (Gn, T, K) and v.stride() == (K, Gn * K, 1) and v.data_ptr() == x.data_ptr()
     w = pow2_experts(Gn, N, K, seed=T)
     wd = w.dequantize().numpy().astype(np.float64)
-    got = G.ref_wo_a_nvfp4(x, w)
+    got = GG.ref_wo_a_nvfp4(x, w)
     assert got.shape == (T, Gn, N)
     assert np.array_equal(got.numpy(), np.einsum("bhr,hdr->bhd", x.float().numpy().astype(np.float64), wd))
     # NVFP4 activations with a per-(token, group) power-of-two global scale
     gs = torch.tensor([[2.0 ** -((t + h) % 5) for h in range(Gn)] for t in range(T)], dtype=torch.float32)
-    xq = quantize_nvfp4(x.float(), gs)
+    xq = ref_quantize_nvfp4(x.float(), gs)
     assert xq.global_scale.shape == (T, Gn)
-    got_q = G.ref_wo_a_nvfp4(xq, w)
-    want_q = np.einsum("bhr,hdr->bhd", dequantize_nvfp4(xq).numpy().astype(np.float64), wd)
+    got_q = GG.ref_wo_a_nvfp4(xq, w)
+    want_q = np.einsum("bhr,hdr->bhd", ref_dequantize_nvfp4(xq).numpy().astype(np.float64), wd)
     assert np.array_equal(got_q.numpy(), want_q)
-    vq = G.wo_a_view(xq)
+    vq = GG.wo_a_view(xq)
     assert vq.data.data_ptr() == xq.data.data_ptr() and vq.global_scale.shape == (Gn, T)
     with pytest.raises(ValueError, match="groups"):
-        G.ref_wo_a_nvfp4(x, pow2_experts(Gn + 1, N, K, seed=0))
+        GG.ref_wo_a_nvfp4(x, pow2_experts(Gn + 1, N, K, seed=0))
     with pytest.raises(ValueError, match=r"\(T, G, K\)"):
-        G.wo_a_view(x[0])
+        GG.wo_a_view(x[0])
 
 
 # ================================================================================================================
@@ -414,15 +418,15 @@ def test_sm90_slabs_decode_exactly(E, N, K):
     g = gen(E)
     w = torch.randn(E, N, K, generator=g) * torch.rand(E, N, 1, generator=g) ** 8    # tiny rows: subnormal e4m3 scales
     w[0, 1, :16] = 0                                                                 # a zero block (scale 0)
-    q = G.quantize_experts(w)
-    t = G.tile_weights_sm90(q.data, q.scale)
+    q = Q.quantize_experts(w)
+    t = S90.tile_weights_sm90(q.data, q.scale)
     assert t.shape == (E * N // 64 * K // 128 * 18, 256) and t.dtype == torch.uint8
     codes = np.stack([q.data.numpy() & 15, q.data.numpy() >> 4], -1).reshape(E, N, K).astype(np.uint8)
     e2m1 = np.array([float(np.uint8(c).view(ml_dtypes.float4_e2m1fn)) for c in range(16)])[codes]
     s = q.scale.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     want = e2m1 * np.repeat(s, 16, -1) * 2.0 ** -7
     assert (s[s > 0].min() < 2.0 ** -6) and (s == 0).any()                        # the hard cases are present
-    np.testing.assert_array_equal(G.emulate_decode_sm90(t, E, N, K).numpy(), want)
+    np.testing.assert_array_equal(S90.emulate_decode_sm90(t, E, N, K).numpy(), want)
 
 
 def test_sm90_scale_codes():
@@ -430,13 +434,13 @@ def test_sm90_scale_codes():
     allv = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     ok = torch.isfinite(allv.float()) & (allv.float() >= 0)
     sf = allv[ok]
-    c = G.scale_codes(sf).to(torch.int32)
+    c = S90.scale_codes(sf).to(torch.int32)
     bits = ((c << 4) | 0x7000).numpy().astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
     s = sf.float().double().numpy()
     np.testing.assert_array_equal(np.where(s > 0, bits, 0.0), s * 2.0 ** 119)
     assert set(c[s == 0].tolist()) == {0}                 # +0 and -0
     with pytest.raises(ValueError, match="finite"):
-        G.scale_codes(torch.tensor([-1.0]).to(torch.float8_e4m3fn))
+        S90.scale_codes(torch.tensor([-1.0]).to(torch.float8_e4m3fn))
 
 
 def test_sm90_slab_order():
@@ -446,58 +450,58 @@ def test_sm90_slab_order():
     w_fp4 = torch.zeros(1, 64, 64, dtype=torch.uint8)
     w_fp4[0, 9, 0] = 0x70                              # element (9, 1) = code 7 (high nibble of byte 0 of row 9)
     sf = torch.zeros(1, 64, 8).to(torch.float8_e4m3fn)
-    t = G.tile_weights_sm90(w_fp4, sf).view(-1)
+    t = S90.tile_weights_sm90(w_fp4, sf).view(-1)
     nz = torch.nonzero(t[:4096]).flatten().tolist()
     assert nz == [66] and t[66].item() == 0x70
 
 
 def test_pick_config(monkeypatch):
     monkeypatch.delenv("DSV4_GEMM_CONFIG", raising=False)
-    assert G.pick_config(6, 256).tok_tile == 16           # 1 token top-6: 1 row per active expert
-    assert G.pick_config(192, 256).tok_tile == 16         # 192 rows over 192 experts at most
-    assert G.pick_config(3072, 256).tok_tile == 16        # 12 rows per expert
-    assert G.pick_config(12288, 256).tok_tile == 64       # 48
-    assert G.pick_config(49152, 256).tok_tile == 128      # 192
-    assert G.pick_config(8 * 32, 8).tok_tile == 32
+    assert GG.pick_config(6, 256).tok_tile == 16           # 1 token top-6: 1 row per active expert
+    assert GG.pick_config(192, 256).tok_tile == 16         # 192 rows over 192 experts at most
+    assert GG.pick_config(3072, 256).tok_tile == 16        # 12 rows per expert
+    assert GG.pick_config(12288, 256).tok_tile == 64       # 48
+    assert GG.pick_config(49152, 256).tok_tile == 128      # 192
+    assert GG.pick_config(8 * 32, 8).tok_tile == 32
     monkeypatch.setenv("DSV4_GEMM_CONFIG", "64")
-    assert G.pick_config(6, 256).tok_tile == 64
+    assert GG.pick_config(6, 256).tok_tile == 64
     monkeypatch.setenv("DSV4_GEMM_CONFIG", "48")
     with pytest.raises(ValueError, match="one of"):
-        G.pick_config(6, 256)
+        GG.pick_config(6, 256)
 
 
 def test_smem_fits():
-    for cfg in G.CONFIGS.values():
-        assert G.smem_bytes(cfg) <= 227 * 1024, cfg
+    for cfg in S90.CONFIGS.values():
+        assert S90.smem_bytes(cfg) <= 227 * 1024, cfg
 
 
 def test_launcher_bad_input_cpu():
-    w = G.quantize_experts(torch.randn(2, 64, 128, generator=gen(3)))
-    pw = G.prepare_weights(w)
+    w = Q.quantize_experts(torch.randn(2, 64, 128, generator=gen(3)))
+    pw = GG.prepare_weights(w)
     a = torch.randn(4, 128).to(torch.bfloat16)
     offs = torch.tensor([2, 4], dtype=I32)
     with pytest.raises(TypeError, match="PreparedWeights"):
-        G.grouped_gemm_nvfp4(a, w, offs)
+        GG.grouped_gemm_nvfp4(a, w, offs)
     with pytest.raises(TypeError, match="bf16"):
-        G.grouped_gemm_nvfp4(a.float(), pw, offs)
+        GG.grouped_gemm_nvfp4(a.float(), pw, offs)
     with pytest.raises(ValueError, match="K mismatch"):
-        G.grouped_gemm_nvfp4(a[:, :96].contiguous(), pw, offs)
+        GG.grouped_gemm_nvfp4(a[:, :96].contiguous(), pw, offs)
     with pytest.raises(ValueError, match="CUDA"):
-        G.grouped_gemm_nvfp4(a, pw, offs)
+        GG.grouped_gemm_nvfp4(a, pw, offs)
     with pytest.raises(ValueError, match="sm_90a layout"):
-        G.grouped_gemm_nvfp4(a, G.prepare_weights(w, k_tile=64), offs)
+        GG.grouped_gemm_nvfp4(a, GG.prepare_weights(w, k_tile=64), offs)
     with pytest.raises(TypeError, match="PreparedWeights"):
-        G.wo_a_nvfp4(a.view(4, 1, 128), w)
+        GG.wo_a_nvfp4(a.view(4, 1, 128), w)
     with pytest.raises(ValueError, match="k_tile = 128"):
-        G.prepare_weights(w, k_tile=64, sm90=True)
+        GG.prepare_weights(w, k_tile=64, sm90=True)
 
 
-@pytest.mark.parametrize("tok_tile", sorted(G.CONFIGS))
+@pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
 def test_sm90_kernel_compiles_without_gpu(tok_tile, monkeypatch):
     # CuTeDSL builds the kernel for sm_90a from fake tensors (no GPU): MLIR -> PTX -> cubin
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")       # compile_sm90 also passes --gpu-arch=sm_90a explicitly
     pytest.importorskip("cutlass")
-    cfg = G.CONFIGS[tok_tile]
-    assert G.compile_sm90(cfg) is not None
+    cfg = S90.CONFIGS[tok_tile]
+    assert S90.compile_sm90(cfg) is not None
     if tok_tile == 16:
-        assert G.compile_sm90(cfg, per_row=True, wo_a=True) is not None
+        assert S90.compile_sm90(cfg._replace(epilogue=S90.Epilogue.WO_A_ROW_GS)) is not None

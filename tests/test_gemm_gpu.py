@@ -8,9 +8,13 @@ test needs no tolerance: with one-hot activation rows the output *is* a decoded 
 import pytest
 import torch
 
-from dsv4_nvfp4 import gemm as G
+from dsv4_nvfp4 import formats as F
+from dsv4_nvfp4 import grouped_gemm as GG
+from dsv4_nvfp4 import quant as Q
+from dsv4_nvfp4 import routing as R
+from dsv4_nvfp4 import gemm_sm90 as S90
 from dsv4_nvfp4.formats import E2M1_VALUES
-from dsv4_nvfp4.quant import quantize_nvfp4
+from dsv4_nvfp4.quant import ref_quantize_nvfp4
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -56,33 +60,33 @@ def assert_close(got, want, what):
 def experts(E, N, K, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(E, N, K, generator=g) * (1 + 3 * torch.rand(E, 1, 1, generator=g))
-    we = G.quantize_experts(w)
-    return G.prepare_weights(we).to(DEV)
+    we = Q.quantize_experts(w)
+    return GG.prepare_weights(we).to(DEV)
 
 
 def routed(T, E, k, seed, empty=1):
     "Random top-k routing of T tokens with expert `empty` given no rows (its tokens go to expert 0)."
     g = torch.Generator().manual_seed(seed)
-    ids = G.random_topk(T, E, k, generator=g)
+    ids = R.random_topk(T, E, k, generator=g)
     ids[ids == empty] = 0
-    rt = G.route_topk(ids, E)
+    rt = R.route_topk(ids, E)
     return rt.expert_offsets.to(DEV), rt.perm.numel()
 
 
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tok_tile", sorted(G.CONFIGS))
+@pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
 def test_exact_decode(tok_tile):
     # every code and scale (zero blocks, e4m3 subnormal scales, all 16 codes): one-hot rows return the weights exactly
     g = torch.Generator().manual_seed(7)
     w = torch.randn(2, 128, 256, generator=g) * torch.rand(2, 128, 1, generator=g) ** 8
     w[0, 3, :48] = 0
-    we = G.quantize_experts(w)
+    we = Q.quantize_experts(w)
     we.global_scale.fill_(1.0)
-    pw = G.prepare_weights(we).to(DEV)
-    assert (we.scale.float()[we.scale.float() > 0].min() < 2 ** -6) and G.unpack_fp4(we.data).unique().numel() == 16
+    pw = GG.prepare_weights(we).to(DEV)
+    assert (we.scale.float()[we.scale.float() > 0].min() < 2 ** -6) and F.unpack_fp4(we.data).unique().numel() == 16
     a = torch.eye(256, dtype=torch.bfloat16, device=DEV).repeat(2, 1)
     offs = torch.tensor([256, 512], dtype=I32, device=DEV)
-    got = G.grouped_gemm_nvfp4(a, pw, offs, config=G.CONFIGS[tok_tile])
+    got = GG.grouped_gemm_nvfp4(a, pw, offs, config=S90.CONFIGS[tok_tile])
     want = torch.cat([wdeq(pw)[0].T, wdeq(pw)[1].T]).to(torch.bfloat16)
     assert torch.equal(got, want), f"{(got != want).sum().item()} decoded weights differ"
 
@@ -101,19 +105,19 @@ def test_grouped_gemm_shapes(K, N, mode):
         x = torch.randn(R, K, generator=torch.Generator().manual_seed(T)) * 3
         if mode == "w4a16":
             a = x.to(torch.bfloat16)
-            got = G.grouped_gemm_nvfp4(a.to(DEV), pw, offs, check=True)
+            got = GG.grouped_gemm_nvfp4(a.to(DEV), pw, offs, check=True)
             want = ref(a.to(DEV).double(), wd, offs.cpu())
         else:
-            q = quantize_nvfp4(x, per_row=mode == "w4a4_rows")
-            au = (torch.tensor(E2M1_VALUES, dtype=torch.float64)[G.unpack_fp4(q.data).long()] *
+            q = ref_quantize_nvfp4(x, per_row=mode == "w4a4_rows")
+            au = (torch.tensor(E2M1_VALUES, dtype=torch.float64)[F.unpack_fp4(q.data).long()] *
                   q.scale.double().repeat_interleave(16, -1))[:, :K].to(DEV)
             gs = q.global_scale.double().to(DEV)
-            got = G.grouped_gemm_nvfp4(q.to(DEV), pw, offs, check=True)
+            got = GG.grouped_gemm_nvfp4(q.to(DEV), pw, offs, check=True)
             want = ref(au, wd, offs.cpu()) * (gs.view(-1, 1) if gs.dim() else gs)
         assert_close(got, want, f"{mode} K={K} N={N} T={T}")
 
 
-@pytest.mark.parametrize("tok_tile", sorted(G.CONFIGS))
+@pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
 def test_every_config_and_empty_experts(tok_tile):
     E, N, K = 10, 1024, 2048
     pw = experts(E, N, K, seed=3)
@@ -121,7 +125,7 @@ def test_every_config_and_empty_experts(tok_tile):
     sizes = torch.tensor([0, 5, 0, 0, 300, 17, 0, 1, 129, 0])           # empty experts first, last and in between
     offs = torch.cumsum(sizes, 0).to(I32).to(DEV)
     a = torch.randn(int(sizes.sum()), K, device=DEV).to(torch.bfloat16)
-    got = G.grouped_gemm_nvfp4(a, pw, offs, config=G.CONFIGS[tok_tile], check=True)
+    got = GG.grouped_gemm_nvfp4(a, pw, offs, config=S90.CONFIGS[tok_tile], check=True)
     assert_close(got, ref(a.double(), wd, offs.cpu()), f"tok_tile={tok_tile}")
 
 
@@ -130,7 +134,7 @@ def test_k_padding():
     pw = experts(3, 1024, 208, seed=5)
     offs = torch.tensor([4, 4, 11], dtype=I32, device=DEV)
     a = torch.randn(11, 208, device=DEV).to(torch.bfloat16)
-    assert_close(G.grouped_gemm_nvfp4(a, pw, offs), ref(a.double(), wdeq(pw), offs.cpu()), "K=208")
+    assert_close(GG.grouped_gemm_nvfp4(a, pw, offs), ref(a.double(), wdeq(pw), offs.cpu()), "K=208")
 
 
 @pytest.mark.parametrize("T", [1, 37])
@@ -141,15 +145,15 @@ def test_wo_a_strided(T, nvfp4):
     x = torch.randn(T, G_, K, generator=torch.Generator().manual_seed(1))
     wd = wdeq(pw)
     if nvfp4:
-        q = quantize_nvfp4(x, per_row=True)                              # gs (T, G)
-        xu = (torch.tensor(E2M1_VALUES, dtype=torch.float64)[G.unpack_fp4(q.data).long()] *
+        q = ref_quantize_nvfp4(x, per_row=True)                              # gs (T, G)
+        xu = (torch.tensor(E2M1_VALUES, dtype=torch.float64)[F.unpack_fp4(q.data).long()] *
               q.scale.double().repeat_interleave(16, -1)).to(DEV)
-        got = G.wo_a_nvfp4(q.to(DEV), pw)
+        got = GG.wo_a_nvfp4(q.to(DEV), pw)
         want = torch.einsum("tgk,gnk->tgn", xu, wd) * q.global_scale.double().to(DEV)[..., None]
     else:
         xb = x.to(torch.bfloat16).to(DEV)
         ptr = xb.data_ptr()
-        got = G.wo_a_nvfp4(xb, pw)
+        got = GG.wo_a_nvfp4(xb, pw)
         assert xb.data_ptr() == ptr
         want = torch.einsum("tgk,gnk->tgn", xb.double(), wd)
     assert got.shape == (T, G_, N)
@@ -164,13 +168,13 @@ def test_graph_replay_with_new_routing():
     a = torch.randn(R, K, device=DEV).to(torch.bfloat16)
     offs = torch.zeros(E, dtype=I32, device=DEV)
     out = torch.empty(R, N, dtype=torch.bfloat16, device=DEV)
-    cfg = G.pick_config(R, E)
+    cfg = GG.pick_config(R, E)
     offs.copy_(routed(T, E, k, seed=0)[0])
-    G.grouped_gemm_nvfp4(a, pw, offs, out=out, config=cfg)
+    GG.grouped_gemm_nvfp4(a, pw, offs, out=out, config=cfg)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        G.grouped_gemm_nvfp4(a, pw, offs, out=out, config=cfg)
+        GG.grouped_gemm_nvfp4(a, pw, offs, out=out, config=cfg)
     for seed in (1, 2, 3):
         offs.copy_(routed(T, E, k, seed=seed, empty=seed)[0])
         out.fill_(float("nan"))
@@ -183,12 +187,12 @@ def test_w4a4_workspace_and_out_no_allocation():
     E, N, K = 4, 1024, 2048
     pw = experts(E, N, K, seed=2)
     offs = torch.tensor([3, 3, 9, 12], dtype=I32, device=DEV)
-    q = quantize_nvfp4(torch.randn(12, K)).to(DEV)
+    q = ref_quantize_nvfp4(torch.randn(12, K)).to(DEV)
     ws = torch.empty(12, K, dtype=torch.bfloat16, device=DEV)
     out = torch.empty(12, N, dtype=torch.bfloat16, device=DEV)
-    y = G.grouped_gemm_nvfp4(q, pw, offs, out=out, workspace=ws)
+    y = GG.grouped_gemm_nvfp4(q, pw, offs, out=out, workspace=ws)
     assert y.data_ptr() == out.data_ptr()
-    y2 = G.grouped_gemm_nvfp4(q, pw, offs)
+    y2 = GG.grouped_gemm_nvfp4(q, pw, offs)
     assert torch.equal(y, y2)
 
 
@@ -198,22 +202,22 @@ def test_bad_input_gpu():
     a = torch.randn(12, K, device=DEV).to(torch.bfloat16)
     offs = torch.tensor([3, 3, 9, 12], dtype=I32, device=DEV)
     with pytest.raises(TypeError, match="int32"):
-        G.grouped_gemm_nvfp4(a, pw, offs.long())
+        GG.grouped_gemm_nvfp4(a, pw, offs.long())
     with pytest.raises(ValueError, match=r"\(E,\)"):
-        G.grouped_gemm_nvfp4(a, pw, offs[:3])
+        GG.grouped_gemm_nvfp4(a, pw, offs[:3])
     with pytest.raises(ValueError, match="non-decreasing"):
-        G.grouped_gemm_nvfp4(a, pw, torch.tensor([3, 2, 9, 12], dtype=I32, device=DEV), check=True)
+        GG.grouped_gemm_nvfp4(a, pw, torch.tensor([3, 2, 9, 12], dtype=I32, device=DEV), check=True)
     with pytest.raises(ValueError, match="end at the row count"):
-        G.grouped_gemm_nvfp4(a, pw, torch.tensor([3, 3, 9, 11], dtype=I32, device=DEV), check=True)
+        GG.grouped_gemm_nvfp4(a, pw, torch.tensor([3, 3, 9, 11], dtype=I32, device=DEV), check=True)
     with pytest.raises(ValueError, match="K mismatch"):
-        G.grouped_gemm_nvfp4(a[:, :1024].contiguous(), pw, offs)
+        GG.grouped_gemm_nvfp4(a[:, :1024].contiguous(), pw, offs)
     with pytest.raises(ValueError, match="out must have shape"):
-        G.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(12, N + 8, dtype=torch.bfloat16, device=DEV))
+        GG.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(12, N + 8, dtype=torch.bfloat16, device=DEV))
     with pytest.raises(ValueError, match="CUDA tensor"):
-        G.grouped_gemm_nvfp4(a, G.prepare_weights(G.quantize_experts(torch.randn(E, N, K))), offs)
+        GG.grouped_gemm_nvfp4(a, GG.prepare_weights(Q.quantize_experts(torch.randn(E, N, K))), offs)
     # unchecked garbage offsets: clamped in the kernel, so it finishes and touches nothing outside the buffers
     out = torch.zeros(12 + 64, N, dtype=torch.bfloat16, device=DEV)
     bad = torch.tensor([7, 2, 1000, -5], dtype=I32, device=DEV)
-    G.grouped_gemm_nvfp4(a, pw, bad, out=out[:12])
+    GG.grouped_gemm_nvfp4(a, pw, bad, out=out[:12])
     torch.cuda.synchronize()
     assert bool((out[12:] == 0).all())

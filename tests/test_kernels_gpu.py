@@ -17,7 +17,7 @@ What is proved, and how:
   3-D input, empty input (gs = 1). NaN input gives a NaN gs (per tensor, and only in the NaN's row per row, on
   both per-row paths); Inf gives an Inf gs.
 * dequantize_nvfp4_cuda (bf16 / fp32, plain or swizzled scales), gather_dequant_nvfp4 and dequant_rows_nvfp4 are
-  bit-exact with ``dequantize_nvfp4`` of the same NVFP4 data; -1 indices and out-of-range indices give zero rows;
+  bit-exact with ``ref_dequantize_nvfp4`` of the same NVFP4 data; -1 indices and out-of-range indices give zero rows;
   in checked mode the device counter grows by exactly the number of out-of-range (not -1) indices; a strided
   destination slice is written without touching the columns around it.
 * rmsnorm_quantize_nvfp4 / mhc_rmsnorm_quantize_nvfp4 against ``ref_rmsnorm_quantize_nvfp4`` /
@@ -57,10 +57,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gpu_helpers import (GS_RTOL, INV_RMS_RTOL, MAX_DIFF_FRACTION, TOL_BF16, TOL_FP32,  # noqa: E402
                           assert_bits_equal, make_input, near_rounding_boundary, rand_rows, unpack_codes)
 
-from dsv4_nvfp4 import kernels as K  # noqa: E402
+from dsv4_nvfp4 import norm as N  # noqa: E402
+from dsv4_nvfp4 import quantize_cuda as QC  # noqa: E402
 from dsv4_nvfp4 import runtime as rt  # noqa: E402
 from dsv4_nvfp4.layout import swizzle_scales, unswizzle_scales  # noqa: E402
-from dsv4_nvfp4.quant import NVFP4Tensor, dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4  # noqa: E402
+from dsv4_nvfp4.quant import NVFP4Tensor, ref_dequantize_nvfp4, global_scale_from_amax, ref_quantize_nvfp4  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -73,7 +74,7 @@ def sync():
 
 
 # ================================================================================================================
-# quantize: bit-exact with quantize_nvfp4
+# quantize: bit-exact with ref_quantize_nvfp4
 QSHAPES = [(1, 16), (3, 48), (130, 256), (257, 4096), (64, 7168), (5, 16400)]  # 16400: K > 16384 (two-pass per row)
 QGENS = ["random", "realistic", "adversarial", "underflow"]
 QMODES = ["tensor-gs", "row-gs", "given-1", "given-rowgs"]
@@ -95,7 +96,7 @@ def quant_case(dt, M, Kd, gen, mode):
         else:  # a given per-row gs, 0.75x the computed one: forces e4m3 saturation in some blocks
             gs = (global_scale_from_amax(x.float().abs().amax(-1)) * 0.75).clamp(min=2.0 ** -110)
             per_row = False
-        ref = quantize_nvfp4(x, gs, per_row=per_row)
+        ref = ref_quantize_nvfp4(x, gs, per_row=per_row)
         _qref_cache[key] = (x, gs, per_row, ref)
     return _qref_cache[key]
 
@@ -105,9 +106,9 @@ def test_quantize_bit_exact(dt, M, Kd, gen, mode, swz):
     x, gs, per_row, ref = quant_case(dt, M, Kd, gen, mode)
     gsg = gs.to(DEV) if isinstance(gs, torch.Tensor) else gs
     xd = x.to(DEV)
-    q = K.quantize_nvfp4_cuda(xd, gsg, per_row=per_row, swizzle=swz)
+    q = QC.quantize_nvfp4_cuda(xd, gsg, per_row=per_row, swizzle=swz)
     sync()
-    assert isinstance(q, K.SwizzledNVFP4 if swz else NVFP4Tensor)
+    assert isinstance(q, QC.SwizzledNVFP4 if swz else NVFP4Tensor)
     assert tuple(q.shape) == (M, Kd)
     assert q.data.device == q.scale.device == q.global_scale.device == xd.device
     assert_bits_equal(q.data, ref.data, "packed codes")
@@ -123,7 +124,7 @@ def test_quantize_bit_exact(dt, M, Kd, gen, mode, swz):
 def test_adversarial_inputs_reach_the_edge_cases():
     "The adversarial rows really produce ties, saturated scales, zero blocks, -0 and saturated codes (gs = 1)."
     x = make_input("adversarial", 130, 256, torch.float32, 130 * 7 + 256)
-    ref = quantize_nvfp4(x, 1.0)
+    ref = ref_quantize_nvfp4(x, 1.0)
     sb = ref.scale.view(torch.uint8)
     codes = unpack_codes(ref.data)
     assert (sb == 0x7E).any(), "no block scale saturates at 448"
@@ -139,8 +140,8 @@ def test_adversarial_inputs_reach_the_edge_cases():
 @pytest.mark.parametrize("dt", DTYPES)
 def test_quantize_3d_per_row(dt):
     x = rand_rows(6, 64, DTYPES[dt], 5).reshape(2, 3, 64)
-    ref = quantize_nvfp4(x, None, per_row=True)
-    q = K.quantize_nvfp4_cuda(x.to(DEV), per_row=True)
+    ref = ref_quantize_nvfp4(x, None, per_row=True)
+    q = QC.quantize_nvfp4_cuda(x.to(DEV), per_row=True)
     sync()
     assert tuple(q.global_scale.shape) == (2, 3) and tuple(q.data.shape) == (2, 3, 32)
     assert_bits_equal(q.data, ref.data, "codes")
@@ -152,8 +153,8 @@ def test_quantize_3d_per_row(dt):
 @pytest.mark.parametrize("swz", [False, True])
 def test_quantize_empty_input(per_row, swz):
     x = torch.empty(0, 32, dtype=torch.bfloat16)
-    ref = quantize_nvfp4(x, per_row=per_row)
-    q = K.quantize_nvfp4_cuda(x.to(DEV), per_row=per_row, swizzle=swz)
+    ref = ref_quantize_nvfp4(x, per_row=per_row)
+    q = QC.quantize_nvfp4_cuda(x.to(DEV), per_row=per_row, swizzle=swz)
     sync()
     assert tuple(q.data.shape) == (0, 16)
     assert tuple(q.global_scale.shape) == tuple(ref.global_scale.shape)
@@ -165,10 +166,10 @@ def test_quantize_empty_input(per_row, swz):
 def test_nan_input_gives_nan_global_scale(dt):
     x = rand_rows(4, 64, DTYPES[dt], 1, spread=False).to(DEV)
     x[2, 17] = float("nan")
-    g = K.quantize_nvfp4_cuda(x).global_scale
-    gr = K.quantize_nvfp4_cuda(x, per_row=True).global_scale                                   # one-CTA row kernel
+    g = QC.quantize_nvfp4_cuda(x).global_scale
+    gr = QC.quantize_nvfp4_cuda(x, per_row=True).global_scale                                   # one-CTA row kernel
     long = x.repeat(1, 1100)[:, :17600].contiguous()                                           # K > 16384: 2 passes
-    gr2 = K.quantize_nvfp4_cuda(long, per_row=True).global_scale
+    gr2 = QC.quantize_nvfp4_cuda(long, per_row=True).global_scale
     sync()
     assert bool(torch.isnan(g)), f"per-tensor gs {float(g)} is not NaN"
     assert torch.isnan(gr).tolist() == [False, False, True, False], gr.tolist()
@@ -180,27 +181,27 @@ def test_nan_input_gives_nan_global_scale(dt):
 def test_inf_input_gives_inf_global_scale(dt):
     x = rand_rows(4, 64, DTYPES[dt], 1, spread=False).to(DEV)
     x[2, 17] = float("-inf")
-    g = K.quantize_nvfp4_cuda(x).global_scale
-    gr = K.quantize_nvfp4_cuda(x, per_row=True).global_scale
+    g = QC.quantize_nvfp4_cuda(x).global_scale
+    gr = QC.quantize_nvfp4_cuda(x, per_row=True).global_scale
     sync()
     assert bool(torch.isinf(g)) and float(g) > 0
     assert torch.isinf(gr).tolist() == [False, False, True, False], gr.tolist()
 
 
 # ================================================================================================================
-# dequantize / gather / dense rows: bit-exact with dequantize_nvfp4
+# dequantize / gather / dense rows: bit-exact with ref_dequantize_nvfp4
 DG_SHAPES = [(1, 16), (130, 256), (300, 512), (1000, 4096)]
 _dg_cache: dict = {}
 
 
 def dg_case(M, Kd, per_row):
-    "(reference NVFP4Tensor on CPU, the same on the GPU, dequantize_nvfp4(ref, bf16)), cached."
+    "(reference NVFP4Tensor on CPU, the same on the GPU, ref_dequantize_nvfp4(ref, bf16)), cached."
     key = (M, Kd, per_row)
     if key not in _dg_cache:
         x = (make_input("adversarial", M, Kd, torch.float32, 3) if M < 200
              else make_input("random", M, Kd, torch.float32, 3))
-        ref = quantize_nvfp4(x, None, per_row=per_row)
-        _dg_cache[key] = (ref, ref.to(DEV), dequantize_nvfp4(ref, torch.bfloat16))
+        ref = ref_quantize_nvfp4(x, None, per_row=per_row)
+        _dg_cache[key] = (ref, ref.to(DEV), ref_dequantize_nvfp4(ref, torch.bfloat16))
     return _dg_cache[key]
 
 
@@ -231,8 +232,8 @@ DG_PARAMS = [pytest.param(M, Kd, pr, id=f"{M}x{Kd}-{'rowgs' if pr else 'tensorgs
 @pytest.mark.parametrize("dt", ["bf16", "f32"])
 def test_dequantize_bit_exact(M, Kd, per_row, dt):
     ref, qg, _ = dg_case(M, Kd, per_row)
-    want = dequantize_nvfp4(ref, DTYPES[dt])
-    got = K.dequantize_nvfp4_cuda(qg, dtype=DTYPES[dt])
+    want = ref_dequantize_nvfp4(ref, DTYPES[dt])
+    got = QC.dequantize_nvfp4_cuda(qg, dtype=DTYPES[dt])
     sync()
     assert_bits_equal(got, want, f"dequantize -> {dt}")
 
@@ -241,12 +242,12 @@ def test_dequantize_bit_exact(M, Kd, per_row, dt):
 def test_dequantize_swizzled_scales(M, Kd, per_row):
     ref, qg, want = dg_case(M, Kd, per_row)
     sfz = swizzle_scales(qg.scale)
-    got = K.dequantize_nvfp4_cuda(qg.data, sfz, qg.global_scale, swizzled=True)
-    got32 = K.dequantize_nvfp4_cuda(K.SwizzledNVFP4(qg.data, sfz, qg.global_scale, torch.Size((M, Kd))),
+    got = QC.dequantize_nvfp4_cuda(qg.data, sfz, qg.global_scale, swizzled=True)
+    got32 = QC.dequantize_nvfp4_cuda(QC.SwizzledNVFP4(qg.data, sfz, qg.global_scale, torch.Size((M, Kd))),
                                     dtype=torch.float32)  # swizzled inferred from the type
     sync()
     assert_bits_equal(got, want, "dequantize (swizzled scales) -> bf16")
-    assert_bits_equal(got32, dequantize_nvfp4(ref, torch.float32), "dequantize (SwizzledNVFP4) -> f32")
+    assert_bits_equal(got32, ref_dequantize_nvfp4(ref, torch.float32), "dequantize (SwizzledNVFP4) -> f32")
 
 
 @pytest.mark.parametrize("M,Kd,per_row", DG_PARAMS)
@@ -255,7 +256,7 @@ def test_gather_checked_counts_out_of_range(M, Kd, per_row):
     idx = gather_index(M)
     want = gather_expected(idx, rows)
     cnt = torch.full((1,), 10, dtype=torch.int32, device=DEV)  # the kernel adds to it
-    got = K.gather_dequant_nvfp4(qg, idx.to(DEV), bad_count=cnt)
+    got = QC.gather_dequant_nvfp4(qg, idx.to(DEV), bad_count=cnt)
     sync()
     assert_bits_equal(got, want, "gathered rows")
     assert int(cnt) == 13, f"bad_count {int(cnt)}: want 10 + 3 out-of-range indices (-1 is padding, not counted)"
@@ -265,7 +266,7 @@ def test_gather_checked_counts_out_of_range(M, Kd, per_row):
 def test_gather_unchecked(M, Kd, per_row):
     ref, qg, rows = dg_case(M, Kd, per_row)
     idx = gather_index(M)
-    got = K.gather_dequant_nvfp4(qg, idx.to(DEV))
+    got = QC.gather_dequant_nvfp4(qg, idx.to(DEV))
     sync()
     assert_bits_equal(got, gather_expected(idx, rows), "gathered rows (unchecked)")
 
@@ -275,7 +276,7 @@ def test_gather_into_strided_slice(M, Kd, per_row):
     ref, qg, rows = dg_case(M, Kd, per_row)
     idx = gather_index(M)
     big = torch.full((len(idx), Kd + 64), 7.0, dtype=torch.bfloat16, device=DEV)
-    ret = K.gather_dequant_nvfp4(qg, idx.to(DEV), out=big[:, 32:32 + Kd])
+    ret = QC.gather_dequant_nvfp4(qg, idx.to(DEV), out=big[:, 32:32 + Kd])
     sync()
     assert ret.data_ptr() == big[:, 32:].data_ptr()
     assert_bits_equal(big[:, 32:32 + Kd].contiguous(), gather_expected(idx, rows), "gathered rows (strided out)")
@@ -286,9 +287,9 @@ def test_gather_into_strided_slice(M, Kd, per_row):
 def test_gather_swizzled_scales(M, Kd, per_row):
     ref, qg, rows = dg_case(M, Kd, per_row)
     idx = gather_index(M)
-    t = K.SwizzledNVFP4(qg.data, swizzle_scales(qg.scale), qg.global_scale, torch.Size((M, Kd)))
+    t = QC.SwizzledNVFP4(qg.data, swizzle_scales(qg.scale), qg.global_scale, torch.Size((M, Kd)))
     cnt = torch.zeros(1, dtype=torch.int32, device=DEV)
-    got = K.gather_dequant_nvfp4(t, idx.to(DEV), bad_count=cnt)
+    got = QC.gather_dequant_nvfp4(t, idx.to(DEV), bad_count=cnt)
     sync()
     assert_bits_equal(got, gather_expected(idx, rows), "gathered rows (swizzled scales)")
     assert int(cnt) == 3
@@ -298,10 +299,10 @@ def test_gather_swizzled_scales(M, Kd, per_row):
 def test_dequant_rows(M, Kd, per_row):
     ref, qg, rows = dg_case(M, Kd, per_row)
     lo, n = M // 3, M - M // 3
-    got = K.dequant_rows_nvfp4(qg, lo, n)
-    t = K.SwizzledNVFP4(qg.data, swizzle_scales(qg.scale), qg.global_scale, torch.Size((M, Kd)))
-    got_swz = K.dequant_rows_nvfp4(t, lo, n)
-    empty = K.dequant_rows_nvfp4(qg, M, 0)
+    got = QC.dequant_rows_nvfp4(qg, lo, n)
+    t = QC.SwizzledNVFP4(qg.data, swizzle_scales(qg.scale), qg.global_scale, torch.Size((M, Kd)))
+    got_swz = QC.dequant_rows_nvfp4(t, lo, n)
+    empty = QC.dequant_rows_nvfp4(qg, M, 0)
     sync()
     assert_bits_equal(got, rows[lo:lo + n], f"rows [{lo}, {lo + n})")
     assert_bits_equal(got_swz, rows[lo:lo + n], f"rows [{lo}, {lo + n}) (swizzled scales)")
@@ -322,17 +323,17 @@ def fused_inputs(fused, dt, M, N, n_hc=4, seed=None):
 def run_fused(fused, x, a, w, eps, **kw):
     "(kernel result, kernel inv_rms, ref q, ref inv_rms, ref y, ref q given the kernel's inv_rms)."
     if fused == "mhc":
-        q, inv = K.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), eps, **kw)
+        q, inv = N.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), eps, **kw)
         sync()
         kw.pop("swizzle", None)
-        refq, rinv, y = K.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, eps, **kw)
-        exq, _, _ = K.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, eps, inv_rms=inv.cpu(), **kw)
+        refq, rinv, y = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, eps, **kw)
+        exq, _, _ = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, eps, inv_rms=inv.cpu(), **kw)
     else:
-        q, inv = K.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), eps, **kw)
+        q, inv = N.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), eps, **kw)
         sync()
         kw.pop("swizzle", None)
-        refq, rinv, y = K.ref_rmsnorm_quantize_nvfp4(x, w, eps, **kw)
-        exq, _, _ = K.ref_rmsnorm_quantize_nvfp4(x, w, eps, inv_rms=inv.cpu(), **kw)
+        refq, rinv, y = N.ref_rmsnorm_quantize_nvfp4(x, w, eps, **kw)
+        exq, _, _ = N.ref_rmsnorm_quantize_nvfp4(x, w, eps, inv_rms=inv.cpu(), **kw)
     return q, inv, refq, rinv, y, exq
 
 
@@ -414,7 +415,7 @@ def test_fused_zero_rows(fused):
 def test_fused_swizzled(fused, rb):
     x, a, w = fused_inputs(fused, "bf16", 200, 1024, seed=11)
     res = run_fused(fused, x, a, w, 1e-5, round_to_bf16=rb, swizzle=True)
-    assert isinstance(res[0], K.SwizzledNVFP4)
+    assert isinstance(res[0], QC.SwizzledNVFP4)
     assert tuple(res[0].scale.shape) == (256, 64)
     check_fused(*res, round_to_bf16=rb, swizzled=True)
 
@@ -432,15 +433,15 @@ def test_fused_given_global_scale(fused, gs_kind):
         gs_cpu = 0.01
     gs_dev = gs_cpu.to(DEV) if isinstance(gs_cpu, torch.Tensor) else gs_cpu
     if fused == "mhc":
-        q, inv = K.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), 1e-5, global_scale=gs_dev)
+        q, inv = N.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), 1e-5, global_scale=gs_dev)
         sync()
-        refq, rinv, y = K.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-5, global_scale=gs_cpu)
-        exq, _, _ = K.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-5, global_scale=gs_cpu, inv_rms=inv.cpu())
+        refq, rinv, y = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-5, global_scale=gs_cpu)
+        exq, _, _ = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-5, global_scale=gs_cpu, inv_rms=inv.cpu())
     else:
-        q, inv = K.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), 1e-5, global_scale=gs_dev)
+        q, inv = N.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), 1e-5, global_scale=gs_dev)
         sync()
-        refq, rinv, y = K.ref_rmsnorm_quantize_nvfp4(x, w, 1e-5, global_scale=gs_cpu)
-        exq, _, _ = K.ref_rmsnorm_quantize_nvfp4(x, w, 1e-5, global_scale=gs_cpu, inv_rms=inv.cpu())
+        refq, rinv, y = N.ref_rmsnorm_quantize_nvfp4(x, w, 1e-5, global_scale=gs_cpu)
+        exq, _, _ = N.ref_rmsnorm_quantize_nvfp4(x, w, 1e-5, global_scale=gs_cpu, inv_rms=inv.cpu())
     if gs_kind == "per-row-tensor":
         assert tuple(q.global_scale.shape) == (M,)
     else:
@@ -473,94 +474,94 @@ def _c(*shape, dtype=torch.float32):
 
 BAD_INPUTS = [
     # name, expected exception, launcher name in the message, fn(x, q)
-    ("float64 x", TypeError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x.double())),
-    ("int x", TypeError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x.int())),
-    ("numpy x", TypeError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x.float().cpu().numpy())),
-    ("CPU x", ValueError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x.cpu())),
-    ("K % 16", ValueError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x[:, :24].contiguous())),
-    ("non-contiguous", ValueError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x.t())),
-    ("0-d", ValueError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x[0, 0])),
+    ("float64 x", TypeError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x.double())),
+    ("int x", TypeError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x.int())),
+    ("numpy x", TypeError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x.float().cpu().numpy())),
+    ("CPU x", ValueError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x.cpu())),
+    ("K % 16", ValueError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x[:, :24].contiguous())),
+    ("non-contiguous", ValueError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x.t())),
+    ("0-d", ValueError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x[0, 0])),
     ("swizzle 3-D", ValueError, "quantize_nvfp4_cuda",
-     lambda x, q: K.quantize_nvfp4_cuda(x.reshape(2, 2, 32), swizzle=True)),
-    ("gs NaN float", ValueError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x, float("nan"))),
-    ("gs inf float", ValueError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x, float("inf"))),
-    ("gs 0", ValueError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x, 0.0)),
-    ("gs CPU tensor", ValueError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x, torch.tensor(1.0))),
+     lambda x, q: QC.quantize_nvfp4_cuda(x.reshape(2, 2, 32), swizzle=True)),
+    ("gs NaN float", ValueError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x, float("nan"))),
+    ("gs inf float", ValueError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x, float("inf"))),
+    ("gs 0", ValueError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x, 0.0)),
+    ("gs CPU tensor", ValueError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x, torch.tensor(1.0))),
     ("gs float64", TypeError, "quantize_nvfp4_cuda",
-     lambda x, q: K.quantize_nvfp4_cuda(x, torch.tensor(1.0, dtype=torch.float64, device=DEV))),
-    ("gs wrong shape", ValueError, "quantize_nvfp4_cuda", lambda x, q: K.quantize_nvfp4_cuda(x, _c(3) + 1)),
+     lambda x, q: QC.quantize_nvfp4_cuda(x, torch.tensor(1.0, dtype=torch.float64, device=DEV))),
+    ("gs wrong shape", ValueError, "quantize_nvfp4_cuda", lambda x, q: QC.quantize_nvfp4_cuda(x, _c(3) + 1)),
     ("per_row with scalar gs", ValueError, "quantize_nvfp4_cuda",
-     lambda x, q: K.quantize_nvfp4_cuda(x, 1.0, per_row=True)),
+     lambda x, q: QC.quantize_nvfp4_cuda(x, 1.0, per_row=True)),
     ("out_gs with a given gs", ValueError, "quantize_nvfp4_cuda",
-     lambda x, q: K.quantize_nvfp4_cuda(x, 1.0, out_gs=_c())),
+     lambda x, q: QC.quantize_nvfp4_cuda(x, 1.0, out_gs=_c())),
     ("out_data shape", ValueError, "quantize_nvfp4_cuda",
-     lambda x, q: K.quantize_nvfp4_cuda(x, out_data=_c(4, 15, dtype=torch.uint8))),
+     lambda x, q: QC.quantize_nvfp4_cuda(x, out_data=_c(4, 15, dtype=torch.uint8))),
     ("out_data dtype", TypeError, "quantize_nvfp4_cuda",
-     lambda x, q: K.quantize_nvfp4_cuda(x, out_data=_c(4, 16, dtype=torch.int8))),
+     lambda x, q: QC.quantize_nvfp4_cuda(x, out_data=_c(4, 16, dtype=torch.int8))),
     ("out_scale shape (swz)", ValueError, "quantize_nvfp4_cuda",
-     lambda x, q: K.quantize_nvfp4_cuda(x, swizzle=True, out_scale=_c(4, 2, dtype=torch.uint8))),
+     lambda x, q: QC.quantize_nvfp4_cuda(x, swizzle=True, out_scale=_c(4, 2, dtype=torch.uint8))),
     ("misaligned x", ValueError, "quantize_nvfp4_cuda",
-     lambda x, q: K.quantize_nvfp4_cuda(x.reshape(-1)[1:113].reshape(7, 16))),
+     lambda x, q: QC.quantize_nvfp4_cuda(x.reshape(-1)[1:113].reshape(7, 16))),
     ("dequant data int8", TypeError, "dequantize_nvfp4_cuda",
-     lambda x, q: K.dequantize_nvfp4_cuda(q.data.view(torch.int8), q.scale, q.global_scale)),
-    ("dequant missing scale", TypeError, "dequantize_nvfp4_cuda", lambda x, q: K.dequantize_nvfp4_cuda(q.data)),
+     lambda x, q: QC.dequantize_nvfp4_cuda(q.data.view(torch.int8), q.scale, q.global_scale)),
+    ("dequant missing scale", TypeError, "dequantize_nvfp4_cuda", lambda x, q: QC.dequantize_nvfp4_cuda(q.data)),
     ("dequant swizzled scale shape", ValueError, "dequantize_nvfp4_cuda",
-     lambda x, q: K.dequantize_nvfp4_cuda(q.data, q.scale, q.global_scale, swizzled=True)),
+     lambda x, q: QC.dequantize_nvfp4_cuda(q.data, q.scale, q.global_scale, swizzled=True)),
     ("dequant dtype fp16", TypeError, "dequantize_nvfp4_cuda",
-     lambda x, q: K.dequantize_nvfp4_cuda(q, dtype=torch.float16)),
+     lambda x, q: QC.dequantize_nvfp4_cuda(q, dtype=torch.float16)),
     ("dequant out shape", ValueError, "dequantize_nvfp4_cuda",
-     lambda x, q: K.dequantize_nvfp4_cuda(q, out=_c(4, 48, dtype=torch.bfloat16))),
+     lambda x, q: QC.dequantize_nvfp4_cuda(q, out=_c(4, 48, dtype=torch.bfloat16))),
     ("index int64", TypeError, "gather_dequant_nvfp4",
-     lambda x, q: K.gather_dequant_nvfp4(q, _c(3, dtype=torch.int64))),
+     lambda x, q: QC.gather_dequant_nvfp4(q, _c(3, dtype=torch.int64))),
     ("index CPU", ValueError, "gather_dequant_nvfp4",
-     lambda x, q: K.gather_dequant_nvfp4(q, torch.zeros(3, dtype=torch.int32))),
+     lambda x, q: QC.gather_dequant_nvfp4(q, torch.zeros(3, dtype=torch.int32))),
     ("index 2-D", ValueError, "gather_dequant_nvfp4",
-     lambda x, q: K.gather_dequant_nvfp4(q, _c(3, 1, dtype=torch.int32))),
+     lambda x, q: QC.gather_dequant_nvfp4(q, _c(3, 1, dtype=torch.int32))),
     ("index non-contiguous", ValueError, "gather_dequant_nvfp4",
-     lambda x, q: K.gather_dequant_nvfp4(q, _c(6, dtype=torch.int32)[::2])),
+     lambda x, q: QC.gather_dequant_nvfp4(q, _c(6, dtype=torch.int32)[::2])),
     ("bad_count int64", TypeError, "gather_dequant_nvfp4",
-     lambda x, q: K.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), bad_count=_c(1, dtype=torch.int64))),
+     lambda x, q: QC.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), bad_count=_c(1, dtype=torch.int64))),
     ("bad_count empty", ValueError, "gather_dequant_nvfp4",
-     lambda x, q: K.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), bad_count=_c(0, dtype=torch.int32))),
+     lambda x, q: QC.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), bad_count=_c(0, dtype=torch.int32))),
     ("gather out dtype", TypeError, "gather_dequant_nvfp4",
-     lambda x, q: K.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), out=_c(3, 32))),
+     lambda x, q: QC.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), out=_c(3, 32))),
     ("gather out shape", ValueError, "gather_dequant_nvfp4",
-     lambda x, q: K.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), out=_c(3, 48, dtype=torch.bfloat16))),
+     lambda x, q: QC.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), out=_c(3, 48, dtype=torch.bfloat16))),
     ("gather out row stride % 8", ValueError, "gather_dequant_nvfp4",
-     lambda x, q: K.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), out=_c(3, 36, dtype=torch.bfloat16)[:, :32])),
-    ("dense rows out of range", ValueError, "dequant_rows_nvfp4", lambda x, q: K.dequant_rows_nvfp4(q, 2, 3)),
-    ("dense rows negative start", ValueError, "dequant_rows_nvfp4", lambda x, q: K.dequant_rows_nvfp4(q, -1, 2)),
+     lambda x, q: QC.gather_dequant_nvfp4(q, _c(3, dtype=torch.int32), out=_c(3, 36, dtype=torch.bfloat16)[:, :32])),
+    ("dense rows out of range", ValueError, "dequant_rows_nvfp4", lambda x, q: QC.dequant_rows_nvfp4(q, 2, 3)),
+    ("dense rows negative start", ValueError, "dequant_rows_nvfp4", lambda x, q: QC.dequant_rows_nvfp4(q, -1, 2)),
     ("rmsnorm weight dtype", TypeError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: K.rmsnorm_quantize_nvfp4(x, _c(32, dtype=torch.bfloat16) + 1)),
+     lambda x, q: N.rmsnorm_quantize_nvfp4(x, _c(32, dtype=torch.bfloat16) + 1)),
     ("rmsnorm weight shape", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: K.rmsnorm_quantize_nvfp4(x, _c(48) + 1)),
+     lambda x, q: N.rmsnorm_quantize_nvfp4(x, _c(48) + 1)),
     ("rmsnorm weight CPU", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: K.rmsnorm_quantize_nvfp4(x, torch.ones(32))),
+     lambda x, q: N.rmsnorm_quantize_nvfp4(x, torch.ones(32))),
     ("rmsnorm eps negative", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: K.rmsnorm_quantize_nvfp4(x, _c(32) + 1, -1e-6)),
+     lambda x, q: N.rmsnorm_quantize_nvfp4(x, _c(32) + 1, -1e-6)),
     ("rmsnorm eps NaN", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: K.rmsnorm_quantize_nvfp4(x, _c(32) + 1, float("nan"))),
+     lambda x, q: N.rmsnorm_quantize_nvfp4(x, _c(32) + 1, float("nan"))),
     ("rmsnorm N % 16", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: K.rmsnorm_quantize_nvfp4(x[:, :24].contiguous(), _c(24) + 1)),
+     lambda x, q: N.rmsnorm_quantize_nvfp4(x[:, :24].contiguous(), _c(24) + 1)),
     ("rmsnorm N too large", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: K.rmsnorm_quantize_nvfp4(_c(1, 16400), _c(16400) + 1)),
+     lambda x, q: N.rmsnorm_quantize_nvfp4(_c(1, 16400), _c(16400) + 1)),
     ("rmsnorm swizzle 3-D", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: K.rmsnorm_quantize_nvfp4(x.reshape(2, 2, 32), _c(32) + 1, swizzle=True)),
+     lambda x, q: N.rmsnorm_quantize_nvfp4(x.reshape(2, 2, 32), _c(32) + 1, swizzle=True)),
     ("mhc x 2-D", ValueError, "mhc_rmsnorm_quantize_nvfp4",
-     lambda x, q: K.mhc_rmsnorm_quantize_nvfp4(_c(2, 32), _c(2, 1), _c(32) + 1)),
+     lambda x, q: N.mhc_rmsnorm_quantize_nvfp4(_c(2, 32), _c(2, 1), _c(32) + 1)),
     ("mhc n_hc 5", ValueError, "mhc_rmsnorm_quantize_nvfp4",
-     lambda x, q: K.mhc_rmsnorm_quantize_nvfp4(_c(2, 5, 32), _c(2, 5), _c(32) + 1)),
+     lambda x, q: N.mhc_rmsnorm_quantize_nvfp4(_c(2, 5, 32), _c(2, 5), _c(32) + 1)),
     ("mhc a shape", ValueError, "mhc_rmsnorm_quantize_nvfp4",
-     lambda x, q: K.mhc_rmsnorm_quantize_nvfp4(_c(2, 4, 32), _c(2, 3), _c(32) + 1)),
+     lambda x, q: N.mhc_rmsnorm_quantize_nvfp4(_c(2, 4, 32), _c(2, 3), _c(32) + 1)),
     ("mhc a dtype", TypeError, "mhc_rmsnorm_quantize_nvfp4",
-     lambda x, q: K.mhc_rmsnorm_quantize_nvfp4(_c(2, 4, 32), _c(2, 4, dtype=torch.bfloat16), _c(32) + 1)),
+     lambda x, q: N.mhc_rmsnorm_quantize_nvfp4(_c(2, 4, 32), _c(2, 4, dtype=torch.bfloat16), _c(32) + 1)),
 ]
 
 
 @pytest.mark.parametrize("name,exc,what,fn", [pytest.param(*c, id=c[0]) for c in BAD_INPUTS])
 def test_bad_input_raises_before_launch(monkeypatch, name, exc, what, fn):
     x = torch.randn(4, 32, device=DEV, dtype=torch.bfloat16)
-    q = K.quantize_nvfp4_cuda(x)
+    q = QC.quantize_nvfp4_cuda(x)
     sync()
     launches = []
     real_launch = rt.launch
@@ -577,7 +578,7 @@ def test_launch_spy_sees_launches(monkeypatch):
     launches = []
     real_launch = rt.launch
     monkeypatch.setattr(rt, "launch", lambda *a, **k: (launches.append(a[:2]), real_launch(*a, **k))[1])
-    K.quantize_nvfp4_cuda(torch.randn(4, 32, device=DEV, dtype=torch.bfloat16), 1.0)
+    QC.quantize_nvfp4_cuda(torch.randn(4, 32, device=DEV, dtype=torch.bfloat16), 1.0)
     sync()
     assert launches and all(f.endswith(".cu") for f, _ in launches), launches
 
@@ -594,11 +595,11 @@ def _garbage(*shape, dtype):
 def test_quantize_out_buffers(swz, sf_dtype):
     M, Kd = 130, 256
     x = rand_rows(M, Kd, torch.bfloat16, 21)
-    ref = quantize_nvfp4(x)
+    ref = ref_quantize_nvfp4(x)
     od = _garbage(M, Kd // 2, dtype=torch.uint8)
     osf = _garbage(*((256, 16) if swz else (M, Kd // 16)), dtype=sf_dtype)
     og = torch.full((), float("nan"), device=DEV)
-    q = K.quantize_nvfp4_cuda(x.to(DEV), swizzle=swz, out_data=od, out_scale=osf, out_gs=og)
+    q = QC.quantize_nvfp4_cuda(x.to(DEV), swizzle=swz, out_data=od, out_scale=osf, out_gs=og)
     sync()
     assert q.data.data_ptr() == od.data_ptr() and q.scale.data_ptr() == osf.data_ptr()
     assert q.global_scale.data_ptr() == og.data_ptr()
@@ -611,10 +612,10 @@ def test_quantize_out_buffers(swz, sf_dtype):
 def test_quantize_out_buffers_per_row():
     M, Kd = 64, 512
     x = rand_rows(M, Kd, torch.float32, 22)
-    ref = quantize_nvfp4(x, per_row=True)
+    ref = ref_quantize_nvfp4(x, per_row=True)
     od, osf = _garbage(M, Kd // 2, dtype=torch.uint8), _garbage(M, Kd // 16, dtype=torch.float8_e4m3fn)
     og = torch.full((M,), float("nan"), device=DEV)
-    q = K.quantize_nvfp4_cuda(x.to(DEV), per_row=True, out_data=od, out_scale=osf, out_gs=og)
+    q = QC.quantize_nvfp4_cuda(x.to(DEV), per_row=True, out_data=od, out_scale=osf, out_gs=og)
     sync()
     assert q.global_scale.data_ptr() == og.data_ptr()
     assert_bits_equal(od, ref.data, "out_data")
@@ -626,10 +627,10 @@ def test_quantize_out_buffers_per_row():
 def test_dequantize_out_buffer(dt):
     ref, qg, _ = dg_case(130, 256, False)
     out = torch.full((130, 256), float("nan"), dtype=DTYPES[dt], device=DEV)
-    ret = K.dequantize_nvfp4_cuda(qg, dtype=DTYPES[dt], out=out)
+    ret = QC.dequantize_nvfp4_cuda(qg, dtype=DTYPES[dt], out=out)
     sync()
     assert ret.data_ptr() == out.data_ptr()
-    assert_bits_equal(out, dequantize_nvfp4(ref, DTYPES[dt]), "dequantize out=")
+    assert_bits_equal(out, ref_dequantize_nvfp4(ref, DTYPES[dt]), "dequantize out=")
 
 
 @pytest.mark.parametrize("fused", ["rmsnorm", "mhc"])
@@ -642,15 +643,15 @@ def test_fused_out_buffers(fused, swz):
     og, oinv = torch.full((M,), float("nan"), device=DEV), torch.full((M,), float("nan"), device=DEV)
     outs = dict(out_data=od, out_scale=osf, out_gs=og, out_inv_rms=oinv, swizzle=swz)
     if fused == "mhc":
-        q, inv = K.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), 1e-6, **outs)
+        q, inv = N.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), 1e-6, **outs)
         sync()
-        refq, rinv, y = K.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-6)
-        exq, _, _ = K.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-6, inv_rms=oinv.cpu())
+        refq, rinv, y = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-6)
+        exq, _, _ = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-6, inv_rms=oinv.cpu())
     else:
-        q, inv = K.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), 1e-6, **outs)
+        q, inv = N.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), 1e-6, **outs)
         sync()
-        refq, rinv, y = K.ref_rmsnorm_quantize_nvfp4(x, w, 1e-6)
-        exq, _, _ = K.ref_rmsnorm_quantize_nvfp4(x, w, 1e-6, inv_rms=oinv.cpu())
+        refq, rinv, y = N.ref_rmsnorm_quantize_nvfp4(x, w, 1e-6)
+        exq, _, _ = N.ref_rmsnorm_quantize_nvfp4(x, w, 1e-6, inv_rms=oinv.cpu())
     assert inv.data_ptr() == oinv.data_ptr() and q.data.data_ptr() == od.data_ptr()
     assert q.scale.data_ptr() == osf.data_ptr() and q.global_scale.data_ptr() == og.data_ptr()
     check_fused(q, inv, refq, rinv, y, exq, round_to_bf16=False, swizzled=swz)
@@ -660,17 +661,17 @@ def test_fused_out_buffers(fused, swz):
 # Streams and CUDA graphs
 def test_side_stream():
     x = rand_rows(257, 1024, torch.bfloat16, 31)
-    ref = quantize_nvfp4(x, per_row=True)
+    ref = ref_quantize_nvfp4(x, per_row=True)
     s = torch.cuda.Stream()
     xd = x.to(DEV)
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        q = K.quantize_nvfp4_cuda(xd, per_row=True)
-        deq = K.dequantize_nvfp4_cuda(q)
+        q = QC.quantize_nvfp4_cuda(xd, per_row=True)
+        deq = QC.dequantize_nvfp4_cuda(q)
     s.synchronize()
     assert_bits_equal(q.data, ref.data, "codes (side stream)")
     assert_bits_equal(q.global_scale, ref.global_scale, "gs (side stream)")
-    assert_bits_equal(deq, dequantize_nvfp4(ref, torch.bfloat16), "dequantize (side stream)")
+    assert_bits_equal(deq, ref_dequantize_nvfp4(ref, torch.bfloat16), "dequantize (side stream)")
 
 
 def test_cuda_graph_capture_and_replay_on_new_data():
@@ -687,13 +688,13 @@ def test_cuda_graph_capture_and_replay_on_new_data():
     rd = torch.empty(M, N // 2, dtype=torch.uint8, device=DEV)
     rsf = torch.empty(M, N // 16, dtype=torch.float8_e4m3fn, device=DEV)
     rgs, rinv = torch.empty(M, device=DEV), torch.empty(M, device=DEV)
-    q0 = K.quantize_nvfp4_cuda(x)  # static NVFP4 input of dequantize / gather
+    q0 = QC.quantize_nvfp4_cuda(x)  # static NVFP4 input of dequantize / gather
 
     def body():
-        K.quantize_nvfp4_cuda(x, swizzle=True, out_data=d, out_scale=sfs, out_gs=gs)
-        K.dequantize_nvfp4_cuda(q0, out=deq)
-        K.gather_dequant_nvfp4(q0, idx, out=gat)
-        K.rmsnorm_quantize_nvfp4(x, w, 1e-6, out_data=rd, out_scale=rsf, out_gs=rgs, out_inv_rms=rinv)
+        QC.quantize_nvfp4_cuda(x, swizzle=True, out_data=d, out_scale=sfs, out_gs=gs)
+        QC.dequantize_nvfp4_cuda(q0, out=deq)
+        QC.gather_dequant_nvfp4(q0, idx, out=gat)
+        N.rmsnorm_quantize_nvfp4(x, w, 1e-6, out_data=rd, out_scale=rsf, out_gs=rgs, out_inv_rms=rinv)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -708,7 +709,7 @@ def test_cuda_graph_capture_and_replay_on_new_data():
     w_cpu = w.cpu()
     for it in range(3):
         x.copy_(torch.randn(M, N, device=DEV, dtype=torch.bfloat16) * (10.0 ** (it - 1)))
-        nq = K.quantize_nvfp4_cuda(x)
+        nq = QC.quantize_nvfp4_cuda(x)
         q0.data.copy_(nq.data); q0.scale.copy_(nq.scale); q0.global_scale.copy_(nq.global_scale)
         idx.copy_(torch.randint(-1, M, (T,), device=DEV, dtype=torch.int32))
         for t in (d, sfs.view(torch.uint8), rd, rsf.view(torch.uint8)):
@@ -718,16 +719,16 @@ def test_cuda_graph_capture_and_replay_on_new_data():
         graph.replay()
         sync()
         xc = x.cpu()
-        ref = quantize_nvfp4(xc)
-        deq_ref = dequantize_nvfp4(ref, torch.bfloat16)
+        ref = ref_quantize_nvfp4(xc)
+        deq_ref = ref_dequantize_nvfp4(ref, torch.bfloat16)
         tag = f"replay {it}"
         assert_bits_equal(d, ref.data, f"{tag}: quantize codes")
         assert_bits_equal(sfs, swizzle_scales(ref.scale), f"{tag}: quantize swizzled scales")
         assert_bits_equal(gs, ref.global_scale, f"{tag}: fused per-tensor gs")
         assert_bits_equal(deq, deq_ref, f"{tag}: dequantize")
         assert_bits_equal(gat, gather_expected(idx.cpu(), deq_ref), f"{tag}: gather")
-        rq, rref_inv, _ = K.ref_rmsnorm_quantize_nvfp4(xc, w_cpu, 1e-6)
-        exq, _, _ = K.ref_rmsnorm_quantize_nvfp4(xc, w_cpu, 1e-6, inv_rms=rinv.cpu())
+        rq, rref_inv, _ = N.ref_rmsnorm_quantize_nvfp4(xc, w_cpu, 1e-6)
+        exq, _, _ = N.ref_rmsnorm_quantize_nvfp4(xc, w_cpu, 1e-6, inv_rms=rinv.cpu())
         rel = ((rinv.cpu().double() - rref_inv.double()).abs() / rref_inv.double()).max().item()
         assert rel <= INV_RMS_RTOL, f"{tag}: rmsnorm inv_rms relative error {rel:.3g}"
         assert_bits_equal(rd, exq.data, f"{tag}: rmsnorm codes (given the kernel's inv_rms)")
@@ -752,7 +753,7 @@ def test_get_kernel_unknown_name():
     assert "nvfp4_no_such_kernel" in str(ei.value) and "nvfp4_gather_dequant_bf16" in str(ei.value)
 
 
-VARIANTS = ["NVFP4_E2M1_COMPARE,NVFP4_SOFTWARE_E4M3"]  # the A/B pair documented in _draft/README.md
+VARIANTS = ["NVFP4_E2M1_COMPARE,NVFP4_SOFTWARE_E4M3"]  # the A/B pair of compile-time variants (kernels_cu/nvfp4_common.cuh)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -766,9 +767,9 @@ def test_kernel_variants_bit_exact(monkeypatch, variant):
     for dt in (torch.bfloat16, torch.float32):
         for gen, gs in (("adversarial", 1.0), ("random", None), ("underflow", None)):
             x = make_input(gen, 130, 256, dt, 77)
-            ref = quantize_nvfp4(x, gs)
+            ref = ref_quantize_nvfp4(x, gs)
             for swz in (False, True):
-                q = K.quantize_nvfp4_cuda(x.to(DEV), gs, swizzle=swz)
+                q = QC.quantize_nvfp4_cuda(x.to(DEV), gs, swizzle=swz)
                 sync()
                 tag = f"{variant} {dt} {gen} swz={swz}"
                 assert_bits_equal(q.data, ref.data, f"{tag}: codes")

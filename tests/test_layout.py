@@ -2,7 +2,7 @@
 
 The expected layouts are built independently of the implementation:
 * ``loop_offsets`` walks the swizzled buffer byte by byte with explicit loops over 128x4 tiles
-  (DESIGN.md: tiles row-block major, 512 contiguous bytes each, inside a tile element (r, c) at
+  (nbs/02_swizzle.ipynb: tiles row-block major, 512 contiguous bytes each, inside a tile element (r, c) at
   byte (r % 32) * 16 + (r // 32) * 4 + c);
 * ``np_swizzle`` is the usual reshape/transpose construction
   (rows/128, 4, 32, cols/4, 4) -> (rows/128, cols/4, 32, 4, 4).

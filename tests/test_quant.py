@@ -3,7 +3,7 @@
 Expected values come from
 * hand arithmetic (written next to each constant), or
 * ``ref_quantize`` / ``ref_dequantize`` below: an independent numpy float32 transcription of the
-  DESIGN.md "Numerics" formulas, with ml_dtypes as the E2M1 / E4M3 rounding oracle.
+  numerics formulas of nbs/01_quantize.ipynb, with ml_dtypes as the E2M1 / E4M3 rounding oracle.
 """
 import math
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dsv4_nvfp4 import checkpoint as CK
 from dsv4_nvfp4 import quant as Q
 
 F4 = ml_dtypes.float4_e2m1fn
@@ -22,7 +23,7 @@ GS_MIN = np.float32(2.0**-110)
 
 
 # ---------------------------------------------------------------------------------------------
-# independent numpy reference (DESIGN.md "Numerics" + API.md quantize_nvfp4)
+# independent numpy reference (the Math section of nbs/01_quantize.ipynb)
 
 
 def ref_e2m1(v):
@@ -173,7 +174,7 @@ def test_ties_block_hand():
     # 1.25 -> 1 (code 2), 1.75 -> 2 (code 4), 3.5 -> 4 (code 6); -0.0 -> 8, -0.1 -> 8
     x = [6, 0.25, 2.5, 5, -0.25, -2.5, -5, 0.75, 1.25, 1.75, 3.5, -3.5, 0, -0.0, 0.1, -0.1]
     want = [7, 0, 4, 6, 8, 12, 14, 2, 2, 4, 6, 14, 0, 8, 0, 8]
-    t = Q.quantize_nvfp4(T([x]), 1.0)
+    t = Q.ref_quantize_nvfp4(T([x]), 1.0)
     assert np_unpack(t.data.numpy()).tolist() == [want]
     assert scale_bytes(t).tolist() == [[0x38]]
     assert t.global_scale.item() == 1.0 and t.global_scale.dim() == 0
@@ -186,7 +187,7 @@ def test_ties_block_scaled_hand():
     # gs = 1, block amax 12 -> s = e4m3(12/6 = 2) = 2.0 (byte 0x40), r = 1/2: x*r = 0.25, 2.5, 5 ...
     x = [12, 0.5, 5, 10, -0.5, -5, -10, 1.5, 2.5, 3.5, 7, -7, 0, -0.0, 0.2, -0.2]
     want = [7, 0, 4, 6, 8, 12, 14, 2, 2, 4, 6, 14, 0, 8, 0, 8]
-    t = Q.quantize_nvfp4(T([x]), 1.0)
+    t = Q.ref_quantize_nvfp4(T([x]), 1.0)
     assert np_unpack(t.data.numpy()).tolist() == [want]
     assert scale_bytes(t).tolist() == [[0x40]]
 
@@ -206,7 +207,7 @@ def test_fp32_multiply_by_reciprocal_decides_ties():
     r = np.float32(1.0) / (np.float32(1.0) * gs)
     prod = x * r
     assert prod[1] < 1.75 and prod[2] < 3.5 and prod[4] == 0.25 and prod[5] == 2.5
-    t = Q.quantize_nvfp4(T([x]), float(gs))
+    t = Q.ref_quantize_nvfp4(T([x]), float(gs))
     assert scale_bytes(t).tolist() == [[0x38]]
     assert np_unpack(t.data.numpy())[0, :6].tolist() == [7, 3, 5, 13, 0, 4]
     check_against_ref(t, x[None], gs)
@@ -225,7 +226,7 @@ def test_scale_uses_fp32_product_6_times_gs():
     x = np.zeros((1, 16), np.float32)
     x[0, 0] = amax
     x[0, 1] = -amax * np.float32(0.5)
-    t = Q.quantize_nvfp4(T(x), float(gs))
+    t = Q.ref_quantize_nvfp4(T(x), float(gs))
     assert scale_bytes(t).tolist() == [[0x38]]
     assert np_unpack(t.data.numpy())[0, :2].tolist() == [7, 13]
     check_against_ref(t, x, gs)
@@ -235,7 +236,7 @@ def test_scale_saturates_at_448():
     # gs = 1, block amax 6000 -> u = 1000 > 448 -> s = 448 (byte 0x7E); r = fp32(1/448) = 0.002232143
     # 6000*r = 13.39 -> 6 (code 7); 1000*r = 2.232 -> 2 (code 4); -3000*r = -6.70 -> code 15
     x = [6000, 1000, -3000] + [0] * 13
-    t = Q.quantize_nvfp4(T([x]), 1.0)
+    t = Q.ref_quantize_nvfp4(T([x]), 1.0)
     assert scale_bytes(t).tolist() == [[0x7E]]
     assert np_unpack(t.data.numpy())[0, :3].tolist() == [7, 4, 15]
 
@@ -243,26 +244,26 @@ def test_scale_saturates_at_448():
 def test_scale_rounds_down_and_codes_saturate():
     # gs = 1, block amax 6.375 -> u = 1.0625 = tie between e4m3 1.0 (0x38) and 1.125 (0x39) -> even
     # -> s = 1.0, r = 1, 6.375 -> saturates at 6 (code 7)
-    t = Q.quantize_nvfp4(T([[6.375, -6.375] + [0] * 14]), 1.0)
+    t = Q.ref_quantize_nvfp4(T([[6.375, -6.375] + [0] * 14]), 1.0)
     assert scale_bytes(t).tolist() == [[0x38]]
     assert np_unpack(t.data.numpy())[0, :2].tolist() == [7, 15]
     # block amax 7.125 -> u = 1.1875 = tie between 1.125 (0x39) and 1.25 (0x3A) -> 1.25 (even)
     # r = 0.8, 7.125*0.8 = 5.7 -> 6 (code 7); 2*0.8 = 1.6 -> 1.5 (code 3)
-    t = Q.quantize_nvfp4(T([[7.125, 2.0] + [0] * 14]), 1.0)
+    t = Q.ref_quantize_nvfp4(T([[7.125, 2.0] + [0] * 14]), 1.0)
     assert scale_bytes(t).tolist() == [[0x3A]]
     assert np_unpack(t.data.numpy())[0, :2].tolist() == [7, 3]
 
 
 def test_all_zero_blocks():
     x = torch.zeros(3, 48)
-    t = Q.quantize_nvfp4(x)
+    t = Q.ref_quantize_nvfp4(x)
     assert t.global_scale.item() == 1.0  # amax == 0 -> gs = 1
     assert t.data.eq(0).all() and scale_bytes(t).tolist() == [[0, 0, 0]] * 3
     assert t.dequantize().eq(0).all()
     # mixed: a zero block next to a non-zero block, given gs
     x = torch.zeros(1, 32)
     x[0, 16] = 3.0
-    t = Q.quantize_nvfp4(x, 1.0)
+    t = Q.ref_quantize_nvfp4(x, 1.0)
     # block 1: u = 3/6 = 0.5 -> s = 0.5 (0x30), r = 2, 3*2 = 6 -> code 7
     assert scale_bytes(t).tolist() == [[0x00, 0x30]]
     assert np_unpack(t.data.numpy()).tolist() == [[0] * 16 + [7] + [0] * 15]
@@ -277,7 +278,7 @@ def test_underflowing_block_gets_zero_codes():
     x[0, 16] = 6 * 2.0**-11
     # block 2: amax = 6*2**-10 -> u = 2**-10 exactly: tie between 0 and 2**-9 -> RNE -> 0
     x[0, 32:48] = -6 * 2.0**-10
-    t = Q.quantize_nvfp4(T(x))
+    t = Q.ref_quantize_nvfp4(T(x))
     assert t.global_scale.item() == 1.0
     sb = scale_bytes(t)[0].tolist()
     assert sb[1] == 0 and sb[2] == 0
@@ -287,7 +288,7 @@ def test_underflowing_block_gets_zero_codes():
     # a block slightly above the tie gets the smallest subnormal scale 2**-9 (byte 0x01)
     y = np.zeros((1, 16), np.float32)
     y[0, 0] = np.nextafter(np.float32(6 * 2.0**-10), np.float32(1))
-    t = Q.quantize_nvfp4(T(y), 1.0)
+    t = Q.ref_quantize_nvfp4(T(y), 1.0)
     assert scale_bytes(t).tolist() == [[0x01]]
     # r = 2**9, x*r = 3.0000002 -> 3 (code 5)
     assert np_unpack(t.data.numpy())[0, 0] == 5
@@ -297,13 +298,13 @@ def test_underflowing_block_gets_zero_codes():
 def test_negative_zeros():
     # in a non-zero block -0.0 keeps its sign (code 8) and dequantizes to -0.0
     x = np.array([[1.5, -0.0, 0.0, -0.0] + [0.0] * 12], np.float32)
-    t = Q.quantize_nvfp4(T(x), 1.0)
+    t = Q.ref_quantize_nvfp4(T(x), 1.0)
     # u = 1.5/6 = 0.25 -> s = 0.25, r = 4: 1.5*4 = 6 -> code 7
     assert np_unpack(t.data.numpy())[0, :4].tolist() == [7, 8, 0, 8]
     d = t.dequantize().numpy()
     assert np.signbit(d[0, :4]).tolist() == [False, True, False, True]
     # an all-(-0.0) block has s = 0 -> all codes 0 (+0)
-    t = Q.quantize_nvfp4(T(np.full((2, 16), -0.0, np.float32)))
+    t = Q.ref_quantize_nvfp4(T(np.full((2, 16), -0.0, np.float32)))
     assert t.data.eq(0).all() and t.scale.view(torch.uint8).eq(0).all()
     assert not np.any(np.signbit(t.dequantize().numpy()))
 
@@ -314,7 +315,7 @@ def test_per_row_given_global_scale_hand():
     row = [6, 3, -1.5, 0.5] + [0] * 12
     x = T([row, row])
     gs = torch.tensor([1.0, 2.0])
-    t = Q.quantize_nvfp4(x, gs)
+    t = Q.ref_quantize_nvfp4(x, gs)
     assert t.per_row
     assert t.global_scale.tolist() == [1.0, 2.0]
     assert scale_bytes(t).tolist() == [[0x38], [0x30]]
@@ -325,10 +326,10 @@ def test_per_row_given_global_scale_hand():
 def test_given_scalar_global_scale():
     x = np.random.default_rng(0).normal(0, 1, (4, 64)).astype(np.float32)
     for gs in [0.0137, 1.0, 2.0**-110, 1e3]:
-        t = Q.quantize_nvfp4(T(x), gs)
+        t = Q.ref_quantize_nvfp4(T(x), gs)
         assert not t.per_row and t.global_scale.dim() == 0
         check_against_ref(t, x, gs)
-        t2 = Q.quantize_nvfp4(T(x), torch.tensor(gs, dtype=torch.float32))
+        t2 = Q.ref_quantize_nvfp4(T(x), torch.tensor(gs, dtype=torch.float32))
         check_against_ref(t2, x, gs)
 
 
@@ -336,7 +337,7 @@ def test_computed_global_scale_hand():
     # amax 5376 -> gs = 5376 / 2688 = 2; block amax 5376 -> u = 5376/12 = 448 -> s = 448 (0x7E),
     # r = fp32(1/896); 5376*r = 6 -> code 7, -2688*r = -3 -> code 13, 1344*r = 1.5 -> code 3
     x = T([[5376, -2688, 1344] + [0] * 13])
-    t = Q.quantize_nvfp4(x)
+    t = Q.ref_quantize_nvfp4(x)
     assert t.global_scale.item() == 2.0 and not t.per_row
     assert scale_bytes(t).tolist() == [[0x7E]]
     assert np_unpack(t.data.numpy())[0, :3].tolist() == [7, 13, 3]
@@ -345,7 +346,7 @@ def test_computed_global_scale_hand():
 
 def test_computed_per_row_global_scale_hand():
     x = T([[2688] + [0] * 15, [5376] + [0] * 15, [0] * 16, [1e-30] + [0] * 15])
-    t = Q.quantize_nvfp4(x, per_row=True)
+    t = Q.ref_quantize_nvfp4(x, per_row=True)
     assert t.per_row and tuple(t.global_scale.shape) == (4,)
     # 2688/2688 = 1, 5376/2688 = 2, all-zero row -> 1, 1e-30/2688 < 2**-110 -> 2**-110
     assert t.global_scale.tolist() == [1.0, 2.0, 1.0, 2.0**-110]
@@ -355,27 +356,27 @@ def test_computed_per_row_global_scale_hand():
 def test_k_not_multiple_of_16():
     rng = np.random.default_rng(1)
     x = rng.normal(0, 2, (3, 20)).astype(np.float32)
-    t = Q.quantize_nvfp4(T(x))
+    t = Q.ref_quantize_nvfp4(T(x))
     assert tuple(t.shape) == (3, 20)
     assert tuple(t.data.shape) == (3, 16) and tuple(t.scale.shape) == (3, 2)
     codes, _, _ = check_against_ref(t, x)
     assert np.all(codes[:, 20:] == 0)  # zero padding -> code 0
-    assert tuple(Q.dequantize_nvfp4(t).shape) == (3, 20)
+    assert tuple(Q.ref_dequantize_nvfp4(t).shape) == (3, 20)
     for K in [1, 15, 17, 33]:
         x = rng.normal(0, 1, (2, K)).astype(np.float32)
-        check_against_ref(Q.quantize_nvfp4(T(x)), x)
+        check_against_ref(Q.ref_quantize_nvfp4(T(x)), x)
 
 
 def test_leading_batch_dims():
     rng = np.random.default_rng(2)
     x = rng.normal(0, 1, (2, 3, 48)).astype(np.float32)
-    t = Q.quantize_nvfp4(T(x))
+    t = Q.ref_quantize_nvfp4(T(x))
     check_against_ref(t, x)
-    tr = Q.quantize_nvfp4(T(x), per_row=True)
+    tr = Q.ref_quantize_nvfp4(T(x), per_row=True)
     assert tuple(tr.global_scale.shape) == (2, 3)
     check_against_ref(tr, x, per_row=True)
     gs = (rng.uniform(0.5, 2.0, (2, 3))).astype(np.float32)
-    tg = Q.quantize_nvfp4(T(x), torch.from_numpy(gs))
+    tg = Q.ref_quantize_nvfp4(T(x), torch.from_numpy(gs))
     assert tg.per_row
     check_against_ref(tg, x, gs)
 
@@ -385,20 +386,20 @@ def test_non_contiguous_input():
     base = T(rng.normal(0, 1, (64, 8)).astype(np.float32))
     x = base.t()  # (8, 64), not contiguous
     assert not x.is_contiguous()
-    a = Q.quantize_nvfp4(x)
-    b = Q.quantize_nvfp4(x.contiguous())
+    a = Q.ref_quantize_nvfp4(x)
+    b = Q.ref_quantize_nvfp4(x.contiguous())
     assert torch.equal(a.data, b.data)
     assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
     assert torch.equal(a.global_scale, b.global_scale)
     check_against_ref(a, x.contiguous().numpy())
     sl = T(rng.normal(0, 1, (4, 100)).astype(np.float32))[:, 3:67]  # offset, strided rows
-    check_against_ref(Q.quantize_nvfp4(sl), sl.contiguous().numpy())
+    check_against_ref(Q.ref_quantize_nvfp4(sl), sl.contiguous().numpy())
 
 
 @pytest.mark.parametrize("shape", [(0, 32), (4, 0), (2, 0, 16), (0,)])
 def test_empty_input(shape):
     x = torch.zeros(shape)
-    t = Q.quantize_nvfp4(x)
+    t = Q.ref_quantize_nvfp4(x)
     assert isinstance(t, Q.NVFP4Tensor)
     K = shape[-1]
     Kp = -(-K // 16) * 16
@@ -410,9 +411,9 @@ def test_empty_input(shape):
 
 @pytest.mark.parametrize("shape", [(0, 32), (4, 0), (2, 0, 16), (0,)])
 def test_empty_dequantize(shape):
-    # API: dequantize_nvfp4 -> tensor of the logical shape; an empty NVFP4Tensor is legal
-    t = Q.quantize_nvfp4(torch.zeros(shape))
-    for d in (t.dequantize(), Q.dequantize_nvfp4(t), t.dequantize(torch.bfloat16)):
+    # API: ref_dequantize_nvfp4 -> tensor of the logical shape; an empty NVFP4Tensor is legal
+    t = Q.ref_quantize_nvfp4(torch.zeros(shape))
+    for d in (t.dequantize(), Q.ref_dequantize_nvfp4(t), t.dequantize(torch.bfloat16)):
         assert tuple(d.shape) == shape and d.numel() == 0
 
 
@@ -421,8 +422,8 @@ def test_half_precision_inputs(dtype):
     rng = np.random.default_rng(4)
     x = T(rng.normal(0, 3, (8, 64)).astype(np.float32), dtype)
     exact = x.to(torch.float32).numpy()
-    check_against_ref(Q.quantize_nvfp4(x), exact)
-    check_against_ref(Q.quantize_nvfp4(x, per_row=True), exact, per_row=True)
+    check_against_ref(Q.ref_quantize_nvfp4(x), exact)
+    check_against_ref(Q.ref_quantize_nvfp4(x, per_row=True), exact, per_row=True)
 
 
 def _random_cases():
@@ -453,27 +454,27 @@ def test_bitwise_vs_reference_random(mode):
     rng = np.random.default_rng(99)
     for x in _random_cases():
         if mode == "tensor":
-            check_against_ref(Q.quantize_nvfp4(T(x)), x)
+            check_against_ref(Q.ref_quantize_nvfp4(T(x)), x)
         elif mode == "row":
-            check_against_ref(Q.quantize_nvfp4(T(x), per_row=True), x, per_row=True)
+            check_against_ref(Q.ref_quantize_nvfp4(T(x), per_row=True), x, per_row=True)
         elif mode == "given":
-            check_against_ref(Q.quantize_nvfp4(T(x), 0.0137), x, 0.0137)
+            check_against_ref(Q.ref_quantize_nvfp4(T(x), 0.0137), x, 0.0137)
         else:
             gs = (10.0 ** rng.uniform(-4, 1, x.shape[:-1])).astype(np.float32)
-            check_against_ref(Q.quantize_nvfp4(T(x), torch.from_numpy(gs)), x, gs)
+            check_against_ref(Q.ref_quantize_nvfp4(T(x), torch.from_numpy(gs)), x, gs)
 
 
 def test_codes_method_and_dequantize_dtype():
     rng = np.random.default_rng(5)
     x = rng.normal(0, 1, (4, 40)).astype(np.float32)
-    t = Q.quantize_nvfp4(T(x))
+    t = Q.ref_quantize_nvfp4(T(x))
     codes, sb, g = ref_quantize(x)
     c = t.codes()
     assert c.dtype == torch.uint8 and tuple(c.shape) == (4, 48)
     assert np.array_equal(c.numpy(), codes)
     ref32 = torch.from_numpy(ref_dequantize(codes, sb, g, 40))
     for dt in [torch.bfloat16, torch.float16]:
-        for d in (t.dequantize(dt), Q.dequantize_nvfp4(t, dt), Q.dequantize_nvfp4(t, dtype=dt)):
+        for d in (t.dequantize(dt), Q.ref_dequantize_nvfp4(t, dt), Q.ref_dequantize_nvfp4(t, dtype=dt)):
             assert d.dtype == dt and tuple(d.shape) == (4, 40)
             assert torch.equal(d, ref32.to(dt))
 
@@ -494,15 +495,15 @@ def test_idempotent_for_fixed_gs_when_scales_normal(gs_mode):
     x *= np.repeat((10.0 ** rng.uniform(-1.5, 1, (32, 16))).astype(np.float32), 16, axis=1)
     x[:, 32:48] = 0  # zero blocks (s = 0) are allowed
     if gs_mode == "computed":
-        q = Q.quantize_nvfp4(T(x))
+        q = Q.ref_quantize_nvfp4(T(x))
     elif gs_mode == "given":
-        q = Q.quantize_nvfp4(T(x), 0.01)
+        q = Q.ref_quantize_nvfp4(T(x), 0.01)
     else:
-        q = Q.quantize_nvfp4(T(x), per_row=True)
+        q = Q.ref_quantize_nvfp4(T(x), per_row=True)
     sb = scale_bytes(q)
     assert _is_normal_or_zero(sb), "test precondition: all block scales normal or zero"
     assert np.any(sb == 0)
-    q2 = Q.quantize_nvfp4(q.dequantize(), q.global_scale)
+    q2 = Q.ref_quantize_nvfp4(q.dequantize(), q.global_scale)
     assert torch.equal(q2.data, q.data)
     assert torch.equal(q2.scale.view(torch.uint8), q.scale.view(torch.uint8))
     assert torch.equal(q2.global_scale, q.global_scale)
@@ -516,12 +517,12 @@ def test_idempotence_exception_subnormal_scale():
     # 0.015625*512 = 8 -> saturates to 6 (code 7). Bytes change.
     x = torch.zeros(1, 16)
     x[0, 0] = 0.01875
-    q = Q.quantize_nvfp4(x, 1.0)
+    q = Q.ref_quantize_nvfp4(x, 1.0)
     assert scale_bytes(q).tolist() == [[0x02]]
     assert np_unpack(q.data.numpy())[0, 0] == 6
     d = q.dequantize()
     assert d[0, 0].item() == 0.015625
-    q2 = Q.quantize_nvfp4(d, q.global_scale)
+    q2 = Q.ref_quantize_nvfp4(d, q.global_scale)
     assert scale_bytes(q2).tolist() == [[0x01]]
     assert np_unpack(q2.data.numpy())[0, 0] == 7
     assert not torch.equal(q2.data, q.data)
@@ -530,9 +531,9 @@ def test_idempotence_exception_subnormal_scale():
     # dequantize 3 * 2**-9, re-quantize u = 0.5 * 2**-9 -> tie -> s = 0 -> codes all 0.
     x = torch.zeros(1, 16)
     x[0, 0] = 6 * 0.55 * 2.0**-9
-    q = Q.quantize_nvfp4(x, 1.0)
+    q = Q.ref_quantize_nvfp4(x, 1.0)
     assert scale_bytes(q).tolist() == [[0x01]] and np_unpack(q.data.numpy())[0, 0] == 5
-    q2 = Q.quantize_nvfp4(q.dequantize(), q.global_scale)
+    q2 = Q.ref_quantize_nvfp4(q.dequantize(), q.global_scale)
     assert scale_bytes(q2).tolist() == [[0x00]] and q2.data.eq(0).all()
 
 
@@ -542,16 +543,16 @@ def test_idempotence_exception_subnormal_scale():
 
 def test_nvfp4tensor_properties():
     x = T(np.random.default_rng(7).normal(0, 1, (4, 64)).astype(np.float32))
-    t = Q.quantize_nvfp4(x)
+    t = Q.ref_quantize_nvfp4(x)
     # data 4*32 + scale 4*4 + gs 4 bytes
     assert t.nbytes == 128 + 16 + 4
     assert t.per_row is False
     v = t.data.view(torch.float4_e2m1fn_x2)
     assert v.dtype == torch.float4_e2m1fn_x2 and tuple(v.shape) == (4, 32)
-    tr = Q.quantize_nvfp4(x, per_row=True)
+    tr = Q.ref_quantize_nvfp4(x, per_row=True)
     assert tr.per_row is True
     assert tr.nbytes == 128 + 16 + 4 * 4
-    t3 = Q.quantize_nvfp4(T(np.ones((2, 3, 20), np.float32)))
+    t3 = Q.ref_quantize_nvfp4(T(np.ones((2, 3, 20), np.float32)))
     assert t3.nbytes == 2 * 3 * 16 + 2 * 3 * 2 + 4  # Kp = 32
     moved = t.to("cpu")
     assert isinstance(moved, Q.NVFP4Tensor)
@@ -580,7 +581,7 @@ def test_nvfp4tensor_constructor_and_dequantize_hand():
     # row 1 block 1: s = 0.5 (0x30): -1.5*0.5*0.5 = -0.375, 0.375
     want[1, 16:18] = [-0.375, 0.375]
     assert np.array_equal(d.numpy(), want)
-    assert torch.equal(Q.dequantize_nvfp4(t), d)
+    assert torch.equal(Q.ref_dequantize_nvfp4(t), d)
     # logical K = 20 crops
     t20 = Q.NVFP4Tensor(data=data, scale=scale, global_scale=torch.tensor(0.5), shape=torch.Size([2, 20]))
     assert np.array_equal(t20.dequantize().numpy(), want[:, :20])
@@ -624,66 +625,66 @@ def test_nvfp4tensor_constructor_validation(case):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.uint8])
 def test_quantize_bad_dtype(dtype):
     with pytest.raises(TypeError):
-        Q.quantize_nvfp4(torch.ones(2, 16, dtype=dtype))
+        Q.ref_quantize_nvfp4(torch.ones(2, 16, dtype=dtype))
 
 
 def test_quantize_nan_inf():
     x = torch.ones(2, 32)
     x[1, 5] = float("nan")
     with pytest.raises(ValueError, match="(?i)nan"):
-        Q.quantize_nvfp4(x)
+        Q.ref_quantize_nvfp4(x)
     with pytest.raises(ValueError, match="(?i)nan"):
-        Q.quantize_nvfp4(x.to(torch.bfloat16), 1.0)
+        Q.ref_quantize_nvfp4(x.to(torch.bfloat16), 1.0)
     for v in [float("inf"), float("-inf")]:
         x = torch.ones(2, 32)
         x[0, 31] = v
         with pytest.raises(ValueError, match="(?i)inf"):
-            Q.quantize_nvfp4(x)
+            Q.ref_quantize_nvfp4(x)
         with pytest.raises(ValueError, match="(?i)inf"):
-            Q.quantize_nvfp4(x, 1.0)
+            Q.ref_quantize_nvfp4(x, 1.0)
     # padding position: K = 20, inf in the last logical element
     x = torch.ones(1, 20)
     x[0, 19] = float("inf")
     with pytest.raises(ValueError, match="(?i)inf"):
-        Q.quantize_nvfp4(x, per_row=True)
+        Q.ref_quantize_nvfp4(x, per_row=True)
 
 
 @pytest.mark.parametrize("gs", [0.0, -1.0, float("nan"), float("inf"), float("-inf"), 2.0**-111, 1e-40])
 def test_quantize_bad_global_scale(gs):
     x = torch.ones(2, 16)
     with pytest.raises(ValueError):
-        Q.quantize_nvfp4(x, gs)
+        Q.ref_quantize_nvfp4(x, gs)
     with pytest.raises(ValueError):
-        Q.quantize_nvfp4(x, torch.tensor(gs, dtype=torch.float32))
+        Q.ref_quantize_nvfp4(x, torch.tensor(gs, dtype=torch.float32))
 
 
 def test_quantize_gs_min_accepted():
     x = np.ones((1, 16), np.float32)
-    check_against_ref(Q.quantize_nvfp4(T(x), 2.0**-110), x, 2.0**-110)
+    check_against_ref(Q.ref_quantize_nvfp4(T(x), 2.0**-110), x, 2.0**-110)
 
 
 def test_quantize_bad_block_size():
     x = torch.ones(2, 32)
     with pytest.raises(ValueError):
-        Q.quantize_nvfp4(x, block_size=32)
+        Q.ref_quantize_nvfp4(x, block_size=32)
     with pytest.raises(ValueError):
-        Q.quantize_nvfp4(x, block_size=8)
-    t = Q.quantize_nvfp4(x, block_size=16)
+        Q.ref_quantize_nvfp4(x, block_size=8)
+    t = Q.ref_quantize_nvfp4(x, block_size=16)
     assert tuple(t.scale.shape) == (2, 2)
 
 
 def test_quantize_bad_per_row_gs():
     x = torch.ones(4, 32)
     with pytest.raises(ValueError):
-        Q.quantize_nvfp4(x, torch.ones(3))
+        Q.ref_quantize_nvfp4(x, torch.ones(3))
     with pytest.raises(ValueError):
-        Q.quantize_nvfp4(x, torch.ones(4, 2))
+        Q.ref_quantize_nvfp4(x, torch.ones(4, 2))
     with pytest.raises(ValueError):
-        Q.quantize_nvfp4(x, torch.tensor([1.0, 1.0, 0.0, 1.0]))
+        Q.ref_quantize_nvfp4(x, torch.tensor([1.0, 1.0, 0.0, 1.0]))
     with pytest.raises(ValueError):
-        Q.quantize_nvfp4(x, torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+        Q.ref_quantize_nvfp4(x, torch.tensor([1.0, float("nan"), 1.0, 1.0]))
     with pytest.raises(ValueError):
-        Q.quantize_nvfp4(torch.ones(2, 3, 32), torch.ones(3, 2))
+        Q.ref_quantize_nvfp4(torch.ones(2, 3, 32), torch.ones(3, 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -702,8 +703,8 @@ def test_sqnr_gaussian_band_and_beats_mxfp4():
     # Our numpy reference gives 20.41-20.45 dB for NVFP4 and ~18.8 dB for MXFP4 on N(0,1)
     # data of this size (seeds 0-2), i.e. the band below is +-1 dB around the reference value.
     x = T(np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32))
-    nv = Q.sqnr_db(x, Q.quantize_nvfp4(x).dequantize())
-    nv_row = Q.sqnr_db(x, Q.quantize_nvfp4(x, per_row=True).dequantize())
+    nv = Q.sqnr_db(x, Q.ref_quantize_nvfp4(x).dequantize())
+    nv_row = Q.sqnr_db(x, Q.ref_quantize_nvfp4(x, per_row=True).dequantize())
     mx = Q.sqnr_db(x, Q.ref_mxfp4_roundtrip(x))
     assert 19.4 < nv < 21.4, nv
     assert 19.4 < nv_row < 21.4, nv_row
@@ -743,14 +744,14 @@ def _quantized_weights():
     rng = np.random.default_rng(9)
     w1 = rng.normal(0, 0.02, (8, 64)).astype(np.float32)
     w2 = rng.normal(0, 1.0, (16, 32)).astype(np.float32)
-    return {"layers.0.mlp.gate_proj": Q.quantize_nvfp4(T(w1)),
-            "layers.0.mlp.down_proj": Q.quantize_nvfp4(T(w2), 0.37)}
+    return {"layers.0.mlp.gate_proj": Q.ref_quantize_nvfp4(T(w1)),
+            "layers.0.mlp.down_proj": Q.ref_quantize_nvfp4(T(w2), 0.37)}
 
 
 def test_modelopt_save_load_round_trip(tmp_path):
     path = str(tmp_path / "ckpt.safetensors")
     weights = _quantized_weights()
-    Q.save_modelopt_nvfp4(path, weights, {"layers.0.mlp.gate_proj": 0.3})
+    CK.save_modelopt_nvfp4(path, weights, {"layers.0.mlp.gate_proj": 0.3})
     # the file itself follows the ModelOpt convention
     raw = load_file(path)
     for name, t in weights.items():
@@ -767,7 +768,7 @@ def test_modelopt_save_load_round_trip(tmp_path):
     assert raw["layers.0.mlp.gate_proj.input_scale"].dtype == torch.float32
     assert raw["layers.0.mlp.gate_proj.input_scale"].dim() == 0
     assert "layers.0.mlp.down_proj.input_scale" not in raw
-    loaded = Q.load_modelopt_nvfp4(path)
+    loaded = CK.load_modelopt_nvfp4(path)
     assert set(loaded) == set(weights)
     for name, t in weights.items():
         lt = loaded[name].weight
@@ -807,7 +808,7 @@ def test_modelopt_load_handwritten_file(tmp_path):
     d["model.norm.weight"] = torch.ones(32, dtype=torch.bfloat16)
     d["lm_head.weight"] = torch.ones(8, 32, dtype=torch.bfloat16)
     save_file(d, path)
-    loaded = Q.load_modelopt_nvfp4(path)
+    loaded = CK.load_modelopt_nvfp4(path)
     assert set(loaded) == {p, "model.layers.3.mlp.experts.7.down_proj"}
     w = loaded[p].weight
     assert tuple(w.shape) == (4, 32) and not w.per_row
@@ -830,14 +831,14 @@ def test_modelopt_load_weight_scale_2_shape_1(tmp_path):
     d, codes, sb = _modelopt_tensors("a")
     d["a.weight_scale_2"] = torch.tensor([0.37], dtype=torch.float32)
     save_file(d, path)
-    w = Q.load_modelopt_nvfp4(path)["a"].weight
+    w = CK.load_modelopt_nvfp4(path)["a"].weight
     assert w.global_scale.numel() == 1 and w.global_scale.item() == float(np.float32(0.37))
 
 
 def test_modelopt_no_nvfp4_weights_gives_empty_dict(tmp_path):
     path = str(tmp_path / "dense.safetensors")
     save_file({"w.weight": torch.ones(4, 4, dtype=torch.bfloat16), "b.weight": torch.ones(4, 4)}, path)
-    assert Q.load_modelopt_nvfp4(path) == {}
+    assert CK.load_modelopt_nvfp4(path) == {}
 
 
 def test_modelopt_fp8_layers_are_not_nvfp4(tmp_path):
@@ -850,12 +851,12 @@ def test_modelopt_fp8_layers_are_not_nvfp4(tmp_path):
     }
     path = str(tmp_path / "fp8.safetensors")
     save_file(fp8, path)
-    assert Q.load_modelopt_nvfp4(path) == {}
+    assert CK.load_modelopt_nvfp4(path) == {}
     mixed, codes, sb = _modelopt_tensors("model.layers.0.mlp.experts.0.up_proj")
     mixed.update(fp8)
     path = str(tmp_path / "mixed.safetensors")
     save_file(mixed, path)
-    loaded = Q.load_modelopt_nvfp4(path)
+    loaded = CK.load_modelopt_nvfp4(path)
     assert set(loaded) == {"model.layers.0.mlp.experts.0.up_proj"}
     assert np.array_equal(np_unpack(loaded["model.layers.0.mlp.experts.0.up_proj"].weight.data.numpy()), codes)
 
@@ -871,7 +872,7 @@ def _write_bad(tmp_path, mutate):
 def test_modelopt_load_missing_weight_scale_2(tmp_path):
     path = _write_bad(tmp_path, lambda d: d.pop("layer0.weight_scale_2"))
     with pytest.raises(ValueError, match="weight_scale_2"):
-        Q.load_modelopt_nvfp4(path)
+        CK.load_modelopt_nvfp4(path)
 
 
 @pytest.mark.parametrize("case", ["scale_shape_cols", "scale_shape_rows", "scale_dtype", "gs_dtype",
@@ -892,15 +893,15 @@ def test_modelopt_load_bad_files(tmp_path, case):
             d["layer0.weight_scale"] = torch.ones(4, 2, dtype=torch.int32)
     path = _write_bad(tmp_path, mutate)
     with pytest.raises(ValueError):
-        Q.load_modelopt_nvfp4(path)
+        CK.load_modelopt_nvfp4(path)
 
 
 def test_modelopt_save_bad(tmp_path):
     path = str(tmp_path / "out.safetensors")
     x = T(np.random.default_rng(12).normal(0, 1, (4, 32)).astype(np.float32))
     with pytest.raises(ValueError):
-        Q.save_modelopt_nvfp4(path, {"a": Q.quantize_nvfp4(x, per_row=True)})
+        CK.save_modelopt_nvfp4(path, {"a": Q.ref_quantize_nvfp4(x, per_row=True)})
     with pytest.raises(ValueError):
-        Q.save_modelopt_nvfp4(path, {"a": Q.quantize_nvfp4(x[:, :20])})  # K = 20
+        CK.save_modelopt_nvfp4(path, {"a": Q.ref_quantize_nvfp4(x[:, :20])})  # K = 20
     with pytest.raises(ValueError):
-        Q.save_modelopt_nvfp4(path, {"a": Q.quantize_nvfp4(x.reshape(2, 2, 32))})  # 3-D
+        CK.save_modelopt_nvfp4(path, {"a": Q.ref_quantize_nvfp4(x.reshape(2, 2, 32))})  # 3-D

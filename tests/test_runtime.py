@@ -385,19 +385,20 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is availabl
 
 @no_cuda
 def test_launchers_reject_cpu_tensors_without_cuda():
-    from dsv4_nvfp4 import kernels as K
-    from dsv4_nvfp4.quant import quantize_nvfp4
+    from dsv4_nvfp4 import norm as NM
+    from dsv4_nvfp4 import quantize_cuda as QC
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4
     x = torch.randn(4, 32, dtype=torch.bfloat16)
-    q = quantize_nvfp4(x)
+    q = ref_quantize_nvfp4(x)
     w = torch.ones(32)
     calls = [
-        ("quantize_nvfp4_cuda", lambda: K.quantize_nvfp4_cuda(x)),
-        ("quantize_nvfp4_cuda", lambda: K.quantize_nvfp4_cuda(x, 1.0, swizzle=True)),
-        ("dequantize_nvfp4_cuda", lambda: K.dequantize_nvfp4_cuda(q)),
-        ("gather_dequant_nvfp4", lambda: K.gather_dequant_nvfp4(q, torch.zeros(2, dtype=torch.int32))),
-        ("dequant_rows_nvfp4", lambda: K.dequant_rows_nvfp4(q, 0, 2)),
-        ("rmsnorm_quantize_nvfp4", lambda: K.rmsnorm_quantize_nvfp4(x, w)),
-        ("mhc_rmsnorm_quantize_nvfp4", lambda: K.mhc_rmsnorm_quantize_nvfp4(x.reshape(2, 2, 32), torch.ones(2, 2), w)),
+        ("quantize_nvfp4_cuda", lambda: QC.quantize_nvfp4_cuda(x)),
+        ("quantize_nvfp4_cuda", lambda: QC.quantize_nvfp4_cuda(x, 1.0, swizzle=True)),
+        ("dequantize_nvfp4_cuda", lambda: QC.dequantize_nvfp4_cuda(q)),
+        ("gather_dequant_nvfp4", lambda: QC.gather_dequant_nvfp4(q, torch.zeros(2, dtype=torch.int32))),
+        ("dequant_rows_nvfp4", lambda: QC.dequant_rows_nvfp4(q, 0, 2)),
+        ("rmsnorm_quantize_nvfp4", lambda: NM.rmsnorm_quantize_nvfp4(x, w)),
+        ("mhc_rmsnorm_quantize_nvfp4", lambda: NM.mhc_rmsnorm_quantize_nvfp4(x.reshape(2, 2, 32), torch.ones(2, 2), w)),
     ]
     for name, fn in calls:
         with pytest.raises((ValueError, TypeError, rt.CudaUnavailableError)) as ei:
@@ -486,14 +487,15 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     """Every launch the launchers make (run here on CPU tensors, launches recorded, not executed) names a kernel of
     the right file with exactly its PTX parameter count and 32/64-bit/f32 kinds, and a legal launch shape; the
     per-tensor fused gs is the sequence fill -> amax -> gs -> quantize on one stream."""
-    from dsv4_nvfp4 import kernels as K
-    from dsv4_nvfp4.quant import quantize_nvfp4
-    if not hasattr(K, "_DEVICE_TYPE"):
-        pytest.skip("dsv4_nvfp4.kernels has no _DEVICE_TYPE switch to run its launchers on CPU tensors")
+    from dsv4_nvfp4 import norm as NM
+    from dsv4_nvfp4 import quantize_cuda as QC
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4
+    if not hasattr(rt, "_DEVICE_TYPE"):
+        pytest.skip("dsv4_nvfp4.runtime has no _DEVICE_TYPE switch to run its launchers on CPU tensors")
     import contextlib
     sigs = ptx_signatures(sorted(EXPECTED_KERNELS))
     calls = []
-    monkeypatch.setattr(K, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(rt, "launch", lambda file, name, grid, block, args, **kw:
                         calls.append((file, name, grid, block, list(args))))
     monkeypatch.setattr(rt, "sm_count", lambda i: 132)
@@ -519,35 +521,35 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     x = torch.randn(130, 256, dtype=torch.bfloat16)
     for dt, sfx in ((torch.bfloat16, "bf16"), (torch.float16, "f16"), (torch.float32, "f32")):
         xd = x.to(dt)
-        seq = run(lambda: K.quantize_nvfp4_cuda(xd))
+        seq = run(lambda: QC.quantize_nvfp4_cuda(xd))
         assert seq == ["nvfp4_fill_u32", f"nvfp4_amax_tensor_{sfx}", "nvfp4_gs_from_amax_inplace",
                        f"nvfp4_quantize_{sfx}"], seq
         seen |= set(seq)
-        seen |= set(run(lambda: K.quantize_nvfp4_cuda(xd, swizzle=True)))
-        seq = run(lambda: K.quantize_nvfp4_cuda(xd, per_row=True))
+        seen |= set(run(lambda: QC.quantize_nvfp4_cuda(xd, swizzle=True)))
+        seq = run(lambda: QC.quantize_nvfp4_cuda(xd, per_row=True))
         assert seq == [f"nvfp4_quantize_rowgs_{sfx}"], seq
-        seen |= set(seq) | set(run(lambda: K.quantize_nvfp4_cuda(xd, per_row=True, swizzle=True)))
-        seq = run(lambda: K.quantize_nvfp4_cuda(torch.randn(2, 16400).to(dt), per_row=True))  # K > 16384
+        seen |= set(seq) | set(run(lambda: QC.quantize_nvfp4_cuda(xd, per_row=True, swizzle=True)))
+        seq = run(lambda: QC.quantize_nvfp4_cuda(torch.randn(2, 16400).to(dt), per_row=True))  # K > 16384
         assert seq[0] == f"nvfp4_amax_rows_{sfx}" and seq[-1] == f"nvfp4_quantize_{sfx}", seq
         seen |= set(seq)
-        seen |= set(run(lambda: K.quantize_nvfp4_cuda(xd, 0.5)))
-        seen |= set(run(lambda: K.quantize_nvfp4_cuda(xd, torch.full((130,), 0.5), swizzle=True)))
-    q = quantize_nvfp4(x.float())
+        seen |= set(run(lambda: QC.quantize_nvfp4_cuda(xd, 0.5)))
+        seen |= set(run(lambda: QC.quantize_nvfp4_cuda(xd, torch.full((130,), 0.5), swizzle=True)))
+    q = ref_quantize_nvfp4(x.float())
     from dsv4_nvfp4.layout import swizzle_scales
     for dt in (torch.bfloat16, torch.float32):
-        seen |= set(run(lambda: K.dequantize_nvfp4_cuda(q, dtype=dt)))
-        seen |= set(run(lambda: K.dequantize_nvfp4_cuda(q.data, swizzle_scales(q.scale), q.global_scale,
+        seen |= set(run(lambda: QC.dequantize_nvfp4_cuda(q, dtype=dt)))
+        seen |= set(run(lambda: QC.dequantize_nvfp4_cuda(q.data, swizzle_scales(q.scale), q.global_scale,
                                                         swizzled=True, dtype=dt)))
     idx = torch.tensor([0, -1, 5, 129], dtype=torch.int32)
-    seen |= set(run(lambda: K.gather_dequant_nvfp4(q, idx)))
-    seen |= set(run(lambda: K.gather_dequant_nvfp4(q, idx, bad_count=torch.zeros(1, dtype=torch.int32))))
-    seen |= set(run(lambda: K.dequant_rows_nvfp4(q, 3, 100)))
+    seen |= set(run(lambda: QC.gather_dequant_nvfp4(q, idx)))
+    seen |= set(run(lambda: QC.gather_dequant_nvfp4(q, idx, bad_count=torch.zeros(1, dtype=torch.int32))))
+    seen |= set(run(lambda: QC.dequant_rows_nvfp4(q, 3, 100)))
     w = torch.rand(256) + 0.5
     for dt in (torch.bfloat16, torch.float16, torch.float32):
-        seen |= set(run(lambda: K.rmsnorm_quantize_nvfp4(x.to(dt), w, 1e-6)))
-        seen |= set(run(lambda: K.rmsnorm_quantize_nvfp4(x.to(dt), w, 1e-6, global_scale=torch.tensor(0.01),
+        seen |= set(run(lambda: NM.rmsnorm_quantize_nvfp4(x.to(dt), w, 1e-6)))
+        seen |= set(run(lambda: NM.rmsnorm_quantize_nvfp4(x.to(dt), w, 1e-6, global_scale=torch.tensor(0.01),
                                                          swizzle=True)))
-        seen |= set(run(lambda: K.mhc_rmsnorm_quantize_nvfp4(x.to(dt).reshape(65, 2, 256), torch.rand(65, 2), w,
+        seen |= set(run(lambda: NM.mhc_rmsnorm_quantize_nvfp4(x.to(dt).reshape(65, 2, 256), torch.rand(65, 2), w,
                                                              1e-6, round_to_bf16=True)))
     every = set().union(*EXPECTED_KERNELS.values())
     assert seen == every, f"kernels no launcher uses: {sorted(every - seen)}"
