@@ -5,10 +5,11 @@
 # %% auto #0
 __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYTES', 'SLAB_BYTES', 'SLAB_WIDTH', 'SLAB_ROWS',
            'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
-           'HOPPER_SMEM_PER_SM', 'CONFIGS', 'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue',
-           'GemmConfig', 'smem_bytes', 'device_smem', 'GroupedGemmSm90', 'compile_sm90', 'have_tvm_ffi', 'run_sm90']
+           'HOPPER_SMEM_PER_SM', 'CONFIGS', 'USE_TVM_FFI', 'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90',
+           'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'GroupedGemmSm90', 'compile_sm90', 'have_tvm_ffi',
+           'run_sm90']
 
-# %% ../nbs/04b_gemm_sm90.ipynb #192a15b3
+# %% ../nbs/04b_gemm_sm90.ipynb #298887db
 import enum
 import os
 from typing import NamedTuple
@@ -23,7 +24,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
-# %% ../nbs/04b_gemm_sm90.ipynb #49db3627
+# %% ../nbs/04b_gemm_sm90.ipynb #2cce49c8
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
 WG_ROWS = 64               # weight rows per consumer warpgroup: WGMMA's M
 WG_THREADS = 128           # threads per warpgroup
@@ -98,7 +99,7 @@ def emulate_decode_sm90(tiled: torch.Tensor, E: int, Np: int, Kt: int) -> torch.
             out[:, :, :, row[t, kb, slot], col[t, kb, slot]] = x * S[(slot % 4) % 2]   # pair j uses r0 (j even) or r1
     return out.permute(0, 1, 3, 2, 4).reshape(E, Np, Kt)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #2bed6d04
+# %% ../nbs/04b_gemm_sm90.ipynb #5897d6e3
 class Epilogue(enum.Enum):
     "What the epilogue does with the fp32 accumulator; each kind is a compiled variant of the kernel."
     BF16 = "bf16"                # C (R, N) = acc * 2^7 * gs_w[e] * gs_a -> bf16, gs_a one scalar
@@ -145,7 +146,7 @@ def device_smem(device=None) -> tuple[int, int, int]:
                            getattr(p, "shared_memory_per_multiprocessor", HOPPER_SMEM_PER_SM), p.multi_processor_count)
     return _DEVICE_SMEM[i]
 
-# %% ../nbs/04b_gemm_sm90.ipynb #05198600
+# %% ../nbs/04b_gemm_sm90.ipynb #fa7daba7
 @dsl_user_op
 def _asm(text: str, *ins, loc=None, ip=None):
     "One 32-bit result from an inline PTX snippet over 32-bit inputs."
@@ -165,7 +166,7 @@ _DEC = ["{ .reg .b32 m, s; " + _MAG[j] + " and.b32 m, m, 0x01C001C0; " + _SGN[j]
 _SCL = ["{ .reg .b32 x; prmt.b32 x, $1, 0, " + hex(i | (4 << 4) | (i << 8) | (4 << 12)) +
         "; mad.lo.u32 $0, x, 16, 0x70007000; }" for i in range(4)]
 
-# %% ../nbs/04b_gemm_sm90.ipynb #7ede70bd
+# %% ../nbs/04b_gemm_sm90.ipynb #817efe3a
 class _Schedule:
     "Mixin of GroupedGemmSm90: the device-side schedule (no host sync: reads the offsets staged in shared memory)."
 
@@ -219,7 +220,7 @@ class _Schedule:
             rb = start - e * TR
         return mt, local - mt * ntt, l, rb
 
-# %% ../nbs/04b_gemm_sm90.ipynb #8e66b5cf
+# %% ../nbs/04b_gemm_sm90.ipynb #85fc8bee
 class _Producer:
     "Mixin of GroupedGemmSm90: the TMA producer (one thread issues, the mbarrier counts the bytes)."
 
@@ -255,7 +256,7 @@ class _Producer:
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
         pipe.producer_tail(ps)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #46375e03
+# %% ../nbs/04b_gemm_sm90.ipynb #03d38528
 class _Consumer:
     "Mixin of GroupedGemmSm90: the mainloop of one consumer warpgroup over the K tiles of one unit."
 
@@ -290,7 +291,7 @@ class _Consumer:
             cs.advance()
         return cs
 
-# %% ../nbs/04b_gemm_sm90.ipynb #2231bb82
+# %% ../nbs/04b_gemm_sm90.ipynb #33fbcce2
 class _EpilogueStore:
     "Mixin of GroupedGemmSm90: the epilogue of one unit."
 
@@ -311,7 +312,7 @@ class _EpilogueStore:
                     ga = mGa[row, l]
                 mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #1440b00e
+# %% ../nbs/04b_gemm_sm90.ipynb #b68cb264
 class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
     """NVFP4 weights x bf16 activations grouped by expert on sm_90a WGMMA: C^T = W A^T with the weights, decoded in
     registers, on the MMA's M side and the tokens on its N side. One persistent, warp-specialized kernel per config."""
@@ -346,6 +347,11 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
     def __call__(self, mW: cute.Tensor, mA: cute.Tensor, mC: cute.Tensor, mOff: cute.Tensor,
                  mGw: cute.Tensor, mGa: cute.Tensor, n_ctas: cutlass.Int32, stream):
         tt, kt_ = self.tt, K_TILE
+        if cutlass.const_expr(cute.rank(mA) == 2):    # (rows, K) / (rows, N): add the batch mode L = 1 here, not in Python
+            mA = cute.make_tensor(mA.iterator, cute.make_layout(
+                (mA.shape[0], mA.shape[1], 1), stride=(mA.stride[0], mA.stride[1], mA.shape[0] * mA.stride[0])))
+            mC = cute.make_tensor(mC.iterator, cute.make_layout(
+                (mC.shape[0], mC.shape[1], 1), stride=(mC.stride[0], mC.stride[1], mC.shape[0] * mC.stride[0])))
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             cutlass.Float32, (self.wgs, 1, 1), tiler_mn=(WG_ROWS, tt), a_source=warpgroup.OperandSource.RMEM)
@@ -436,17 +442,18 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #ca07e95e
-def _fake_args(tvm_ffi: bool):
+# %% ../nbs/04b_gemm_sm90.ipynb #b5612b01
+def _fake_args(tvm_ffi: bool, wo_a: bool):
     "Fake operands with dynamic shapes and strides (leading stride 1, 16-byte aligned): compile once, run any size."
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
     si = cute.sym_int
     t2 = lambda dt, align=16: make_fake_tensor(dt, (si(), si()), (si(), 1), assumed_align=align)
     t3 = lambda dt: make_fake_tensor(dt, (si(), si(), si()), (si(), 1, si()), assumed_align=16)
     t1 = lambda dt: make_fake_tensor(dt, (si(),), (1,), assumed_align=4)
+    ac = t3 if wo_a else t2
     return (t2(cutlass.Uint8),            # mW (slab rows, 256)
-            t3(cutlass.BFloat16),         # mA (rows, K, L)
-            t3(cutlass.BFloat16),         # mC (rows, N, L)
+            ac(cutlass.BFloat16),         # mA (rows, K), or wo_a's (T, K, G)
+            ac(cutlass.BFloat16),         # mC (rows, N), or wo_a's (T, N, G)
             t1(cutlass.Int32),            # mOff (E,)
             t1(cutlass.Float32),          # mGw (E,)
             t2(cutlass.Float32, 4),       # mGa (1, 1) or (rows, L)
@@ -461,16 +468,21 @@ def compile_sm90(cfg: GemmConfig,
     ok, why = GroupedGemmSm90.can_implement(cfg, 1, smem_limit=HOPPER_SMEM_PER_BLOCK)
     if not ok: raise ValueError(f"compile_sm90: {why}")
     opts = f"--gpu-arch={arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
-    return cute.compile(GroupedGemmSm90(cfg), *_fake_args(tvm_ffi), options=opts)
+    return cute.compile(GroupedGemmSm90(cfg), *_fake_args(tvm_ffi, cfg.epilogue.wo_a), options=opts)
+
+USE_TVM_FFI = os.environ.get("DSV4_GEMM_TVM_FFI", "1") not in ("0", "")   # read once, at import (a launch is hot)
+_TVM_FFI = []   # [importable] once known
 
 def have_tvm_ffi() -> bool:
-    "Whether the thin launch path is available (apache-tvm-ffi importable, not disabled by DSV4_GEMM_TVM_FFI=0)."
-    if os.environ.get("DSV4_GEMM_TVM_FFI", "1") in ("0", ""): return False
-    try:
-        import tvm_ffi  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    "Whether the thin launch path is used: apache-tvm-ffi importable and `USE_TVM_FFI` (DSV4_GEMM_TVM_FFI=0 at import turns it off)."
+    if not USE_TVM_FFI: return False
+    if not _TVM_FFI:
+        try:
+            import tvm_ffi  # noqa: F401
+            _TVM_FFI.append(True)
+        except ImportError:
+            _TVM_FFI.append(False)
+    return _TVM_FFI[0]
 
 _COMPILED = {}   # (cfg, device index, tvm_ffi) -> (compiled function, number of CTAs)
 
@@ -486,8 +498,8 @@ def _compiled(cfg: GemmConfig, dev: torch.device, tvm: bool):
 
 def run_sm90(cfg: GemmConfig,
              w_sm90: torch.Tensor,    # uint8 (slab rows, 256)
-             a3: torch.Tensor,        # bf16 (rows, K, L), K contiguous
-             out3: torch.Tensor,      # bf16 (rows, N, L), N contiguous
+             a3: torch.Tensor,        # bf16 (rows, K), or (T, K, G) for the wo_a kinds; K contiguous
+             out3: torch.Tensor,      # bf16 (rows, N), or (T, N, G) for the wo_a kinds; N contiguous
              expert_offsets: torch.Tensor,  # int32 (E,)
              gs_w: torch.Tensor,      # fp32 (E,)
              gs_a2: torch.Tensor,     # fp32 (1, 1) or (rows, L)

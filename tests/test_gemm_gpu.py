@@ -221,3 +221,25 @@ def test_bad_input_gpu():
     GG.grouped_gemm_nvfp4(a, pw, bad, out=out[:12])
     torch.cuda.synchronize()
     assert bool((out[12:] == 0).all())
+
+
+def test_tvm_ffi_and_python_launch_paths_agree(monkeypatch):
+    """The thin TVM-FFI launch and CuTeDSL's Python launch run the same compiled kernel: bit-identical outputs
+    (W4A16, W4A4 per-row gs, wo_a), and the TVM-FFI path is the one taken when apache-tvm-ffi is installed."""
+    pytest.importorskip("tvm_ffi")
+    E, N, K = 6, 1024, 2048
+    pw = experts(E, N, K, seed=21)
+    offs, R = routed(7, E, 3, seed=5)
+    offs = offs.to(DEV)
+    a = torch.randn(R, K, device=DEV).to(torch.bfloat16)
+    q = ref_quantize_nvfp4(torch.randn(R, K), per_row=True).to(DEV)
+    x = torch.randn(5, 8, 4096, device=DEV).to(torch.bfloat16)
+    pwo = experts(8, 1024, 4096, seed=22)
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setattr(S90, "USE_TVM_FFI", flag == "1")
+        assert S90.have_tvm_ffi() == (flag == "1")
+        outs[flag] = (GG.grouped_gemm_nvfp4(a, pw, offs), GG.grouped_gemm_nvfp4(q, pw, offs), GG.wo_a_nvfp4(x, pwo))
+    for t1, t0 in zip(outs["1"], outs["0"]):
+        assert torch.equal(t1, t0)
+    assert any(key[2] for key in S90._COMPILED), "no TVM-FFI compile was cached"

@@ -778,3 +778,23 @@ def test_kernel_variants_bit_exact(monkeypatch, variant):
     x, a, w = fused_inputs("rmsnorm", "bf16", 64, 1024, seed=5)
     res = run_fused("rmsnorm", x, a, w, 1e-6)
     check_fused(*res, round_to_bf16=False)
+
+
+# ================================================================================================================
+# The public quantize_nvfp4 / dequantize_nvfp4: the kernel on a GPU tensor, bit-identical to the same call on the CPU
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("kw", [dict(), dict(per_row=True), dict(global_scale=0.02), dict(swizzle=True)],
+                         ids=["tensor_gs", "row_gs", "given_gs", "swizzled"])
+def test_public_quantize_gpu_equals_cpu(dt, kw, monkeypatch, capsys):
+    x = rand_rows(200, 512, DTYPES[dt], seed=7)
+    monkeypatch.setenv("DSV4_VERBOSE", "1")
+    cpu, gpu = QC.quantize_nvfp4(x, **kw), QC.quantize_nvfp4(x.to(DEV), **kw)
+    err = capsys.readouterr().err
+    assert "quantize_nvfp4: CPU reference" in err and "quantize_nvfp4: CUDA kernel" in err
+    assert type(cpu) is type(gpu)
+    for a, b in zip((cpu.data, cpu.scale, cpu.global_scale), (gpu.data, gpu.scale, gpu.global_scale)):
+        assert a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
+    if not kw.get("swizzle"):
+        for odt in (torch.float32, torch.bfloat16):
+            want = QC.dequantize_nvfp4(cpu, odt)
+            assert torch.equal(QC.dequantize_nvfp4(gpu, odt).cpu().view(torch.uint8), want.view(torch.uint8))
