@@ -9,7 +9,7 @@ __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYT
            'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'GroupedGemmSm90', 'compile_sm90', 'have_tvm_ffi',
            'run_sm90']
 
-# %% ../nbs/04b_gemm_sm90.ipynb #298887db
+# %% ../nbs/04b_gemm_sm90.ipynb #0b3376cf
 import enum
 import os
 from typing import NamedTuple
@@ -24,7 +24,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
-# %% ../nbs/04b_gemm_sm90.ipynb #2cce49c8
+# %% ../nbs/04b_gemm_sm90.ipynb #60332dc6
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
 WG_ROWS = 64               # weight rows per consumer warpgroup: WGMMA's M
 WG_THREADS = 128           # threads per warpgroup
@@ -99,7 +99,7 @@ def emulate_decode_sm90(tiled: torch.Tensor, E: int, Np: int, Kt: int) -> torch.
             out[:, :, :, row[t, kb, slot], col[t, kb, slot]] = x * S[(slot % 4) % 2]   # pair j uses r0 (j even) or r1
     return out.permute(0, 1, 3, 2, 4).reshape(E, Np, Kt)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #5897d6e3
+# %% ../nbs/04b_gemm_sm90.ipynb #29142f82
 class Epilogue(enum.Enum):
     "What the epilogue does with the fp32 accumulator; each kind is a compiled variant of the kernel."
     BF16 = "bf16"                # C (R, N) = acc * 2^7 * gs_w[e] * gs_a -> bf16, gs_a one scalar
@@ -146,7 +146,7 @@ def device_smem(device=None) -> tuple[int, int, int]:
                            getattr(p, "shared_memory_per_multiprocessor", HOPPER_SMEM_PER_SM), p.multi_processor_count)
     return _DEVICE_SMEM[i]
 
-# %% ../nbs/04b_gemm_sm90.ipynb #fa7daba7
+# %% ../nbs/04b_gemm_sm90.ipynb #bc98129f
 @dsl_user_op
 def _asm(text: str, *ins, loc=None, ip=None):
     "One 32-bit result from an inline PTX snippet over 32-bit inputs."
@@ -166,7 +166,7 @@ _DEC = ["{ .reg .b32 m, s; " + _MAG[j] + " and.b32 m, m, 0x01C001C0; " + _SGN[j]
 _SCL = ["{ .reg .b32 x; prmt.b32 x, $1, 0, " + hex(i | (4 << 4) | (i << 8) | (4 << 12)) +
         "; mad.lo.u32 $0, x, 16, 0x70007000; }" for i in range(4)]
 
-# %% ../nbs/04b_gemm_sm90.ipynb #817efe3a
+# %% ../nbs/04b_gemm_sm90.ipynb #4325c6a7
 class _Schedule:
     "Mixin of GroupedGemmSm90: the device-side schedule (no host sync: reads the offsets staged in shared memory)."
 
@@ -220,7 +220,7 @@ class _Schedule:
             rb = start - e * TR
         return mt, local - mt * ntt, l, rb
 
-# %% ../nbs/04b_gemm_sm90.ipynb #85fc8bee
+# %% ../nbs/04b_gemm_sm90.ipynb #ccc9a3e8
 class _Producer:
     "Mixin of GroupedGemmSm90: the TMA producer (one thread issues, the mbarrier counts the bytes)."
 
@@ -256,7 +256,7 @@ class _Producer:
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
         pipe.producer_tail(ps)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #03d38528
+# %% ../nbs/04b_gemm_sm90.ipynb #126139e8
 class _Consumer:
     "Mixin of GroupedGemmSm90: the mainloop of one consumer warpgroup over the K tiles of one unit."
 
@@ -291,7 +291,7 @@ class _Consumer:
             cs.advance()
         return cs
 
-# %% ../nbs/04b_gemm_sm90.ipynb #33fbcce2
+# %% ../nbs/04b_gemm_sm90.ipynb #b9371739
 class _EpilogueStore:
     "Mixin of GroupedGemmSm90: the epilogue of one unit."
 
@@ -312,7 +312,7 @@ class _EpilogueStore:
                     ga = mGa[row, l]
                 mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #b68cb264
+# %% ../nbs/04b_gemm_sm90.ipynb #e03627da
 class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
     """NVFP4 weights x bf16 activations grouped by expert on sm_90a WGMMA: C^T = W A^T with the weights, decoded in
     registers, on the MMA's M side and the tokens on its N side. One persistent, warp-specialized kernel per config."""
@@ -442,7 +442,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #b5612b01
+# %% ../nbs/04b_gemm_sm90.ipynb #eb3598e6
 def _fake_args(tvm_ffi: bool, wo_a: bool):
     "Fake operands with dynamic shapes and strides (leading stride 1, 16-byte aligned): compile once, run any size."
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -486,14 +486,17 @@ def have_tvm_ffi() -> bool:
 
 _COMPILED = {}   # (cfg, device index, tvm_ffi) -> (compiled function, number of CTAs)
 
+_COMPILED_PY = {}   # the Python path's compiles: (cfg, device index, "python") -> compiled function
+
 def _compiled(cfg: GemmConfig, dev: torch.device, tvm: bool):
+    "(the TVM-FFI compiled function or None, the persistent grid size) for `cfg` on `dev`, cached."
     key = (cfg, dev.index, tvm)
     hit = _COMPILED.get(key)
     if hit is None:
         per_block, per_sm, sms = device_smem(dev)
         n_ctas = sms * max(1, min(per_sm // smem_bytes(cfg), MAX_CTAS_PER_SM))
         arch = "sm_{}{}a".format(*torch.cuda.get_device_capability(dev))
-        hit = _COMPILED[key] = (compile_sm90(cfg, arch, tvm_ffi=tvm), n_ctas)
+        hit = _COMPILED[key] = (compile_sm90(cfg, arch, tvm_ffi=True) if tvm else None, n_ctas)
     return hit
 
 def run_sm90(cfg: GemmConfig,
@@ -510,10 +513,13 @@ def run_sm90(cfg: GemmConfig,
     if tvm:
         fn(w_sm90, a3, out3, expert_offsets, gs_w, gs_a2, n_ctas)
         return
+    # CuTeDSL's Python path: DLPack views with dynamic layouts and the stream, built per call; compiled on first use
+    # from these real operands (their layouts are as dynamic as the fake ones: only the contiguous stride is fixed)
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import from_dlpack
     dl = lambda t, lead: from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=lead)
-    stream = cuda.CUstream(torch.cuda.current_stream(a3.device).cuda_stream)
-    fn(dl(w_sm90, 1), dl(a3, 1), dl(out3, 1), from_dlpack(expert_offsets, assumed_align=4).mark_layout_dynamic(leading_dim=0),
-       from_dlpack(gs_w, assumed_align=4).mark_layout_dynamic(leading_dim=0),
-       from_dlpack(gs_a2, assumed_align=4).mark_layout_dynamic(leading_dim=1), cutlass.Int32(n_ctas), stream)
+    args = (dl(w_sm90, 1), dl(a3, 1), dl(out3, 1), dl(expert_offsets, 0), dl(gs_w, 0), dl(gs_a2, 1), cutlass.Int32(n_ctas),
+            cuda.CUstream(torch.cuda.current_stream(a3.device).cuda_stream))
+    key = (cfg, a3.device.index, "python")
+    if key not in _COMPILED_PY: _COMPILED_PY[key] = cute.compile(GroupedGemmSm90(cfg), *args)
+    _COMPILED_PY[key](*args)

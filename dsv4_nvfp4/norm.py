@@ -143,7 +143,10 @@ def rmsnorm_quantize_nvfp4(x: torch.Tensor,          # (..., N) bf16/fp16/fp32 C
                            round_to_bf16: bool = False,  # round y to bf16 before quantizing (= unfused bf16 RMSNorm)
                            swizzle: bool = False,
                            out_data=None, out_scale=None, out_gs=None, out_inv_rms=None):
-    "Fused RMSNorm -> NVFP4 (per-row gs): returns (NVFP4Tensor or SwizzledNVFP4, inv_rms fp32 (...,))."
+    """Fused RMSNorm -> NVFP4 in one pass over x (CUDA, contiguous, N % 16 == 0, N <= 16384): y = x / rms(x) * weight,
+    quantized with a per-row global scale from y (or the given static one). Returns (NVFP4Tensor or, with swizzle=True,
+    SwizzledNVFP4 of y: data uint8 (..., N/2), scale e4m3 (..., N/16), gs fp32 (...); inv_rms fp32 (...)). The
+    reference is `ref_rmsnorm_quantize_nvfp4` (bit-exact given the kernel's inv_rms)."""
     what = "rmsnorm_quantize_nvfp4"
     check_tensor(x, what, "x", tuple(rt.DTYPE_SUFFIX))
     if x.dim() == 0: raise ValueError(f"{what}: x must be (..., N)")
@@ -158,7 +161,8 @@ def mhc_rmsnorm_quantize_nvfp4(x: torch.Tensor,      # (M, n_hc, N) bf16/fp16/fp
                                *,
                                global_scale=None, round_to_bf16: bool = False, swizzle: bool = False,
                                out_data=None, out_scale=None, out_gs=None, out_inv_rms=None):
-    "DSV4 mHC pre-mix `h = sum_j a[:, j] * x[:, j]` -> RMSNorm -> NVFP4 in one pass over x: (quantized h, inv_rms)."
+    """DSV4's mHC pre-mix `h = sum_j a[:, j] * x[:, j]` (x (M, n_hc, N) CUDA, a fp32 (M, n_hc)) -> RMSNorm -> NVFP4 in
+    one pass over x: returns (the quantized normalized h as in `rmsnorm_quantize_nvfp4`, inv_rms fp32 (M,))."""
     what = "mhc_rmsnorm_quantize_nvfp4"
     check_tensor(x, what, "x", tuple(rt.DTYPE_SUFFIX), dim=3)
     M, n_hc, N = x.shape

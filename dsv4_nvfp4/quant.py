@@ -185,7 +185,8 @@ def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
 # %% ../nbs/01_quantize.ipynb #48c8568b
 @dataclass
 class NVFP4Experts:
-    "E experts' NVFP4 weights stacked: packed codes, block scales, one fp32 global scale per expert."
+    """E experts' NVFP4 weights (N, K) stacked, each with its own fp32 global scale (as ModelOpt stores them; an
+    NVFP4Tensor cannot hold one scale per expert). Make one with `stack_experts` or `quantize_experts`."""
     data: torch.Tensor          # uint8 (E, N, Kp/2), element 2i in the low nibble
     scale: torch.Tensor         # float8_e4m3fn (E, N, Kp/16), unswizzled
     global_scale: torch.Tensor  # float32 (E,): gs_w[e]
@@ -220,7 +221,7 @@ class NVFP4Experts:
 
 def stack_experts(experts: list,  # E NVFP4Tensors (N, K), each with a scalar global scale
                  ) -> NVFP4Experts:
-    "Stack per-expert NVFP4 weights into (E, N, K) with global scales (E,)."
+    "Stack E NVFP4Tensors (N, K) with per-tensor global scales into NVFP4Experts (E, N, K) with global scales (E,)."
     if len(experts) == 0: raise ValueError("stack_experts: need at least one expert")
     for e, t in enumerate(experts):
         if not isinstance(t, NVFP4Tensor): raise TypeError(f"stack_experts: expert {e} is a {type(t).__name__}, not an NVFP4Tensor")
@@ -234,6 +235,6 @@ def stack_experts(experts: list,  # E NVFP4Tensors (N, K), each with a scalar gl
 
 def quantize_experts(w: torch.Tensor,  # (E, N, K) float32 / bf16 / fp16 expert weights
                     ) -> NVFP4Experts:
-    "Quantize each expert on its own (its own global scale from its amax), as ModelOpt does."
+    "Quantize (E, N, K) expert weights with `ref_quantize_nvfp4`, each expert on its own (its own global scale from its amax), as ModelOpt does."
     if w.dim() != 3: raise ValueError(f"quantize_experts: expected (E, N, K), got {tuple(w.shape)}")
     return stack_experts([ref_quantize_nvfp4(w[e]) for e in range(w.shape[0])])

@@ -96,7 +96,11 @@ def quantize_nvfp4_cuda(x: torch.Tensor,           # (..., K) bf16/fp16/fp32 CUD
                         out_scale: torch.Tensor | None = None,  # e4m3/uint8 (..., K/16) or swizzled (Mp, Cp)
                         out_gs: torch.Tensor | None = None,     # fp32 () or (...) for a computed gs
                        ):
-    "GPU `ref_quantize_nvfp4`: bit-exact with the CPU reference; the computed global scale never leaves the GPU."
+    """The CUDA kernel of `ref_quantize_nvfp4`, bit for bit. Needs a contiguous CUDA tensor with K % 16 == 0 (no
+    padding). Returns an `NVFP4Tensor`: data uint8 (..., K/2), scale e4m3 (..., K/16), global_scale fp32 `()` or
+    (...) per row; or with `swizzle=True` (2-D x) a `SwizzledNVFP4` whose scale is (round_up(M,128), round_up(K/16,4))
+    in the 32_4_4 layout. A computed global scale never leaves the GPU (no sync); NaN input gives a NaN global scale.
+    With every `out_*=` given it allocates nothing (CUDA-graph safe)."""
     what = "quantize_nvfp4_cuda"
     check_tensor(x, what, "x", tuple(rt.DTYPE_SUFFIX), dim=None)
     if x.dim() == 0: raise ValueError(f"{what}: x must have at least one dimension (..., K)")
@@ -188,7 +192,9 @@ def dequantize_nvfp4_cuda(t,                          # NVFP4Tensor / SwizzledNV
                           swizzled: bool | None = None,         # scales in 32_4_4 layout (default: SwizzledNVFP4 input)
                           out: torch.Tensor | None = None,      # (..., K) of `dtype`
                          ) -> torch.Tensor:
-    "GPU `ref_dequantize_nvfp4`: `(e2m1 * s) * gs` in fp32, then bf16 RNE or fp32; bit-exact with the reference."
+    """The CUDA kernel of `ref_dequantize_nvfp4`, bit for bit: `(e2m1 * s) * gs` in fp32, then bf16 (RNE) or fp32.
+    Takes an NVFP4Tensor / SwizzledNVFP4 or (data uint8 (..., K/2), scale e4m3 (..., K/16) or swizzled, global_scale
+    fp32) on one CUDA device, K % 16 == 0; returns (..., K) of `dtype`, into `out` when given."""
     what = "dequantize_nvfp4_cuda"
     if swizzled is None: swizzled = isinstance(t, SwizzledNVFP4)
     data, scale, gs = _unpack_nvfp4(t, scale, global_scale, what)
@@ -294,7 +300,8 @@ def gather_dequant_nvfp4(t,                    # NVFP4Tensor (N_src, K) or packe
                          bad_count: torch.Tensor | None = None,  # int32 CUDA (>= 1 elems): += number of bad indices
                          swizzled: bool | None = None,
                         ) -> torch.Tensor:
-    """Rows `index` of an NVFP4 matrix, dequantized to bf16 into `out`. An index of -1 gives a zero row; any other
+    """Rows `index` (int32 (T,)) of an NVFP4 matrix (N_src, K) on the GPU, dequantized to bf16 (T, K) into `out` (whose
+    rows may be a strided slice, e.g. of a KV buffer). An index of -1 gives a zero row; any other
     index outside [0, N_src) also gives a zero row and never reads out of bounds; with `bad_count` (checked mode) each
     such index adds 1 to bad_count[0] on the device (no sync: read it when convenient)."""
     what = "gather_dequant_nvfp4"
@@ -320,7 +327,7 @@ def gather_dequant_nvfp4(t,                    # NVFP4Tensor (N_src, K) or packe
 
 def dequant_rows_nvfp4(t, row_start: int, n_rows: int, scale=None, global_scale=None, *,
                        out: torch.Tensor | None = None, swizzled: bool | None = None) -> torch.Tensor:
-    "Rows [row_start, row_start + n_rows) of an NVFP4 matrix dequantized to bf16 (the dense HCA variant of the gather)."
+    "Rows [row_start, row_start + n_rows) of an NVFP4 matrix (N_src, K) on the GPU dequantized to bf16 (n_rows, K) (the dense HCA variant of the gather)."
     what = "dequant_rows_nvfp4"
     data, sfv, g, stride, swizzled, dev, n_src, K = _gather_common(t, scale, global_scale, swizzled, what)
     row_start, n_rows = int(row_start), int(n_rows)

@@ -240,6 +240,10 @@ def test_tvm_ffi_and_python_launch_paths_agree(monkeypatch):
         monkeypatch.setattr(S90, "USE_TVM_FFI", flag == "1")
         assert S90.have_tvm_ffi() == (flag == "1")
         outs[flag] = (GG.grouped_gemm_nvfp4(a, pw, offs), GG.grouped_gemm_nvfp4(q, pw, offs), GG.wo_a_nvfp4(x, pwo))
-    for t1, t0 in zip(outs["1"], outs["0"]):
-        assert torch.equal(t1, t0)
+    wd = wdeq(pw)
+    for flag, (y16, y4, yo) in outs.items():              # each path against the float64 reference first
+        assert_close(y16, ref(a.double(), wd, offs.cpu()), f"W4A16, tvm-ffi={flag}")
+        assert_close(yo, torch.einsum("tgk,gnk->tgn", x.double(), wdeq(pwo)), f"wo_a, tvm-ffi={flag}")
+    for t1, t0, what in zip(outs["1"], outs["0"], ("W4A16", "W4A4", "wo_a")):
+        assert torch.equal(t1, t0), f"{what}: the two launch paths differ in {(t1 != t0).sum().item()} outputs"
     assert any(key[2] for key in S90._COMPILED), "no TVM-FFI compile was cached"

@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gpu_helpers import (GS_RTOL, INV_RMS_RTOL, MAX_DIFF_FRACTION, TOL_BF16, TOL_FP32,  # noqa: E402
                           assert_bits_equal, make_input, near_rounding_boundary, rand_rows, unpack_codes)
 
-from dsv4_nvfp4 import norm as N  # noqa: E402
+from dsv4_nvfp4 import norm as NM  # noqa: E402
 from dsv4_nvfp4 import quantize_cuda as QC  # noqa: E402
 from dsv4_nvfp4 import runtime as rt  # noqa: E402
 from dsv4_nvfp4.layout import swizzle_scales, unswizzle_scales  # noqa: E402
@@ -323,17 +323,17 @@ def fused_inputs(fused, dt, M, N, n_hc=4, seed=None):
 def run_fused(fused, x, a, w, eps, **kw):
     "(kernel result, kernel inv_rms, ref q, ref inv_rms, ref y, ref q given the kernel's inv_rms)."
     if fused == "mhc":
-        q, inv = N.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), eps, **kw)
+        q, inv = NM.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), eps, **kw)
         sync()
         kw.pop("swizzle", None)
-        refq, rinv, y = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, eps, **kw)
-        exq, _, _ = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, eps, inv_rms=inv.cpu(), **kw)
+        refq, rinv, y = NM.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, eps, **kw)
+        exq, _, _ = NM.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, eps, inv_rms=inv.cpu(), **kw)
     else:
-        q, inv = N.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), eps, **kw)
+        q, inv = NM.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), eps, **kw)
         sync()
         kw.pop("swizzle", None)
-        refq, rinv, y = N.ref_rmsnorm_quantize_nvfp4(x, w, eps, **kw)
-        exq, _, _ = N.ref_rmsnorm_quantize_nvfp4(x, w, eps, inv_rms=inv.cpu(), **kw)
+        refq, rinv, y = NM.ref_rmsnorm_quantize_nvfp4(x, w, eps, **kw)
+        exq, _, _ = NM.ref_rmsnorm_quantize_nvfp4(x, w, eps, inv_rms=inv.cpu(), **kw)
     return q, inv, refq, rinv, y, exq
 
 
@@ -433,15 +433,15 @@ def test_fused_given_global_scale(fused, gs_kind):
         gs_cpu = 0.01
     gs_dev = gs_cpu.to(DEV) if isinstance(gs_cpu, torch.Tensor) else gs_cpu
     if fused == "mhc":
-        q, inv = N.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), 1e-5, global_scale=gs_dev)
+        q, inv = NM.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), 1e-5, global_scale=gs_dev)
         sync()
-        refq, rinv, y = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-5, global_scale=gs_cpu)
-        exq, _, _ = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-5, global_scale=gs_cpu, inv_rms=inv.cpu())
+        refq, rinv, y = NM.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-5, global_scale=gs_cpu)
+        exq, _, _ = NM.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-5, global_scale=gs_cpu, inv_rms=inv.cpu())
     else:
-        q, inv = N.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), 1e-5, global_scale=gs_dev)
+        q, inv = NM.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), 1e-5, global_scale=gs_dev)
         sync()
-        refq, rinv, y = N.ref_rmsnorm_quantize_nvfp4(x, w, 1e-5, global_scale=gs_cpu)
-        exq, _, _ = N.ref_rmsnorm_quantize_nvfp4(x, w, 1e-5, global_scale=gs_cpu, inv_rms=inv.cpu())
+        refq, rinv, y = NM.ref_rmsnorm_quantize_nvfp4(x, w, 1e-5, global_scale=gs_cpu)
+        exq, _, _ = NM.ref_rmsnorm_quantize_nvfp4(x, w, 1e-5, global_scale=gs_cpu, inv_rms=inv.cpu())
     if gs_kind == "per-row-tensor":
         assert tuple(q.global_scale.shape) == (M,)
     else:
@@ -532,29 +532,29 @@ BAD_INPUTS = [
     ("dense rows out of range", ValueError, "dequant_rows_nvfp4", lambda x, q: QC.dequant_rows_nvfp4(q, 2, 3)),
     ("dense rows negative start", ValueError, "dequant_rows_nvfp4", lambda x, q: QC.dequant_rows_nvfp4(q, -1, 2)),
     ("rmsnorm weight dtype", TypeError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: N.rmsnorm_quantize_nvfp4(x, _c(32, dtype=torch.bfloat16) + 1)),
+     lambda x, q: NM.rmsnorm_quantize_nvfp4(x, _c(32, dtype=torch.bfloat16) + 1)),
     ("rmsnorm weight shape", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: N.rmsnorm_quantize_nvfp4(x, _c(48) + 1)),
+     lambda x, q: NM.rmsnorm_quantize_nvfp4(x, _c(48) + 1)),
     ("rmsnorm weight CPU", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: N.rmsnorm_quantize_nvfp4(x, torch.ones(32))),
+     lambda x, q: NM.rmsnorm_quantize_nvfp4(x, torch.ones(32))),
     ("rmsnorm eps negative", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: N.rmsnorm_quantize_nvfp4(x, _c(32) + 1, -1e-6)),
+     lambda x, q: NM.rmsnorm_quantize_nvfp4(x, _c(32) + 1, -1e-6)),
     ("rmsnorm eps NaN", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: N.rmsnorm_quantize_nvfp4(x, _c(32) + 1, float("nan"))),
+     lambda x, q: NM.rmsnorm_quantize_nvfp4(x, _c(32) + 1, float("nan"))),
     ("rmsnorm N % 16", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: N.rmsnorm_quantize_nvfp4(x[:, :24].contiguous(), _c(24) + 1)),
+     lambda x, q: NM.rmsnorm_quantize_nvfp4(x[:, :24].contiguous(), _c(24) + 1)),
     ("rmsnorm N too large", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: N.rmsnorm_quantize_nvfp4(_c(1, 16400), _c(16400) + 1)),
+     lambda x, q: NM.rmsnorm_quantize_nvfp4(_c(1, 16400), _c(16400) + 1)),
     ("rmsnorm swizzle 3-D", ValueError, "rmsnorm_quantize_nvfp4",
-     lambda x, q: N.rmsnorm_quantize_nvfp4(x.reshape(2, 2, 32), _c(32) + 1, swizzle=True)),
+     lambda x, q: NM.rmsnorm_quantize_nvfp4(x.reshape(2, 2, 32), _c(32) + 1, swizzle=True)),
     ("mhc x 2-D", ValueError, "mhc_rmsnorm_quantize_nvfp4",
-     lambda x, q: N.mhc_rmsnorm_quantize_nvfp4(_c(2, 32), _c(2, 1), _c(32) + 1)),
+     lambda x, q: NM.mhc_rmsnorm_quantize_nvfp4(_c(2, 32), _c(2, 1), _c(32) + 1)),
     ("mhc n_hc 5", ValueError, "mhc_rmsnorm_quantize_nvfp4",
-     lambda x, q: N.mhc_rmsnorm_quantize_nvfp4(_c(2, 5, 32), _c(2, 5), _c(32) + 1)),
+     lambda x, q: NM.mhc_rmsnorm_quantize_nvfp4(_c(2, 5, 32), _c(2, 5), _c(32) + 1)),
     ("mhc a shape", ValueError, "mhc_rmsnorm_quantize_nvfp4",
-     lambda x, q: N.mhc_rmsnorm_quantize_nvfp4(_c(2, 4, 32), _c(2, 3), _c(32) + 1)),
+     lambda x, q: NM.mhc_rmsnorm_quantize_nvfp4(_c(2, 4, 32), _c(2, 3), _c(32) + 1)),
     ("mhc a dtype", TypeError, "mhc_rmsnorm_quantize_nvfp4",
-     lambda x, q: N.mhc_rmsnorm_quantize_nvfp4(_c(2, 4, 32), _c(2, 4, dtype=torch.bfloat16), _c(32) + 1)),
+     lambda x, q: NM.mhc_rmsnorm_quantize_nvfp4(_c(2, 4, 32), _c(2, 4, dtype=torch.bfloat16), _c(32) + 1)),
 ]
 
 
@@ -643,15 +643,15 @@ def test_fused_out_buffers(fused, swz):
     og, oinv = torch.full((M,), float("nan"), device=DEV), torch.full((M,), float("nan"), device=DEV)
     outs = dict(out_data=od, out_scale=osf, out_gs=og, out_inv_rms=oinv, swizzle=swz)
     if fused == "mhc":
-        q, inv = N.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), 1e-6, **outs)
+        q, inv = NM.mhc_rmsnorm_quantize_nvfp4(x.to(DEV), a.to(DEV), w.to(DEV), 1e-6, **outs)
         sync()
-        refq, rinv, y = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-6)
-        exq, _, _ = N.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-6, inv_rms=oinv.cpu())
+        refq, rinv, y = NM.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-6)
+        exq, _, _ = NM.ref_mhc_rmsnorm_quantize_nvfp4(x, a, w, 1e-6, inv_rms=oinv.cpu())
     else:
-        q, inv = N.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), 1e-6, **outs)
+        q, inv = NM.rmsnorm_quantize_nvfp4(x.to(DEV), w.to(DEV), 1e-6, **outs)
         sync()
-        refq, rinv, y = N.ref_rmsnorm_quantize_nvfp4(x, w, 1e-6)
-        exq, _, _ = N.ref_rmsnorm_quantize_nvfp4(x, w, 1e-6, inv_rms=oinv.cpu())
+        refq, rinv, y = NM.ref_rmsnorm_quantize_nvfp4(x, w, 1e-6)
+        exq, _, _ = NM.ref_rmsnorm_quantize_nvfp4(x, w, 1e-6, inv_rms=oinv.cpu())
     assert inv.data_ptr() == oinv.data_ptr() and q.data.data_ptr() == od.data_ptr()
     assert q.scale.data_ptr() == osf.data_ptr() and q.global_scale.data_ptr() == og.data_ptr()
     check_fused(q, inv, refq, rinv, y, exq, round_to_bf16=False, swizzled=swz)
@@ -694,7 +694,7 @@ def test_cuda_graph_capture_and_replay_on_new_data():
         QC.quantize_nvfp4_cuda(x, swizzle=True, out_data=d, out_scale=sfs, out_gs=gs)
         QC.dequantize_nvfp4_cuda(q0, out=deq)
         QC.gather_dequant_nvfp4(q0, idx, out=gat)
-        N.rmsnorm_quantize_nvfp4(x, w, 1e-6, out_data=rd, out_scale=rsf, out_gs=rgs, out_inv_rms=rinv)
+        NM.rmsnorm_quantize_nvfp4(x, w, 1e-6, out_data=rd, out_scale=rsf, out_gs=rgs, out_inv_rms=rinv)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -727,8 +727,8 @@ def test_cuda_graph_capture_and_replay_on_new_data():
         assert_bits_equal(gs, ref.global_scale, f"{tag}: fused per-tensor gs")
         assert_bits_equal(deq, deq_ref, f"{tag}: dequantize")
         assert_bits_equal(gat, gather_expected(idx.cpu(), deq_ref), f"{tag}: gather")
-        rq, rref_inv, _ = N.ref_rmsnorm_quantize_nvfp4(xc, w_cpu, 1e-6)
-        exq, _, _ = N.ref_rmsnorm_quantize_nvfp4(xc, w_cpu, 1e-6, inv_rms=rinv.cpu())
+        rq, rref_inv, _ = NM.ref_rmsnorm_quantize_nvfp4(xc, w_cpu, 1e-6)
+        exq, _, _ = NM.ref_rmsnorm_quantize_nvfp4(xc, w_cpu, 1e-6, inv_rms=rinv.cpu())
         rel = ((rinv.cpu().double() - rref_inv.double()).abs() / rref_inv.double()).max().item()
         assert rel <= INV_RMS_RTOL, f"{tag}: rmsnorm inv_rms relative error {rel:.3g}"
         assert_bits_equal(rd, exq.data, f"{tag}: rmsnorm codes (given the kernel's inv_rms)")
@@ -761,9 +761,9 @@ def test_kernel_variants_bit_exact(monkeypatch, variant):
     "The A/B encoders selected by DSV4_NVFP4_DEFINES give the same bits as the reference."
     src = "".join(p.read_text() for p in rt.kernels_dir().glob("*.cu*"))
     names = variant.split(",")
-    if not all(n in src for n in names) or not hasattr(K, "_DEFINES"):
+    if not all(n in src for n in names) or not hasattr(rt, "KERNEL_DEFINES"):
         pytest.skip(f"kernel variant {variant} is not in kernels_cu/ (or the launchers take no defines)")
-    monkeypatch.setattr(K, "_DEFINES", {n: None for n in names})
+    monkeypatch.setattr(rt, "KERNEL_DEFINES", {n: None for n in names})
     for dt in (torch.bfloat16, torch.float32):
         for gen, gs in (("adversarial", 1.0), ("random", None), ("underflow", None)):
             x = make_input(gen, 130, 256, dt, 77)
@@ -793,7 +793,7 @@ def test_public_quantize_gpu_equals_cpu(dt, kw, monkeypatch, capsys):
     assert "quantize_nvfp4: CPU reference" in err and "quantize_nvfp4: CUDA kernel" in err
     assert type(cpu) is type(gpu)
     for a, b in zip((cpu.data, cpu.scale, cpu.global_scale), (gpu.data, gpu.scale, gpu.global_scale)):
-        assert a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
+        assert a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8))
     if not kw.get("swizzle"):
         for odt in (torch.float32, torch.bfloat16):
             want = QC.dequantize_nvfp4(cpu, odt)
