@@ -57,6 +57,31 @@ class Timer:
                 graph = None
         del g; torch.cuda.empty_cache()
         return graph, eager
+    def launch(self, fn, warmup: int = 3, n: int = 40) -> dict:
+        """What a call costs when the GPU is waiting for it: each timed call is issued on an idle GPU (L2 flushed, then a
+        sync), so the time between the events before and after it includes the host's launch path. Returns the medians
+        `graph_us` (a graph replay) and `eager_us` (the call from Python), and `host_us`, the host time of one eager call."""
+        def idle(run):
+            ts = []
+            for _ in range(n):
+                self.flush.zero_(); torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(); run(); b.record(); b.synchronize()
+                ts.append(a.elapsed_time(b) * 1e3)
+            return statistics.median(ts)
+        with torch.cuda.stream(self.stream):
+            for _ in range(warmup): fn()
+            torch.cuda.synchronize()
+            hs = []
+            for _ in range(n):
+                torch.cuda.synchronize(); t0 = time.perf_counter(); fn(); hs.append((time.perf_counter() - t0) * 1e6)
+            eager = idle(fn)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=self.stream): fn()
+            g.replay(); torch.cuda.synchronize()
+            graph = idle(g.replay)
+        del g; torch.cuda.empty_cache()
+        return dict(graph_us=graph, eager_us=eager, host_us=statistics.median(hs))
 
 # %% ../nbs/02a_bench.ipynb #a192927b
 def bench_row(timer: Timer,

@@ -505,3 +505,19 @@ def test_sm90_kernel_compiles_without_gpu(tok_tile, monkeypatch):
     assert S90.compile_sm90(cfg) is not None
     if tok_tile == 16:
         assert S90.compile_sm90(cfg._replace(epilogue=S90.Epilogue.WO_A_ROW_GS)) is not None
+
+
+def test_benchmark_text_is_rendered_from_the_rows():
+    "gemm_table / launch_table / gemm_goals render what the rows say (goals met or missed follow the numbers)."
+    info = dict(gpu="GPU", sms=1, torch="2.x")
+    row = lambda T, us, eager, xb, xf, per: dict(problem="Flash L1 gate+up K=4096 N=4096", tokens=T, rows=per, active=1,
+                                                 tok_tile=16, time_us=us, eager_us=eager, tbs=2.0, tflops=1.0, pct=50.0,
+                                                 bf16_us=us * xb, x_bf16=xb, fp8_us=us * xf, x_fp8=xf,
+                                                 launch=dict(graph_us=us, eager_us=eager, host_us=5.0, py_eager_us=200.0, py_host_us=150.0))
+    res = dict(info=info, copy_tbs=4.0, bf16_tflops=700.0, rows=[row(1, 30.0, 35.0, 3.2, 1.9, 1), row(8, 160.0, 175.0, 2.9, 1.7, 1)])
+    text = GG.gemm_table(res)
+    assert "| Flash L1 gate+up K=4096 N=4096 | 1 | 1 | 16 | 30.0 | 35.0 |" in text and "Launch cost" in text
+    assert "| 8 | 160.0 | 175.0 | +15.0 | 5.0 | 200.0 | 150.0 |" in GG.launch_table(res)
+    goals = GG.gemm_goals(res)
+    assert "met on 1 of 2 rows" in goals and "missed: Flash L1 gate+up T=8" in goals
+    assert "Launch cost" in goals and ": missed:" in goals          # T=8: eager 15 us over graph
