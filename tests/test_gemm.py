@@ -521,3 +521,40 @@ def test_benchmark_text_is_rendered_from_the_rows():
     goals = GG.gemm_goals(res)
     assert "met on 1 of 2 rows" in goals and "missed: Flash L1 gate+up T=8" in goals
     assert "Launch cost" in goals and ": missed:" in goals          # T=8: eager 15 us over graph
+
+
+def test_launch_fast_path_keeps_every_check(monkeypatch):
+    """After a good call the launcher takes its fast path; any argument the full checks would refuse still gets the
+    full path and its error (run on CPU tensors with the launch recorded, not executed)."""
+    from dsv4_nvfp4 import runtime as rt
+    monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(GG, "_sm100", lambda: False)
+    calls = []
+    class FakeSm90:
+        @staticmethod
+        def run_sm90(cfg, w_sm90, a, out, offs, gs_w, gs_a): calls.append((cfg.tok_tile, a.shape, out.data_ptr()))
+    monkeypatch.setitem(GG._ARCH, "sm90", FakeSm90)
+    pw = GG.prepare_weights(Q.quantize_experts(torch.randn(4, 128, 256, generator=gen(9))))
+    a = torch.randn(6, 256).to(torch.bfloat16)
+    offs = torch.tensor([1, 3, 3, 6], dtype=I32)
+    out = torch.empty(6, 128, dtype=torch.bfloat16)
+    full = []
+    operands = GG._operands
+    monkeypatch.setattr(GG, "_operands", lambda *args: full.append(1) or operands(*args))
+    for _ in range(3): GG.grouped_gemm_nvfp4(a, pw, offs, out=out)
+    assert len(calls) == 3 and len(full) == 1, "the 2nd and 3rd calls take the fast path"
+    big = torch.empty(64, 300).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        GG.grouped_gemm_nvfp4(big[:6, :256], pw, offs, out=out)
+    with pytest.raises(ValueError, match="aligned"):
+        GG.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(6 * 128 + 1, dtype=torch.bfloat16)[1:].view(6, 128))
+    with pytest.raises(TypeError, match="int32"):
+        GG.grouped_gemm_nvfp4(a, pw, offs.long(), out=out)
+    with pytest.raises(ValueError, match=r"\(E,\)"):
+        GG.grouped_gemm_nvfp4(a, pw, offs[:3], out=out)
+    with pytest.raises(ValueError, match="out must have shape"):
+        GG.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(6, 136, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="K mismatch"):
+        GG.grouped_gemm_nvfp4(torch.randn(6, 128).to(torch.bfloat16), pw, offs, out=out)
+    assert len(calls) == 3
