@@ -125,9 +125,9 @@ def _fused(what, kernel, x, lead, N, weight, eps, global_scale, round_to_bf16, s
     if grid and N:
         with torch.cuda.device(dev):
             rt.launch_1d(RN_CU, f"{kernel}_{rt.DTYPE_SUFFIX[x.dtype]}", grid, max(32, rt.round_up(rt.cdiv(kb, nbt), 32)),
-                    [rt.ptr(x), *extra_args, rt.i64(M), rt.i64(N), rt.ptr(weight), rt.f32(eps),
-                     rt.i32(int(round_to_bf16)), rt.ptr(gs_in), rt.i64(gs_stride), rt.ptr(gs), rt.ptr(inv),
-                     rt.ptr(data), rt.ptr(sfv), rt.i32(int(swizzle))])
+                         [rt.ptr(x), *extra_args, rt.i64(M), rt.i64(N), rt.ptr(weight), rt.f32(eps),
+                          rt.i32(int(round_to_bf16)), rt.ptr(gs_in), rt.i64(gs_stride), rt.ptr(gs), rt.ptr(inv),
+                          rt.ptr(data), rt.ptr(sfv), rt.i32(int(swizzle))])
     elif M and global_scale is None:
         gs.fill_(1.0)
     g_ret = gs if gs is not None else (gs_in if gs_stride == 1 or gs_in.dim() == 0 else gs_in.reshape(()))

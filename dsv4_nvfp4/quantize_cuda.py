@@ -140,7 +140,7 @@ def quantize_nvfp4_cuda(x: torch.Tensor,           # (..., K) bf16/fp16/fp32 CUD
             nb16 = next((n for n in (1, 2, 8) if f"NVFP4_ROWGS_NB{n}" in d), 4)
             nbt = nb16 if x.element_size() < 4 else max(1, nb16 // 2)
             rt.launch_1d(Q_CU, f"nvfp4_quantize_rowgs_{dt}", grid, max(32, rt.round_up(rt.cdiv(kb, nbt), 32)),
-                    [rt.ptr(x), rt.i64(M), rt.i64(K), rt.ptr(gs), rt.ptr(data), rt.ptr(sfv), rt.i32(int(swizzle))])
+                         [rt.ptr(x), rt.i64(M), rt.i64(K), rt.ptr(gs), rt.ptr(data), rt.ptr(sfv), rt.i32(int(swizzle))])
         elif computed:  # per row, K too long for one CTA's registers: two passes over x
             rt.launch_1d(Q_CU, f"nvfp4_amax_rows_{dt}", M, _THREADS, [rt.ptr(x), rt.i64(M), rt.i64(K), rt.ptr(gs)])
             _quantize_flat(x, M, K, gs, 1, data, sfv, swizzle, dt)
@@ -155,8 +155,8 @@ def _quantize_flat(x, M, K, gs, gs_stride, data, sfv, swizzle, dt):
     R = rt.round_up(M, 128) if swizzle else M
     C = rt.round_up(K // 16, 4) if swizzle else K // 16
     rt.launch_1d(Q_CU, f"nvfp4_quantize_{dt}", rt.cdiv(R * C, _THREADS), _THREADS,
-            [rt.ptr(x), rt.i64(M), rt.i64(K), rt.ptr(gs), rt.i64(gs_stride), rt.ptr(data), rt.ptr(sfv),
-             rt.i32(int(swizzle)), *_magic(C)])
+                 [rt.ptr(x), rt.i64(M), rt.i64(K), rt.ptr(gs), rt.i64(gs_stride), rt.ptr(data), rt.ptr(sfv),
+                  rt.i32(int(swizzle)), *_magic(C)])
 
 # %% ../nbs/03a_quantize_cuda.ipynb #f2df1a0c
 def _unpack_nvfp4(t, scale, global_scale, what):
@@ -212,8 +212,8 @@ def dequantize_nvfp4_cuda(t,                          # NVFP4Tensor / SwizzledNV
     if M * K:
         with torch.cuda.device(dev):
             rt.launch_1d(DQ_CU, f"nvfp4_dequantize_{rt.DTYPE_SUFFIX[dtype]}", rt.cdiv(M * kb, _THREADS), _THREADS,
-                    [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i64(M), rt.i64(K),
-                     rt.i32(int(swizzled)), rt.ptr(out), rt.i64(K), *_magic(kb)])
+                         [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i64(M), rt.i64(K),
+                          rt.i32(int(swizzled)), rt.ptr(out), rt.i64(K), *_magic(kb)])
     return out
 
 # %% ../nbs/03a_quantize_cuda.ipynb #accd7529
@@ -321,9 +321,9 @@ def gather_dequant_nvfp4(t,                    # NVFP4Tensor (N_src, K) or packe
     if n_out and K:
         with torch.cuda.device(dev):
             rt.launch_1d(G_CU, "nvfp4_gather_dequant_bf16", rt.cdiv(n_out * (K // 16), _THREADS), _THREADS,
-                    [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i32(int(swizzled)), rt.i64(n_src),
-                     rt.i64(K), rt.ptr(index), rt.i64(0), rt.i64(n_out), rt.ptr(out), rt.i64(out.stride(0)),
-                     rt.ptr(bad_count), *_magic(K // 16)])
+                         [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i32(int(swizzled)), rt.i64(n_src),
+                          rt.i64(K), rt.ptr(index), rt.i64(0), rt.i64(n_out), rt.ptr(out), rt.i64(out.stride(0)),
+                          rt.ptr(bad_count), *_magic(K // 16)])
     return out
 
 def dequant_rows_nvfp4(t, row_start: int, n_rows: int, scale=None, global_scale=None, *,
@@ -339,9 +339,9 @@ def dequant_rows_nvfp4(t, row_start: int, n_rows: int, scale=None, global_scale=
     if n_rows and K:
         with torch.cuda.device(dev):
             rt.launch_1d(G_CU, "nvfp4_gather_dequant_bf16", rt.cdiv(n_rows * (K // 16), _THREADS), _THREADS,
-                    [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i32(int(swizzled)), rt.i64(n_src),
-                     rt.i64(K), rt.ptr(None), rt.i64(row_start), rt.i64(n_rows), rt.ptr(out),
-                     rt.i64(out.stride(0)), rt.ptr(None), *_magic(K // 16)])
+                         [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i32(int(swizzled)), rt.i64(n_src),
+                          rt.i64(K), rt.ptr(None), rt.i64(row_start), rt.i64(n_rows), rt.ptr(out),
+                          rt.i64(out.stride(0)), rt.ptr(None), *_magic(K // 16)])
     return out
 
 # %% ../nbs/03a_quantize_cuda.ipynb #440fbac1
