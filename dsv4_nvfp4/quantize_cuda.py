@@ -408,7 +408,7 @@ def bench_quantize(timer,                                  # a dsv4_nvfp4.bench.
         gs1 = torch.tensor(0.01, device=dev)
         data = torch.empty(M, Kd // 2, dtype=torch.uint8, device=dev)
         sf = torch.empty(M, Kd // 16, dtype=torch.float8_e4m3fn, device=dev)
-        sfz = torch.empty(128 * math.ceil(M / 128), Kd // 16, dtype=torch.float8_e4m3fn, device=dev)
+        sfz = torch.empty(rt.round_up(M, 128), Kd // 16, dtype=torch.float8_e4m3fn, device=dev)
         gso, gsr = torch.empty((), device=dev), torch.empty(M, device=dev)
         qb = M * Kd * 2 + M * Kd // 2 + M * Kd // 16
         shp = f"bf16 ({M}, {Kd})"
