@@ -9,7 +9,7 @@ __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYT
            'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'GroupedGemmSm90', 'compile_sm90', 'have_tvm_ffi',
            'run_sm90']
 
-# %% ../nbs/04b_gemm_sm90.ipynb #0b3376cf
+# %% ../nbs/04b_gemm_sm90.ipynb #ab70ae4b
 import enum
 import os
 from typing import NamedTuple
@@ -24,7 +24,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass._mlir.dialects import llvm
 
-# %% ../nbs/04b_gemm_sm90.ipynb #60332dc6
+# %% ../nbs/04b_gemm_sm90.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
 WG_ROWS = 64               # weight rows per consumer warpgroup: WGMMA's M
 WG_THREADS = 128           # threads per warpgroup
@@ -99,18 +99,22 @@ def emulate_decode_sm90(tiled: torch.Tensor, E: int, Np: int, Kt: int) -> torch.
             out[:, :, :, row[t, kb, slot], col[t, kb, slot]] = x * S[(slot % 4) % 2]   # pair j uses r0 (j even) or r1
     return out.permute(0, 1, 3, 2, 4).reshape(E, Np, Kt)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #29142f82
+# %% ../nbs/04b_gemm_sm90.ipynb #15f92a3b
 class Epilogue(enum.Enum):
     "What the epilogue does with the fp32 accumulator; each kind is a compiled variant of the kernel."
     BF16 = "bf16"                # C (R, N) = acc * 2^7 * gs_w[e] * gs_a -> bf16, gs_a one scalar
     BF16_ROW_GS = "bf16_row_gs"  # the same with gs_a one per row (R,)
     WO_A = "wo_a"                # wo_a: A (T, K, G) and C (T, N, G) strided views, group g = expert g, gs_a scalar
     WO_A_ROW_GS = "wo_a_row_gs"  # wo_a with gs_a one per (t, g)
+    SWIGLU_BF16 = "swiglu_bf16"  # L1 of the expert MLP: W13's gate/up rows interleaved by 8 -> h (R, N/2) bf16 =
+                                 # swiglu(s g, s u) * p with s = 2^7 gs_w[e] gs_a; mGa (R, 2) holds (gs_a, p) per row
 
     @property
     def per_row(self) -> bool: return self in (Epilogue.BF16_ROW_GS, Epilogue.WO_A_ROW_GS)
     @property
     def wo_a(self) -> bool: return self in (Epilogue.WO_A, Epilogue.WO_A_ROW_GS)
+    @property
+    def swiglu(self) -> bool: return self is Epilogue.SWIGLU_BF16
     @staticmethod
     def of(per_row: bool, wo_a: bool) -> "Epilogue":
         "The kind for a per-row gs_a and/or the wo_a layout."
@@ -123,6 +127,7 @@ class GemmConfig(NamedTuple):
     wgs: int                           # consumer warpgroups: 64 weight rows each (m tile = 64 * wgs)
     stages: int                        # depth of the TMA ring
     epilogue: Epilogue = Epilogue.BF16
+    swiglu_limit: float = 10.0         # SwiGLU kinds: L (compiled in; math.inf: no clamp)
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
@@ -146,7 +151,7 @@ def device_smem(device=None) -> tuple[int, int, int]:
                            getattr(p, "shared_memory_per_multiprocessor", HOPPER_SMEM_PER_SM), p.multi_processor_count)
     return _DEVICE_SMEM[i]
 
-# %% ../nbs/04b_gemm_sm90.ipynb #bc98129f
+# %% ../nbs/04b_gemm_sm90.ipynb #4e0c49f8
 @dsl_user_op
 def _asm(text: str, *ins, loc=None, ip=None):
     "One 32-bit result from an inline PTX snippet over 32-bit inputs."
@@ -166,7 +171,7 @@ _DEC = ["{ .reg .b32 m, s; " + _MAG[j] + " and.b32 m, m, 0x01C001C0; " + _SGN[j]
 _SCL = ["{ .reg .b32 x; prmt.b32 x, $1, 0, " + hex(i | (4 << 4) | (i << 8) | (4 << 12)) +
         "; mad.lo.u32 $0, x, 16, 0x70007000; }" for i in range(4)]
 
-# %% ../nbs/04b_gemm_sm90.ipynb #4325c6a7
+# %% ../nbs/04b_gemm_sm90.ipynb #c013e463
 class _Schedule:
     "Mixin of GroupedGemmSm90: the device-side schedule (no host sync: reads the offsets staged in shared memory)."
 
@@ -220,7 +225,7 @@ class _Schedule:
             rb = start - e * TR
         return mt, local - mt * ntt, l, rb
 
-# %% ../nbs/04b_gemm_sm90.ipynb #ccc9a3e8
+# %% ../nbs/04b_gemm_sm90.ipynb #9c7bb5f4
 class _Producer:
     "Mixin of GroupedGemmSm90: the TMA producer (one thread issues, the mbarrier counts the bytes)."
 
@@ -256,7 +261,7 @@ class _Producer:
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
         pipe.producer_tail(ps)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #126139e8
+# %% ../nbs/04b_gemm_sm90.ipynb #9b543596
 class _Consumer:
     "Mixin of GroupedGemmSm90: the mainloop of one consumer warpgroup over the K tiles of one unit."
 
@@ -291,7 +296,7 @@ class _Consumer:
             cs.advance()
         return cs
 
-# %% ../nbs/04b_gemm_sm90.ipynb #b9371739
+# %% ../nbs/04b_gemm_sm90.ipynb #b4246b2d
 class _EpilogueStore:
     "Mixin of GroupedGemmSm90: the epilogue of one unit."
 
@@ -302,6 +307,9 @@ class _EpilogueStore:
         row0 = rb + ti * self.tt
         rend = rb + cnt
         n0 = mt * self.m_tile
+        if cutlass.const_expr(self.swiglu):
+            self.store_swiglu(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N)
+            return
         for i in cutlass.range_constexpr(cute.size(acc_frag)):
             m_, c_ = tCc[i]                     # (weight row, token) of accumulator element i
             row = row0 + c_
@@ -312,7 +320,28 @@ class _EpilogueStore:
                     ga = mGa[row, l]
                 mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #e03627da
+    @cute.jit
+    def store_swiglu(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N):
+        """The SwiGLU epilogue: accumulator values i and i + 2 of a thread are rows r and r + 8 of a 16-row group for the
+        same token, i.e. gate j and up j under the interleave of 8. h = silu(min(s g, L)) * clamp(s u, -L, L) * p,
+        NaN when s g or s u is not finite, stored at column 8 (n / 16) + n % 16 of the (R, N/2) output."""
+        L = cutlass.Float32(self.limit)
+        for i in cutlass.range_constexpr(cute.size(acc_frag)):
+            if cutlass.const_expr((i // 2) % 2 == 0):          # a gate row; element i + 2 is its up row
+                m_, c_ = tCc[i]
+                row = row0 + c_
+                n = n0 + m_
+                if row < rend and n < N:
+                    s = g * mGa[row, 0]
+                    gv = acc_frag[i] * s
+                    uv = acc_frag[i + 2] * s
+                    bad = (gv - gv) + (uv - uv)                    # 0 when both are finite, NaN otherwise
+                    gc = cutlass.min(gv, L)
+                    uc = cutlass.max(cutlass.min(uv, L), -L)
+                    h = gc / (cutlass.Float32(1.0) + cute.math.exp(-gc)) * uc * mGa[row, 1] + bad
+                    mC[row, (n // 16) * 8 + n % 16, 0] = h.to(cutlass.BFloat16)
+
+# %% ../nbs/04b_gemm_sm90.ipynb #38a75bd6
 class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
     """NVFP4 weights x bf16 activations grouped by expert on sm_90a WGMMA: C^T = W A^T with the weights, decoded in
     registers, on the MMA's M side and the tokens on its N side. One persistent, warp-specialized kernel per config."""
@@ -320,7 +349,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
     def __init__(self, cfg: GemmConfig):
         self.cfg = cfg
         self.tt, self.wgs, self.stages = cfg.tok_tile, cfg.wgs, cfg.stages
-        self.per_row, self.wo_a = cfg.epilogue.per_row, cfg.epilogue.wo_a
+        self.per_row, self.wo_a, self.swiglu = cfg.epilogue.per_row, cfg.epilogue.wo_a, cfg.epilogue.swiglu
+        self.limit = cfg.swiglu_limit
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
 
@@ -389,7 +419,9 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             cpasync.prefetch_descriptor(tma_a)
 
         TR = mC.shape[0]                # rows of A and C (per group L for wo_a)
-        N = mC.shape[1]
+        N = mC.shape[1]                 # weight rows (the GEMM's N)
+        if cutlass.const_expr(self.swiglu):
+            N = mC.shape[1] * 2         # SwiGLU: C holds one value per gate/up pair of rows
         E = mOff.shape[0]
         if cutlass.const_expr(self.wo_a):
             E = mC.shape[2]             # wo_a: G groups of TR rows each, implied by the shapes (no offsets tensor)
@@ -442,7 +474,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
 
-# %% ../nbs/04b_gemm_sm90.ipynb #eb3598e6
+# %% ../nbs/04b_gemm_sm90.ipynb #21b6c2bb
 def _fake_args(tvm_ffi: bool, wo_a: bool):
     "Fake operands with dynamic shapes and strides (leading stride 1, 16-byte aligned): compile once, run any size."
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
