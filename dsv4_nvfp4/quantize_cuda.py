@@ -293,6 +293,19 @@ def _gather_common(t, scale, global_scale, swizzled, what):
     g, stride = global_scale_arg(gs, what, (n_src,), dev, per_row=False)
     return data, sfv, g, stride, swizzled, dev, n_src, K
 
+def _gather_launch(what, src, n_out, out, *, index=None, row_start=0, bad_count=None):
+    "One launch of the gather kernel for `n_out` rows: rows `index` (top-k) or [row_start, row_start + n_out) (dense)."
+    data, sfv, g, stride, swizzled, dev, n_src, K = src
+    _check_threads(n_out * (K // 16), what)
+    out = _gather_out(out, what, n_out, K, dev)
+    if n_out and K:
+        with torch.cuda.device(dev):
+            rt.launch_1d(G_CU, "nvfp4_gather_dequant_bf16", rt.cdiv(n_out * (K // 16), _THREADS), _THREADS,
+                         [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i32(int(swizzled)), rt.i64(n_src),
+                          rt.i64(K), rt.ptr(index), rt.i64(row_start), rt.i64(n_out), rt.ptr(out),
+                          rt.i64(out.stride(0)), rt.ptr(bad_count), *_magic(K // 16)])
+    return out
+
 def gather_dequant_nvfp4(t,                    # NVFP4Tensor (N_src, K) or packed codes uint8 (N_src, K/2)
                          index: torch.Tensor,  # int32 (T,) source rows; -1 = zero row (padding)
                          scale=None, global_scale=None,
@@ -315,16 +328,8 @@ def gather_dequant_nvfp4(t,                    # NVFP4Tensor (N_src, K) or packe
     if bad_count is not None:
         check_tensor(bad_count, what, "bad_count", (torch.int32,), device=dev, align=4)
         if bad_count.numel() < 1: raise ValueError(f"{what}: bad_count needs at least one element")
-    n_out = index.shape[0]
-    _check_threads(n_out * (K // 16), what)
-    out = _gather_out(out, what, n_out, K, dev)
-    if n_out and K:
-        with torch.cuda.device(dev):
-            rt.launch_1d(G_CU, "nvfp4_gather_dequant_bf16", rt.cdiv(n_out * (K // 16), _THREADS), _THREADS,
-                         [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i32(int(swizzled)), rt.i64(n_src),
-                          rt.i64(K), rt.ptr(index), rt.i64(0), rt.i64(n_out), rt.ptr(out), rt.i64(out.stride(0)),
-                          rt.ptr(bad_count), *_magic(K // 16)])
-    return out
+    return _gather_launch(what, (data, sfv, g, stride, swizzled, dev, n_src, K), index.shape[0], out,
+                          index=index, bad_count=bad_count)
 
 def dequant_rows_nvfp4(t, row_start: int, n_rows: int, scale=None, global_scale=None, *,
                        out: torch.Tensor | None = None, swizzled: bool | None = None) -> torch.Tensor:
@@ -334,15 +339,7 @@ def dequant_rows_nvfp4(t, row_start: int, n_rows: int, scale=None, global_scale=
     row_start, n_rows = int(row_start), int(n_rows)
     if row_start < 0 or n_rows < 0 or row_start + n_rows > n_src:
         raise ValueError(f"{what}: rows [{row_start}, {row_start + n_rows}) are outside the {n_src} source rows")
-    _check_threads(n_rows * (K // 16), what)
-    out = _gather_out(out, what, n_rows, K, dev)
-    if n_rows and K:
-        with torch.cuda.device(dev):
-            rt.launch_1d(G_CU, "nvfp4_gather_dequant_bf16", rt.cdiv(n_rows * (K // 16), _THREADS), _THREADS,
-                         [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i32(int(swizzled)), rt.i64(n_src),
-                          rt.i64(K), rt.ptr(None), rt.i64(row_start), rt.i64(n_rows), rt.ptr(out),
-                          rt.i64(out.stride(0)), rt.ptr(None), *_magic(K // 16)])
-    return out
+    return _gather_launch(what, (data, sfv, g, stride, swizzled, dev, n_src, K), n_rows, out, row_start=row_start)
 
 # %% ../nbs/03a_quantize_cuda.ipynb #440fbac1
 def _gs_torch(amax): return torch.where(amax == 0, torch.ones_like(amax), (amax / 2688.0).clamp(min=2.0 ** -110))
