@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYTES', 'SLAB_BYTES', 'SLAB_WIDTH', 'SLAB_ROWS',
-           'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
-           'HOPPER_SMEM_PER_SM', 'CONFIGS', 'USE_TVM_FFI', 'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90',
-           'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'GroupedGemmSm90', 'compile_sm90', 'have_tvm_ffi',
-           'run_sm90']
+           'N_PAD', 'DECODE_SCALE', 'DECODE_A_SCALE', 'A_CODE_BOX', 'A_SF_BOX', 'MAX_EXPERTS', 'SMEM_RESERVED',
+           'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK', 'HOPPER_SMEM_PER_SM', 'CONFIGS', 'USE_TVM_FFI', 'scale_codes',
+           'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem',
+           'emulate_decode_act_sm90', 'GroupedGemmSm90', 'compile_sm90', 'have_tvm_ffi', 'run_sm90']
 
 # %% ../nbs/04b_gemm_sm90.ipynb #ab70ae4b
 import enum
@@ -35,6 +35,9 @@ SLAB_WIDTH = 256           # the slab tensor is (rows, 256) bytes: one TMA box o
 SLAB_ROWS = SLAB_BYTES // SLAB_WIDTH       # 18
 N_PAD = 128                # N is padded to the largest m tile (2 warpgroups)
 DECODE_SCALE = 2.0 ** 7    # the register decode yields e2m1 * s * 2^-7: the epilogue multiplies by 2^7
+DECODE_A_SCALE = 2.0 ** 14 # the in-kernel activation decode (a_fp4) yields e2m1 * s * 2^-14: another 2^14
+A_CODE_BOX = K_TILE // 2   # a_fp4: bytes of packed activation codes per row and K tile (one TMA box (tok_tile, 64))
+A_SF_BOX = 16              # a_fp4: scale bytes per row in one TMA box: two K tiles (TMA boxes are >= 16 bytes wide)
 MAX_EXPERTS = 1024         # expert_offsets are staged in shared memory (4 KB)
 SMEM_RESERVED = 2048       # mbarriers and alignment slack
 MAX_CTAS_PER_SM = 3        # the persistent grid: SMs x min(3, CTAs whose shared memory fits on one SM)
@@ -104,17 +107,24 @@ class Epilogue(enum.Enum):
     "What the epilogue does with the fp32 accumulator; each kind is a compiled variant of the kernel."
     BF16 = "bf16"                # C (R, N) = acc * 2^7 * gs_w[e] * gs_a -> bf16, gs_a one scalar
     BF16_ROW_GS = "bf16_row_gs"  # the same with gs_a one per row (R,)
+    BF16_EXPERT_GS = "bf16_expert_gs"  # the same with gs_a one per expert, mGa (E, 1): the L2 of the W4A4 expert MLP
     WO_A = "wo_a"                # wo_a: A (T, K, G) and C (T, N, G) strided views, group g = expert g, gs_a scalar
     WO_A_ROW_GS = "wo_a_row_gs"  # wo_a with gs_a one per (t, g)
     SWIGLU_BF16 = "swiglu_bf16"  # L1 of the expert MLP: W13's gate/up rows interleaved by 8 -> h (R, N/2) bf16 =
                                  # swiglu(s g, s u) * p with s = 2^7 gs_w[e] gs_a; mGa (R, 2) holds (gs_a, p) per row
+    SWIGLU_NVFP4 = "swiglu_nvfp4"  # the same h, quantized to NVFP4 in the epilogue with a static global scale per
+                                   # expert (mGc (E,)): codes into C (R, N/16) int32 words, block scales into mSfC (R, N/32)
 
     @property
     def per_row(self) -> bool: return self in (Epilogue.BF16_ROW_GS, Epilogue.WO_A_ROW_GS)
     @property
+    def per_expert(self) -> bool: return self is Epilogue.BF16_EXPERT_GS
+    @property
     def wo_a(self) -> bool: return self in (Epilogue.WO_A, Epilogue.WO_A_ROW_GS)
     @property
-    def swiglu(self) -> bool: return self is Epilogue.SWIGLU_BF16
+    def swiglu(self) -> bool: return self in (Epilogue.SWIGLU_BF16, Epilogue.SWIGLU_NVFP4)
+    @property
+    def fp4_out(self) -> bool: return self is Epilogue.SWIGLU_NVFP4
     @staticmethod
     def of(per_row: bool, wo_a: bool) -> "Epilogue":
         "The kind for a per-row gs_a and/or the wo_a layout."
@@ -128,6 +138,8 @@ class GemmConfig(NamedTuple):
     stages: int                        # depth of the TMA ring
     epilogue: Epilogue = Epilogue.BF16
     swiglu_limit: float = 10.0         # SwiGLU kinds: L (compiled in; math.inf: no clamp)
+    a_fp4: bool = False                # activations are NVFP4 (codes (R, K/2) + scales (R, K/16)), decoded in the kernel
+    dump: bool = False                 # SWIGLU_NVFP4: also store the fp32 h before quantization (the bit-exactness test)
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
@@ -135,8 +147,13 @@ class GemmConfig(NamedTuple):
 CONFIGS = {16: GemmConfig(16, 1, 8), 32: GemmConfig(32, 1, 8), 64: GemmConfig(64, 2, 5), 128: GemmConfig(128, 2, 4)}
 
 def smem_bytes(cfg: GemmConfig) -> int:
-    "Shared memory of one CTA: the ring (weight slabs + bf16 activation tile per stage), the staged offsets, barriers."
-    return cfg.stages * (SLAB_BYTES * cfg.wgs + cfg.tok_tile * K_TILE * 2) + 4 * MAX_EXPERTS + SMEM_RESERVED
+    """Shared memory of one CTA: the ring (weight slabs + the activation tile per stage: bf16, or with `a_fp4` its codes
+    and scales), `a_fp4`'s two decoded bf16 tiles, the SwiGLU-NVFP4 amax exchange, the staged offsets, barriers."""
+    tt = cfg.tok_tile
+    act = tt * (A_CODE_BOX + A_SF_BOX) if cfg.a_fp4 else tt * K_TILE * 2
+    dec = 2 * tt * K_TILE * 2 + 1024 if cfg.a_fp4 else 0
+    xchg = 4 * cfg.wgs * 4 * tt if cfg.epilogue.fp4_out else 0
+    return cfg.stages * (SLAB_BYTES * cfg.wgs + act) + dec + xchg + 4 * MAX_EXPERTS + SMEM_RESERVED
 
 _DEVICE_SMEM = {}
 
@@ -160,6 +177,13 @@ def _asm(text: str, *ins, loc=None, ip=None):
                         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return cutlass.Uint32(r)
 
+@dsl_user_op
+def _f32_bits(x, *, loc=None, ip=None):
+    "The bits of an fp32 value as a Uint32 (a move, not a conversion)."
+    r = llvm.inline_asm(T.i32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+                        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return cutlass.Uint32(r)
+
 
 # pair j of a code word: element 2j in nibble j, element 2j+1 in nibble j+4.
 # magnitude bits -> bf16 bits 6..8 (x * 2^-126), sign bit -> bit 15, then times the scale (s * 2^119).
@@ -170,6 +194,42 @@ _DEC = ["{ .reg .b32 m, s; " + _MAG[j] + " and.b32 m, m, 0x01C001C0; " + _SGN[j]
 # scale code byte i of a word -> bf16x2 {S, S}: prmt spreads the byte to lanes 0 and 2, then (x << 4) | 0x7000 per lane
 _SCL = ["{ .reg .b32 x; prmt.b32 x, $1, 0, " + hex(i | (4 << 4) | (i << 8) | (4 << 12)) +
         "; mad.lo.u32 $0, x, 16, 0x70007000; }" for i in range(4)]
+# --- a_fp4: activations in the plain NVFP4 layout, decoded by the consumers into the bf16 B tile ---------------------
+# byte i of a code word holds elements 2i (low nibble) and 2i+1 (high nibble) -> bf16x2 {e2m1 * 2^-126, ...}, times
+# {S, S}: prmt puts byte i in lanes 0 and 2; magnitude bits -> bits 6..8 / 22..24, sign bits -> 15 / 31.
+_ADEC = ["{ .reg .b32 t, m, s; prmt.b32 t, $1, 0, " + hex(i | (4 << 4) | (i << 8) | (4 << 12)) + "; "
+         "shl.b32 m, t, 6; and.b32 m, m, 0x000001C0; shl.b32 s, t, 2; and.b32 s, s, 0x01C00000; or.b32 m, m, s; "
+         "shl.b32 s, t, 12; and.b32 s, s, 0x00008000; or.b32 m, m, s; shl.b32 s, t, 8; and.b32 s, s, 0x80000000; "
+         "or.b32 m, m, s; mul.rn.bf16x2 $0, m, $2; }" for i in range(4)]
+# an e4m3 scale byte -> bf16x2 {S, S} with S = s * 2^112: the byte twice -> f16x2 (exact, subnormal scales included),
+# then f16 bits >> 3 (sign aside) are bf16 bits of the same value with the exponent bias 15; + 224 << 7 rebiases by
+# 2^112. A zero scale (+-0) gives 0, whatever its codes; NaN (0x7f, 0xff) a bf16 NaN.
+_ASCL = ("{ .reg .b32 x, y; .reg .b16 p; .reg .pred z; mul.lo.u32 x, $1, 257; cvt.u16.u32 p, x; "
+         "cvt.rn.f16x2.e4m3x2 x, p; shr.b32 y, x, 3; and.b32 y, y, 0x0FFF0FFF; add.u32 y, y, 0x70007000; "
+         "and.b32 x, x, 0x80008000; or.b32 y, y, x; and.b32 x, $1, 127; setp.eq.u32 z, x, 0; selp.b32 $0, 0, y, z; }")
+
+# --- SWIGLU_NVFP4: the NVFP4 quantizer of ref_quantize_nvfp4, one IEEE-rounded operation per step ---------------------
+# block scale byte from the block amax (bits) and the global scale (bits): s = e4m3_rne(min(amax / (6 gs), 448));
+# satfinite saturates to 448 exactly like the reference's clamp-then-cast; a NaN amax gives the NaN byte 0x7f
+_SF = ("{ .reg .f32 a, g, q; .reg .b16 p; .reg .b32 x; mov.b32 a, $1; mov.b32 g, $2; mul.rn.f32 g, g, 0f40C00000; "
+       "div.rn.f32 q, a, g; cvt.rn.satfinite.e4m3x2.f32 p, q, q; cvt.u32.u16 x, p; and.b32 $0, x, 255; }")
+# r = 1 / (float(s) * gs) (bits), from the scale byte and gs (bits)
+_RCP = ("{ .reg .b32 x; .reg .b16 p, lo, hi; .reg .f32 s, g; mul.lo.u32 x, $1, 257; cvt.u16.u32 p, x; "
+        "cvt.rn.f16x2.e4m3x2 x, p; mov.b32 {lo, hi}, x; cvt.f32.f16 s, lo; mov.b32 g, $2; mul.rn.f32 s, s, g; "
+        "rcp.rn.f32 s, s; mov.b32 $0, s; }")
+# the E2M1 code (4 bits) of h * r: round to nearest, ties to the even code, |v| >= 6 -> 6, the sign bit of v.
+# set.* yields 0xffffffff when true: the sum of the seven comparisons is minus the magnitude index.
+_E2M1 = ("{ .reg .f32 v, a; .reg .b32 k, d, sg; mov.b32 v, $1; mov.b32 a, $2; mul.rn.f32 v, v, a; abs.f32 a, v; "
+         "set.gt.u32.f32 k, a, 0f3E800000; set.ge.u32.f32 d, a, 0f3F400000; add.u32 k, k, d; "
+         "set.gt.u32.f32 d, a, 0f3FA00000; add.u32 k, k, d; set.ge.u32.f32 d, a, 0f3FE00000; add.u32 k, k, d; "
+         "set.gt.u32.f32 d, a, 0f40200000; add.u32 k, k, d; set.ge.u32.f32 d, a, 0f40600000; add.u32 k, k, d; "
+         "set.gt.u32.f32 d, a, 0f40A00000; add.u32 k, k, d; neg.s32 k, k; "
+         "mov.b32 sg, v; shr.b32 sg, sg, 28; and.b32 sg, sg, 8; or.b32 $0, k, sg; }")
+
+_ABS_BITS = "and.b32 $0, $1, 0x7fffffff;"   # |x| as bits: unsigned order = order of |x|, every NaN above +Inf
+_UMAX = "max.u32 $0, $1, $2;"
+_ZERO_IF_NO_SCALE = ("{ .reg .pred p, q; setp.eq.u32 p, $2, 0; setp.eq.u32 q, $2, 127; or.pred p, p, q; "
+                     "selp.b32 $0, 0, $1, p; }")   # code 0 where the block scale is 0 (the reference) or NaN
 
 # %% ../nbs/04b_gemm_sm90.ipynb #c013e463
 class _Schedule:
@@ -230,8 +290,9 @@ class _Producer:
     "Mixin of GroupedGemmSm90: the TMA producer (one thread issues, the mbarrier counts the bytes)."
 
     @cute.jit
-    def produce(self, pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT):
-        "Load every K tile of every unit this CTA owns into the ring."
+    def produce(self, pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_s, tS, sS):
+        """Load every K tile of every unit this CTA owns into the ring. With `a_fp4`, `sB` is the ring of activation codes
+        `(tok_tile, 64, stages)` and `sS` that of their scales `(tok_tile, 16, stages)` (one box holds two K tiles' scales)."""
         tt, kt_, wgs = self.tt, K_TILE, self.wgs
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -241,13 +302,21 @@ class _Producer:
         found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
         while found:
             mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
-            gA = cute.local_tile(cute.domain_offset((rb + ti * tt, 0, 0), tA), (tt, kt_), (0, None, l))  # (tt, 128, KT)
+            a_cols = A_CODE_BOX if self.a_fp4 else kt_       # a Python constant
+            gA = cute.local_tile(cute.domain_offset((rb + ti * tt, 0, 0), tA), (tt, a_cols), (0, None, l))  # (tt, 128 or 64, KT)
             tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                              cute.group_modes(sB, 0, 2), cute.group_modes(gA, 0, 2))
+            tSs, tSg = tAs, tAg
+            if cutlass.const_expr(self.a_fp4):
+                gS = cute.local_tile(cute.domain_offset((rb + ti * tt, 0, 0), tS), (tt, A_SF_BOX), (0, None, l))
+                tSs, tSg = cpasync.tma_partition(tma_s, 0, cute.make_layout(1),
+                                                 cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2))
             for k in cutlass.range(KT, unroll=1):
                 pipe.producer_acquire(ps)
                 bar = pipe.producer_get_barrier(ps)
                 cute.copy(tma_a, tAg[(None, k)], tAs[(None, ps.index)], tma_bar_ptr=bar)
+                if cutlass.const_expr(self.a_fp4):
+                    cute.copy(tma_s, tSg[(None, k // 2)], tSs[(None, ps.index)], tma_bar_ptr=bar)
                 for w in cutlass.range_constexpr(wgs):
                     slab = ((e * MT64 + mt * wgs + w) * KT + k)
                     gW = cute.local_tile(tW, (SLAB_ROWS, SLAB_WIDTH), (slab, 0))                    # (18, 256) bytes
@@ -266,11 +335,41 @@ class _Consumer:
     "Mixin of GroupedGemmSm90: the mainloop of one consumer warpgroup over the K tiles of one unit."
 
     @cute.jit
-    def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT):
-        "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
+    def decode_act(self, sA, sS, dwords, stage, k, db, ctid):
+        """`a_fp4`: all consumer threads decode the stage's `(tok_tile, 128)` NVFP4 activation tile into decoded buffer
+        `db` (bf16, WGMMA's 128-byte swizzle), 8 values (one 16-byte chunk) at a time, then make it visible to WGMMA."""
+        tt, nthr = self.tt, WG_THREADS * self.wgs
+        codes = cute.make_tensor(cute.recast_ptr(sA[None, None, stage].iterator, dtype=cutlass.Uint32),
+                                 cute.make_layout(tt * A_CODE_BOX // 4))      # (tt * 16,) words: row j at 16 j
+        scl = sS[None, None, stage]                                            # (tt, 16) scale bytes: K tiles 2i, 2i+1
+        dv = cute.flat_divide(dwords, (4,))                                    # (4, 2 tt 16): 16-byte chunks, both buffers
+        for it in cutlass.range_constexpr(tt * 16 // nthr):
+            ch = ctid + it * nthr                                              # chunk: row j, K [8c, 8c + 8) of the tile
+            j = ch // 16
+            c = ch % 16
+            w_ = codes[ch]
+            S = _asm(_ASCL, cutlass.Uint32(scl[j, (k % 2) * 8 + c // 2]))
+            o = cute.make_rmem_tensor((4,), cutlass.Uint32)
+            for i in cutlass.range_constexpr(4):
+                o[i] = _asm(_ADEC[i], w_, S)
+            # the tile's layout: 8-row x 128-byte atoms down the rows, the two K halves tt * 128 bytes apart, 16-byte
+            # chunk q of row j at q ^ (j % 8) inside its atom (the 128-byte swizzle)
+            phys = db * (tt * 16) + (j % 8) * 8 + (j // 8) * 64 + ((c % 8) ^ (j % 8)) + (c // 8) * (tt * 8)
+            cute.autovec_copy(o, dv[None, phys])
+        cute.arch.fence_proxy("async.shared", space="cta")                     # generic-proxy writes -> WGMMA's reads
+        cute.arch.barrier(barrier_id=1, number_of_threads=nthr)               # every consumer's chunks are written
+
+    @cute.jit
+    def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, sA, sS, dwords, ctid, db):
+        """acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the
+        ring state and (`a_fp4`) the next decoded buffer."""
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
         for k in cutlass.range(KT, unroll=1):
             pipe.consumer_wait(cs)
+            bi = cs.index
+            if cutlass.const_expr(self.a_fp4):
+                self.decode_act(sA, sS, dwords, cs.index, k, db, ctid)
+                bi = db
             base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, cs.index].iterator, dtype=cutlass.Uint32),
                                     cute.make_layout(SLAB_BYTES // 4))                # (1152,) words of this slab
             v = cute.flat_divide(base, (4,))                                          # (4, 288): 16-byte chunks
@@ -289,24 +388,49 @@ class _Consumer:
             warpgroup.fence()
             for kb in cutlass.range_constexpr(8):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
-                cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, cs.index], acc_frag)
+                cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             pipe.consumer_release(cs)
             cs.advance()
-        return cs
+            db = 1 - db
+        return cs, db
+
+# %% ../nbs/04b_gemm_sm90.ipynb #8547c569
+def emulate_decode_act_sm90(data: torch.Tensor,   # uint8 (rows, K/2) packed codes, element 2i in the low nibble
+                            scale: torch.Tensor,  # float8_e4m3fn (rows, K/16) block scales
+                           ) -> torch.Tensor:     # float64 (rows, K): the bf16 values the decoded tile holds
+    """A CPU model of the `a_fp4` decode, bit operation by bit operation (`_ASCL`, then `_ADEC` and `mul.rn.bf16x2`):
+    every activation as the kernel's bf16 tile holds it, `e2m1 * s * 2^-14`, float64 (checked to be bf16-exact)."""
+    R, half = data.shape
+    b = data.to(torch.int64)
+    t = b | (b << 16)                                                          # prmt: byte i -> lanes 0 and 2
+    m = ((t << 6) & 0x1C0) | ((t << 2) & 0x01C00000) | ((t << 12) & 0x8000) | ((t << 8) & 0x80000000)
+    f16 = scale.float().to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF   # cvt e4m3 -> f16 (exact)
+    S = (((f16 >> 3) & 0x0FFF) + 0x7000) | (f16 & 0x8000)                      # bf16 bits of s * 2^112
+    S = torch.where((scale.view(torch.uint8).to(torch.int64) & 0x7F) == 0, 0, S)   # +-0: 0
+    bf = lambda bits: (bits.to(torch.int32) << 16).view(torch.float32).double()
+    lo, hi = bf(m & 0xFFFF), bf((m >> 16) & 0xFFFF)                            # e2m1 * 2^-126, elements 2i and 2i+1
+    Sx = bf(S).repeat_interleave(8, dim=-1)                                    # one scale per 16 values = 8 bytes
+    out = torch.stack([lo * Sx, hi * Sx], -1).reshape(R, 2 * half)
+    if not torch.equal(out.float().bfloat16().double(), out): raise AssertionError("decode product not bf16-exact")
+    return out
 
 # %% ../nbs/04b_gemm_sm90.ipynb #b4246b2d
 class _EpilogueStore:
     "Mixin of GroupedGemmSm90: the epilogue of one unit."
 
     @cute.jit
-    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N):
-        "Scale the accumulator by 2^7 gs_w[e] gs_a and store it as bf16 into C (masked to the expert's rows and N)."
-        g = mGw[e] * cutlass.Float32(DECODE_SCALE)
+    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mDump):
+        "Scale the accumulator by 2^7 gs_w[e] gs_a (2^21 with `a_fp4`) and store it as bf16 into C (masked to the expert's rows and N)."
+        dscale = DECODE_SCALE * (DECODE_A_SCALE if self.a_fp4 else 1.0)     # a Python constant: exact power of two
+        g = mGw[e] * cutlass.Float32(dscale)
         row0 = rb + ti * self.tt
         rend = rb + cnt
         n0 = mt * self.m_tile
+        if cutlass.const_expr(self.fp4_out):
+            self.store_swiglu_nvfp4(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, t, cw, xbuf, mSfC, mGc, mDump)
+            return
         if cutlass.const_expr(self.swiglu):
             self.store_swiglu(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N)
             return
@@ -318,28 +442,84 @@ class _EpilogueStore:
                 ga = mGa[0, 0]
                 if cutlass.const_expr(self.per_row):
                     ga = mGa[row, l]
+                if cutlass.const_expr(self.per_expert):
+                    ga = mGa[e, 0]
                 mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
+
+    @cute.jit
+    def swiglu_value(self, acc_frag, i, s, p):
+        "h = silu(min(s g, L)) * clamp(s u, -L, L) * p for gate element i (up: i + 2); NaN when s g or s u is not finite."
+        L = cutlass.Float32(self.limit)
+        gv = acc_frag[i] * s
+        uv = acc_frag[i + 2] * s
+        bad = (gv - gv) + (uv - uv)                    # 0 when both are finite, NaN otherwise
+        gc = cutlass.min(gv, L)
+        uc = cutlass.max(cutlass.min(uv, L), -L)
+        return gc / (cutlass.Float32(1.0) + cute.math.exp(-gc)) * uc * p + bad
 
     @cute.jit
     def store_swiglu(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N):
         """The SwiGLU epilogue: accumulator values i and i + 2 of a thread are rows r and r + 8 of a 16-row group for the
         same token, i.e. gate j and up j under the interleave of 8. h = silu(min(s g, L)) * clamp(s u, -L, L) * p,
         NaN when s g or s u is not finite, stored at column 8 (n / 16) + n % 16 of the (R, N/2) output."""
-        L = cutlass.Float32(self.limit)
         for i in cutlass.range_constexpr(cute.size(acc_frag)):
             if cutlass.const_expr((i // 2) % 2 == 0):          # a gate row; element i + 2 is its up row
                 m_, c_ = tCc[i]
                 row = row0 + c_
                 n = n0 + m_
                 if row < rend and n < N:
-                    s = g * mGa[row, 0]
-                    gv = acc_frag[i] * s
-                    uv = acc_frag[i + 2] * s
-                    bad = (gv - gv) + (uv - uv)                    # 0 when both are finite, NaN otherwise
-                    gc = cutlass.min(gv, L)
-                    uc = cutlass.max(cutlass.min(uv, L), -L)
-                    h = gc / (cutlass.Float32(1.0) + cute.math.exp(-gc)) * uc * mGa[row, 1] + bad
+                    h = self.swiglu_value(acc_frag, i, g * mGa[row, 0], mGa[row, 1])
                     mC[row, (n // 16) * 8 + n % 16, 0] = h.to(cutlass.BFloat16)
+
+    @cute.jit
+    def store_swiglu_nvfp4(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, t, cw, xbuf, mSfC, mGc, mDump):
+        """SwiGLU, then NVFP4 with the expert's static global scale gs = mGc[e], exactly `ref_quantize_nvfp4(h, gs)`.
+        For one token, the 8 lanes of a warp with equal lane % 4 hold 8 consecutive h columns (8 w .. 8 w + 7 of the
+        warpgroup's 32): a 16-block is two warps (0-1, 2-3). Block amax: a 3-step butterfly in the warp, then the two
+        warps' halves meet in shared memory (`xbuf`, two named-barrier waits per unit). Codes: the 8 nibbles of a warp
+        are OR-ed into one 32-bit word (element 2i in the low nibble of byte i) that lane 4 q stores; scales: one byte
+        per block, from the even warp. A block holding a NaN gets scale NaN (0x7f) and zero codes."""
+        tt = self.tt
+        I = N // 2
+        lane = cute.arch.lane_idx()
+        w = t // 32                                   # warp inside the consumer warpgroup
+        gq = mGc[e]
+        nq = cute.size(acc_frag) // 2                 # gate values per thread: tt / 4 (of tt / 2 accumulators)
+        for q in cutlass.range_constexpr(nq):         # pass 1: this warp's half-block amax per token -> xbuf
+            i = (q // 2) * 4 + q % 2                  # gate elements 4j, 4j + 1 (ups: + 2)
+            m_, c_ = tCc[i]
+            row = row0 + c_
+            rr = row if row < rend else rend - 1      # rows past the expert compute on a valid row's scales, unstored
+            a = _asm(_ABS_BITS, _f32_bits(self.swiglu_value(acc_frag, i, g * mGa[rr, 0], mGa[rr, 1])))
+            for d in cutlass.range_constexpr(3):      # max over the lanes 4, 8, 16 apart (equal lane % 4: one token)
+                a = _asm(_UMAX, a, cute.arch.shuffle_sync_bfly(a, 4 << d))
+            if lane < 4:
+                xbuf[(cw * 4 + w) * tt + c_] = a
+        cute.arch.barrier(barrier_id=2 + cw, number_of_threads=WG_THREADS)
+        for q in cutlass.range_constexpr(nq):         # pass 2: h again (registers are short), quantize, pack, store
+            i = (q // 2) * 4 + q % 2
+            m_, c_ = tCc[i]
+            row = row0 + c_
+            rr = row if row < rend else rend - 1
+            n = n0 + m_
+            hc0 = (n // 16) * 8                       # first of this warp's 8 h columns
+            h = self.swiglu_value(acc_frag, i, g * mGa[rr, 0], mGa[rr, 1])
+            if cutlass.const_expr(self.dump):         # the very value quantized below
+                if row < rend and n < N:
+                    mDump[row, (n // 16) * 8 + n % 16] = h
+            a = _asm(_UMAX, xbuf[(cw * 4 + w) * tt + c_], xbuf[(cw * 4 + (w ^ 1)) * tt + c_])
+            sb = _asm(_SF, a, _f32_bits(gq))
+            r = _asm(_RCP, sb, _f32_bits(gq))
+            nib = _asm(_ZERO_IF_NO_SCALE, _asm(_E2M1, _f32_bits(h), r), sb)
+            word = nib << ((lane // 4) * 4)
+            for d in cutlass.range_constexpr(3):
+                word = word | cutlass.Uint32(cute.arch.shuffle_sync_bfly(word, 4 << d))
+            if row < rend and hc0 < I:
+                if lane < 4:
+                    mC[row, hc0 // 8, 0] = cutlass.Int32(word)
+                    if w % 2 == 0:
+                        mSfC[row, hc0 // 16] = sb.to(cutlass.Uint8)
+        cute.arch.barrier(barrier_id=2 + cw, number_of_threads=WG_THREADS)   # xbuf is free for the next unit
 
 # %% ../nbs/04b_gemm_sm90.ipynb #38a75bd6
 class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
@@ -350,6 +530,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.cfg = cfg
         self.tt, self.wgs, self.stages = cfg.tok_tile, cfg.wgs, cfg.stages
         self.per_row, self.wo_a, self.swiglu = cfg.epilogue.per_row, cfg.epilogue.wo_a, cfg.epilogue.swiglu
+        self.per_expert, self.fp4_out = cfg.epilogue.per_expert, cfg.epilogue.fp4_out
+        self.a_fp4, self.dump = cfg.a_fp4, cfg.dump and cfg.epilogue.fp4_out
         self.limit = cfg.swiglu_limit
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
@@ -368,6 +550,13 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             return False, f"at most {MAX_EXPERTS} experts (offsets staged in shared memory), got {num_experts}"
         if k is not None and (k <= 0 or k % 16):
             return False, f"K must be a positive multiple of 16 (NVFP4 blocks), got {k}"
+        if cfg.a_fp4:
+            if cfg.epilogue.wo_a: return False, "a_fp4 (NVFP4 activations decoded in the kernel) has no wo_a kinds"
+            if k is not None and k % 256:
+                return False, f"a_fp4 needs K % 256 == 0 (a 16-byte TMA box of scales is two K tiles), got {k}"
+            if cfg.tok_tile * 16 % (WG_THREADS * cfg.wgs):
+                return False, f"a_fp4 needs tok_tile * 16 chunks to split evenly over {WG_THREADS * cfg.wgs} consumer threads"
+        if cfg.dump and not cfg.epilogue.fp4_out: return False, "dump is a debug output of the SWIGLU_NVFP4 epilogue only"
         limit = smem_limit if smem_limit is not None else device_smem()[0]
         if smem_bytes(cfg) > limit:
             return False, f"config needs {smem_bytes(cfg)} B of shared memory, the device allows {limit}"
@@ -375,13 +564,15 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mA: cute.Tensor, mC: cute.Tensor, mOff: cute.Tensor,
-                 mGw: cute.Tensor, mGa: cute.Tensor, n_ctas: cutlass.Int32, stream):
+                 mGw: cute.Tensor, mGa: cute.Tensor, n_ctas: cutlass.Int32,
+                 mSfA, mSfC, mGc, mDump,   # a_fp4's activation scales; SWIGLU_NVFP4's scales, gs and dump (else None)
+                 stream):
         tt, kt_ = self.tt, K_TILE
+        add_l = lambda m: cute.make_tensor(m.iterator, cute.make_layout(
+            (m.shape[0], m.shape[1], 1), stride=(m.stride[0], m.stride[1], m.shape[0] * m.stride[0])))
         if cutlass.const_expr(cute.rank(mA) == 2):    # (rows, K) / (rows, N): add the batch mode L = 1 here, not in Python
-            mA = cute.make_tensor(mA.iterator, cute.make_layout(
-                (mA.shape[0], mA.shape[1], 1), stride=(mA.stride[0], mA.stride[1], mA.shape[0] * mA.stride[0])))
-            mC = cute.make_tensor(mC.iterator, cute.make_layout(
-                (mC.shape[0], mC.shape[1], 1), stride=(mC.stride[0], mC.stride[1], mC.shape[0] * mC.stride[0])))
+            mA = add_l(mA)
+            mC = add_l(mC)
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             cutlass.Float32, (self.wgs, 1, 1), tiler_mn=(WG_ROWS, tt), a_source=warpgroup.OperandSource.RMEM)
@@ -389,10 +580,27 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             cutlass.utils.LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), cutlass.BFloat16, self.stages)
         w_layout = cute.make_layout((SLAB_ROWS, SLAB_WIDTH), stride=(SLAB_WIDTH, 1))   # (18, 256) bytes: one slab
         tma_w, tW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, w_layout, (SLAB_ROWS, SLAB_WIDTH))
-        tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
-                                                cute.slice_(b_layout, (None, None, 0)), (tt, kt_))
+        if cutlass.const_expr(self.a_fp4):
+            b_layout = sm90_utils.make_smem_layout_b(                              # the two decoded tiles (tt, 128, 2)
+                cutlass.utils.LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), cutlass.BFloat16, 2)
+            ac_layout = cute.make_layout((tt, A_CODE_BOX), stride=(A_CODE_BOX, 1))        # codes: (tt, 64) bytes
+            as_layout = cute.make_layout((tt, A_SF_BOX), stride=(A_SF_BOX, 1))            # scales: (tt, 16) bytes
+            tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, ac_layout, (tt, A_CODE_BOX))
+            tma_s, tS = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), add_l(mSfA), as_layout,
+                                                    (tt, A_SF_BOX))
+            self.tx_bytes = SLAB_BYTES * self.wgs + tt * (A_CODE_BOX + A_SF_BOX)     # bytes per stage
+            a_bytes = tt * (A_CODE_BOX + A_SF_BOX) * self.stages
+        else:
+            tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
+                                                    cute.slice_(b_layout, (None, None, 0)), (tt, kt_))
+            tma_s, tS = tma_a, tA                                                  # unused placeholders
+            self.tx_bytes = SLAB_BYTES * self.wgs + tt * kt_ * 2                   # bytes per stage
+            a_bytes = 128
         self.b_layout = b_layout
-        self.tx_bytes = SLAB_BYTES * self.wgs + tt * kt_ * 2                       # bytes per stage
+        x_words = 4
+        if cutlass.const_expr(self.fp4_out):
+            x_words = 4 * self.wgs * tt
+        self.x_words = x_words
 
         @cute.struct
         class Smem:
@@ -400,13 +608,22 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             offs: cute.struct.MemRange[cutlass.Int32, MAX_EXPERTS]                # staged expert_offsets
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SLAB_BYTES * self.wgs * self.stages], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_layout)], 1024]
+            sAq: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, a_bytes], 1024]   # a_fp4: codes + scales ring
+            xb: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, x_words], 16]     # SWIGLU_NVFP4: amax exchange
         self.smem = Smem
-        self.kernel(tma_w, tW, tma_a, tA, mC, mOff, mGw, mGa, self.tiled_mma, b_layout, w_layout).launch(
-            grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+        if cutlass.const_expr(mSfC is None):                                         # placeholders for unused operands
+            mSfC = mC
+        if cutlass.const_expr(mGc is None):
+            mGc = mGw
+        if cutlass.const_expr(mDump is None):
+            mDump = mC
+        self.kernel(tma_w, tW, tma_a, tA, tma_s, tS, mC, mOff, mGw, mGa, mSfC, mGc, mDump, self.tiled_mma,
+                    b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,
-               mC: cute.Tensor, mOff: cute.Tensor, mGw: cute.Tensor, mGa: cute.Tensor,
+               tma_s: cute.CopyAtom, tS: cute.Tensor, mC: cute.Tensor, mOff: cute.Tensor, mGw: cute.Tensor,
+               mGa: cute.Tensor, mSfC: cute.Tensor, mGc: cute.Tensor, mDump: cute.Tensor,
                tiled_mma: cute.TiledMma, b_layout: cute.ComposedLayout, w_layout: cute.Layout):
         tt, kt_, wgs = self.tt, K_TILE, self.wgs
         tidx, _, _ = cute.arch.thread_idx()
@@ -417,16 +634,22 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if warp == 0:
             cpasync.prefetch_descriptor(tma_w)
             cpasync.prefetch_descriptor(tma_a)
+            if cutlass.const_expr(self.a_fp4):
+                cpasync.prefetch_descriptor(tma_s)
 
         TR = mC.shape[0]                # rows of A and C (per group L for wo_a)
         N = mC.shape[1]                 # weight rows (the GEMM's N)
         if cutlass.const_expr(self.swiglu):
             N = mC.shape[1] * 2         # SwiGLU: C holds one value per gate/up pair of rows
+        if cutlass.const_expr(self.fp4_out):
+            N = mC.shape[1] * 16        # SWIGLU_NVFP4: C holds 8 codes (one int32 word) per 16 rows
         E = mOff.shape[0]
         if cutlass.const_expr(self.wo_a):
             E = mC.shape[2]             # wo_a: G groups of TR rows each, implied by the shapes (no offsets tensor)
         R = TR * mC.shape[2]            # total rows the offsets index
         K = tA.shape[1]
+        if cutlass.const_expr(self.a_fp4):
+            K = tA.shape[1] * 2         # a_fp4: A is packed codes, two per byte
         KT = (K + kt_ - 1) // kt_
         MT64 = tW.shape[0] // (SLAB_ROWS * KT * E)     # 64-row slabs per expert (N padded to 128)
         MT = MT64 // wgs
@@ -440,7 +663,18 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             consumer_group=cons, tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
         sW = st.sW.get_tensor(cute.make_layout((SLAB_ROWS, SLAB_WIDTH, wgs, self.stages),      # (18, 256, wgs, stages)
                                                stride=(SLAB_WIDTH, 1, SLAB_BYTES, SLAB_BYTES * wgs)))
-        sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)                          # (tt, 128, stages)
+        sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)                          # (tt, 128, stages or 2)
+        sA = sB
+        sS = sB
+        dwords = st.xb.get_tensor(cute.make_layout(4))                                          # placeholder
+        if cutlass.const_expr(self.a_fp4):
+            q = tt * (A_CODE_BOX + A_SF_BOX)                                                    # bytes per stage
+            sA = st.sAq.get_tensor(cute.make_layout((tt, A_CODE_BOX, self.stages), stride=(A_CODE_BOX, 1, q)))
+            sS = cute.make_tensor(st.sAq.data_ptr() + tt * A_CODE_BOX,
+                                  cute.make_layout((tt, A_SF_BOX, self.stages), stride=(A_SF_BOX, 1, q)))
+            dwords = cute.make_tensor(cute.recast_ptr(st.sB.data_ptr(), dtype=cutlass.Uint32),
+                                      cute.make_layout(2 * tt * K_TILE // 2))                  # both decoded tiles, unswizzled
+        xbuf = st.xb.get_tensor(cute.make_layout(self.x_words))
         sOff = st.offs.get_tensor(cute.make_layout(MAX_EXPERTS))                                # (MAX_EXPERTS,)
         for i in cutlass.range(tidx, E, self.threads, unroll=1):
             if cutlass.const_expr(self.wo_a):
@@ -451,7 +685,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
 
         if wg == 0:
             if warp == 0:
-                self.produce(pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT)
+                self.produce(pipe, tma_w, tW, tma_a, tA, sW, sA, sOff, E, R, TR, MT, MT64, KT, tma_s, tS, sS)
         else:
             ctid = tidx - WG_THREADS          # thread index among the consumers
             t = ctid % WG_THREADS             # thread index inside its warpgroup
@@ -465,31 +699,37 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             tCc = thr_mma.partition_C(cC)
             cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             e0 = cutlass.Int32(0); acc = cutlass.Int32(0)
+            db = cutlass.Int32(0)             # a_fp4: the decoded tile to write next (alternates across units too)
             u = bidx
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
-                cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT)
-                self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N)
+                cs, db = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, sA, sS, dwords, ctid, db)
+                self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mDump)
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
 
 # %% ../nbs/04b_gemm_sm90.ipynb #21b6c2bb
-def _fake_args(tvm_ffi: bool, wo_a: bool):
+def _fake_args(tvm_ffi: bool, cfg: GemmConfig):
     "Fake operands with dynamic shapes and strides (leading stride 1, 16-byte aligned): compile once, run any size."
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
     si = cute.sym_int
     t2 = lambda dt, align=16: make_fake_tensor(dt, (si(), si()), (si(), 1), assumed_align=align)
     t3 = lambda dt: make_fake_tensor(dt, (si(), si(), si()), (si(), 1, si()), assumed_align=16)
     t1 = lambda dt: make_fake_tensor(dt, (si(),), (1,), assumed_align=4)
-    ac = t3 if wo_a else t2
-    return (t2(cutlass.Uint8),            # mW (slab rows, 256)
-            ac(cutlass.BFloat16),         # mA (rows, K), or wo_a's (T, K, G)
-            ac(cutlass.BFloat16),         # mC (rows, N), or wo_a's (T, N, G)
-            t1(cutlass.Int32),            # mOff (E,)
-            t1(cutlass.Float32),          # mGw (E,)
-            t2(cutlass.Float32, 4),       # mGa (1, 1) or (rows, L)
-            cutlass.Int32(1),             # n_ctas
+    epi = cfg.epilogue
+    ac = t3 if epi.wo_a else t2
+    return (t2(cutlass.Uint8),                                     # mW (slab rows, 256)
+            t2(cutlass.Uint8) if cfg.a_fp4 else ac(cutlass.BFloat16),  # mA (rows, K) bf16, wo_a's (T, K, G), or codes (rows, K/2)
+            t2(cutlass.Int32) if epi.fp4_out else ac(cutlass.BFloat16),  # mC (rows, N), wo_a's (T, N, G), or code words (rows, N/16)
+            t1(cutlass.Int32),                                     # mOff (E,)
+            t1(cutlass.Float32),                                   # mGw (E,)
+            t2(cutlass.Float32, 4),                                # mGa (1, 1), (rows, L), (rows, 2) or (E, 1)
+            cutlass.Int32(1),                                      # n_ctas
+            t2(cutlass.Uint8) if cfg.a_fp4 else None,              # mSfA (rows, K/16) e4m3 bytes
+            t2(cutlass.Uint8) if epi.fp4_out else None,            # mSfC (rows, N/32) e4m3 bytes
+            t1(cutlass.Float32) if epi.fp4_out else None,          # mGc (E,) static global scale of h per expert
+            t2(cutlass.Float32) if epi.fp4_out and cfg.dump else None,  # mDump (rows, N/2) fp32 h
             make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
 
 def compile_sm90(cfg: GemmConfig,
@@ -500,7 +740,7 @@ def compile_sm90(cfg: GemmConfig,
     ok, why = GroupedGemmSm90.can_implement(cfg, 1, smem_limit=HOPPER_SMEM_PER_BLOCK)
     if not ok: raise ValueError(f"compile_sm90: {why}")
     opts = f"--gpu-arch={arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
-    return cute.compile(GroupedGemmSm90(cfg), *_fake_args(tvm_ffi, cfg.epilogue.wo_a), options=opts)
+    return cute.compile(GroupedGemmSm90(cfg), *_fake_args(tvm_ffi, cfg), options=opts)
 
 USE_TVM_FFI = os.environ.get("DSV4_GEMM_TVM_FFI", "1") not in ("0", "")   # read once, at import (a launch is hot)
 _TVM_FFI = []   # [importable] once known
@@ -533,25 +773,29 @@ def _compiled(cfg: GemmConfig, dev: torch.device, tvm: bool):
 
 def run_sm90(cfg: GemmConfig,
              w_sm90: torch.Tensor,    # uint8 (slab rows, 256)
-             a3: torch.Tensor,        # bf16 (rows, K), or (T, K, G) for the wo_a kinds; K contiguous
-             out3: torch.Tensor,      # bf16 (rows, N), or (T, N, G) for the wo_a kinds; N contiguous
+             a3: torch.Tensor,        # bf16 (rows, K), (T, K, G) for the wo_a kinds; with cfg.a_fp4 uint8 codes (rows, K/2)
+             out3: torch.Tensor,      # bf16 (rows, N), or (T, N, G) for the wo_a kinds; SWIGLU_NVFP4: int32 (rows, N/16)
              expert_offsets: torch.Tensor,  # int32 (E,)
              gs_w: torch.Tensor,      # fp32 (E,)
-             gs_a2: torch.Tensor,     # fp32 (1, 1) or (rows, L)
+             gs_a2: torch.Tensor,     # fp32 (1, 1), (rows, L), (rows, 2) for the SwiGLU kinds, (E, 1) for BF16_EXPERT_GS
+             sf_a: torch.Tensor | None = None,    # cfg.a_fp4: uint8 (rows, K/16), the activations' e4m3 scale bytes
+             sf_c: torch.Tensor | None = None,    # SWIGLU_NVFP4: uint8 (rows, N/32), h's e4m3 scale bytes
+             gs_c: torch.Tensor | None = None,    # SWIGLU_NVFP4: fp32 (E,), h's static global scale per expert
+             dump: torch.Tensor | None = None,    # SWIGLU_NVFP4 with cfg.dump: fp32 (rows, N/2), h before quantization
             ):
     "Launch the kernel for `cfg` on the current torch stream (compiled on first use per config and device). No checks: the launcher's job."
     tvm = have_tvm_ffi()
     fn, n_ctas = _compiled(cfg, a3.device, tvm)
     if tvm:
-        fn(w_sm90, a3, out3, expert_offsets, gs_w, gs_a2, n_ctas)
+        fn(w_sm90, a3, out3, expert_offsets, gs_w, gs_a2, n_ctas, sf_a, sf_c, gs_c, dump)
         return
     # CuTeDSL's Python path: DLPack views with dynamic layouts and the stream, built per call; compiled on first use
     # from these real operands (their layouts are as dynamic as the fake ones: only the contiguous stride is fixed)
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import from_dlpack
-    dl = lambda t, lead: from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=lead)
+    dl = lambda t, lead: None if t is None else from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=lead)
     args = (dl(w_sm90, 1), dl(a3, 1), dl(out3, 1), dl(expert_offsets, 0), dl(gs_w, 0), dl(gs_a2, 1), cutlass.Int32(n_ctas),
-            cuda.CUstream(torch.cuda.current_stream(a3.device).cuda_stream))
+            dl(sf_a, 1), dl(sf_c, 1), dl(gs_c, 0), dl(dump, 1), cuda.CUstream(torch.cuda.current_stream(a3.device).cuda_stream))
     key = (cfg, a3.device.index, "python")
     if key not in _COMPILED_PY: _COMPILED_PY[key] = cute.compile(GroupedGemmSm90(cfg), *args)
     _COMPILED_PY[key](*args)
