@@ -107,18 +107,16 @@ class Epilogue(enum.Enum):
     "What the epilogue does with the fp32 accumulator; each kind is a compiled variant of the kernel."
     BF16 = "bf16"                # C (R, N) = acc * 2^7 * gs_w[e] * gs_a -> bf16, gs_a one scalar
     BF16_ROW_GS = "bf16_row_gs"  # the same with gs_a one per row (R,)
-    BF16_EXPERT_GS = "bf16_expert_gs"  # the same with gs_a one per expert, mGa (E, 1): the L2 of the W4A4 expert MLP
     WO_A = "wo_a"                # wo_a: A (T, K, G) and C (T, N, G) strided views, group g = expert g, gs_a scalar
     WO_A_ROW_GS = "wo_a_row_gs"  # wo_a with gs_a one per (t, g)
     SWIGLU_BF16 = "swiglu_bf16"  # L1 of the expert MLP: W13's gate/up rows interleaved by 8 -> h (R, N/2) bf16 =
                                  # swiglu(s g, s u) * p with s = 2^7 gs_w[e] gs_a; mGa (R, 2) holds (gs_a, p) per row
     SWIGLU_NVFP4 = "swiglu_nvfp4"  # the same h, quantized to NVFP4 in the epilogue with a static global scale per
-                                   # expert (mGc (E,)): codes into C (R, N/16) int32 words, block scales into mSfC (R, N/32)
+                                   # expert (mGc (E,)): codes into C (R, N/16) int32 words, block scales into mSfC
+                                   # (R, N/32), each row's global scale into mGr (R,)
 
     @property
     def per_row(self) -> bool: return self in (Epilogue.BF16_ROW_GS, Epilogue.WO_A_ROW_GS)
-    @property
-    def per_expert(self) -> bool: return self is Epilogue.BF16_EXPERT_GS
     @property
     def wo_a(self) -> bool: return self in (Epilogue.WO_A, Epilogue.WO_A_ROW_GS)
     @property
@@ -421,7 +419,7 @@ class _EpilogueStore:
     "Mixin of GroupedGemmSm90: the epilogue of one unit."
 
     @cute.jit
-    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mDump):
+    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump):
         "Scale the accumulator by 2^7 gs_w[e] gs_a (2^21 with `a_fp4`) and store it as bf16 into C (masked to the expert's rows and N)."
         dscale = DECODE_SCALE * (DECODE_A_SCALE if self.a_fp4 else 1.0)     # a Python constant: exact power of two
         g = mGw[e] * cutlass.Float32(dscale)
@@ -429,7 +427,7 @@ class _EpilogueStore:
         rend = rb + cnt
         n0 = mt * self.m_tile
         if cutlass.const_expr(self.fp4_out):
-            self.store_swiglu_nvfp4(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, t, cw, xbuf, mSfC, mGc, mDump)
+            self.store_swiglu_nvfp4(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, t, cw, xbuf, mSfC, mGc, mGr, mDump)
             return
         if cutlass.const_expr(self.swiglu):
             self.store_swiglu(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N)
@@ -442,8 +440,6 @@ class _EpilogueStore:
                 ga = mGa[0, 0]
                 if cutlass.const_expr(self.per_row):
                     ga = mGa[row, l]
-                if cutlass.const_expr(self.per_expert):
-                    ga = mGa[e, 0]
                 mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
 
     @cute.jit
@@ -472,13 +468,14 @@ class _EpilogueStore:
                     mC[row, (n // 16) * 8 + n % 16, 0] = h.to(cutlass.BFloat16)
 
     @cute.jit
-    def store_swiglu_nvfp4(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, t, cw, xbuf, mSfC, mGc, mDump):
+    def store_swiglu_nvfp4(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, t, cw, xbuf, mSfC, mGc, mGr, mDump):
         """SwiGLU, then NVFP4 with the expert's static global scale gs = mGc[e], exactly `ref_quantize_nvfp4(h, gs)`.
         For one token, the 8 lanes of a warp with equal lane % 4 hold 8 consecutive h columns (8 w .. 8 w + 7 of the
         warpgroup's 32): a 16-block is two warps (0-1, 2-3). Block amax: a 3-step butterfly in the warp, then the two
         warps' halves meet in shared memory (`xbuf`, two named-barrier waits per unit). Codes: the 8 nibbles of a warp
         are OR-ed into one 32-bit word (element 2i in the low nibble of byte i) that lane 4 q stores; scales: one byte
-        per block, from the even warp. A block holding a NaN gets scale NaN (0x7f) and zero codes."""
+        per block, from the even warp; the row's global scale (mGr, so that h is a plain per-row NVFP4Tensor) from the
+        first warp of the first m tile. A block holding a NaN gets scale NaN (0x7f) and zero codes."""
         tt = self.tt
         I = N // 2
         lane = cute.arch.lane_idx()
@@ -519,6 +516,8 @@ class _EpilogueStore:
                     mC[row, hc0 // 8, 0] = cutlass.Int32(word)
                     if w % 2 == 0:
                         mSfC[row, hc0 // 16] = sb.to(cutlass.Uint8)
+                    if hc0 == 0:
+                        mGr[row] = gq
         cute.arch.barrier(barrier_id=2 + cw, number_of_threads=WG_THREADS)   # xbuf is free for the next unit
 
 # %% ../nbs/04b_gemm_sm90.ipynb #38a75bd6
@@ -530,7 +529,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.cfg = cfg
         self.tt, self.wgs, self.stages = cfg.tok_tile, cfg.wgs, cfg.stages
         self.per_row, self.wo_a, self.swiglu = cfg.epilogue.per_row, cfg.epilogue.wo_a, cfg.epilogue.swiglu
-        self.per_expert, self.fp4_out = cfg.epilogue.per_expert, cfg.epilogue.fp4_out
+        self.fp4_out = cfg.epilogue.fp4_out
         self.a_fp4, self.dump = cfg.a_fp4, cfg.dump and cfg.epilogue.fp4_out
         self.limit = cfg.swiglu_limit
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
@@ -565,7 +564,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
     @cute.jit
     def __call__(self, mW: cute.Tensor, mA: cute.Tensor, mC: cute.Tensor, mOff: cute.Tensor,
                  mGw: cute.Tensor, mGa: cute.Tensor, n_ctas: cutlass.Int32,
-                 mSfA, mSfC, mGc, mDump,   # a_fp4's activation scales; SWIGLU_NVFP4's scales, gs and dump (else None)
+                 mSfA, mSfC, mGc, mGr, mDump,   # a_fp4's activation scales; SWIGLU_NVFP4's scales, gs in and out, dump
                  stream):
         tt, kt_ = self.tt, K_TILE
         add_l = lambda m: cute.make_tensor(m.iterator, cute.make_layout(
@@ -615,15 +614,17 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             mSfC = mC
         if cutlass.const_expr(mGc is None):
             mGc = mGw
+        if cutlass.const_expr(mGr is None):
+            mGr = mGw
         if cutlass.const_expr(mDump is None):
             mDump = mC
-        self.kernel(tma_w, tW, tma_a, tA, tma_s, tS, mC, mOff, mGw, mGa, mSfC, mGc, mDump, self.tiled_mma,
+        self.kernel(tma_w, tW, tma_a, tA, tma_s, tS, mC, mOff, mGw, mGa, mSfC, mGc, mGr, mDump, self.tiled_mma,
                     b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,
                tma_s: cute.CopyAtom, tS: cute.Tensor, mC: cute.Tensor, mOff: cute.Tensor, mGw: cute.Tensor,
-               mGa: cute.Tensor, mSfC: cute.Tensor, mGc: cute.Tensor, mDump: cute.Tensor,
+               mGa: cute.Tensor, mSfC: cute.Tensor, mGc: cute.Tensor, mGr: cute.Tensor, mDump: cute.Tensor,
                tiled_mma: cute.TiledMma, b_layout: cute.ComposedLayout, w_layout: cute.Layout):
         tt, kt_, wgs = self.tt, K_TILE, self.wgs
         tidx, _, _ = cute.arch.thread_idx()
@@ -705,7 +706,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
                 cs, db = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, sA, sS, dwords, ctid, db)
-                self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mDump)
+                self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump)
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
 
@@ -729,6 +730,7 @@ def _fake_args(tvm_ffi: bool, cfg: GemmConfig):
             t2(cutlass.Uint8) if cfg.a_fp4 else None,              # mSfA (rows, K/16) e4m3 bytes
             t2(cutlass.Uint8) if epi.fp4_out else None,            # mSfC (rows, N/32) e4m3 bytes
             t1(cutlass.Float32) if epi.fp4_out else None,          # mGc (E,) static global scale of h per expert
+            t1(cutlass.Float32) if epi.fp4_out else None,          # mGr (rows,) out: the global scale of each row of h
             t2(cutlass.Float32) if epi.fp4_out and cfg.dump else None,  # mDump (rows, N/2) fp32 h
             make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
 
@@ -777,17 +779,18 @@ def run_sm90(cfg: GemmConfig,
              out3: torch.Tensor,      # bf16 (rows, N), or (T, N, G) for the wo_a kinds; SWIGLU_NVFP4: int32 (rows, N/16)
              expert_offsets: torch.Tensor,  # int32 (E,)
              gs_w: torch.Tensor,      # fp32 (E,)
-             gs_a2: torch.Tensor,     # fp32 (1, 1), (rows, L), (rows, 2) for the SwiGLU kinds, (E, 1) for BF16_EXPERT_GS
+             gs_a2: torch.Tensor,     # fp32 (1, 1), (rows, L), or (rows, 2) (gs_a, p) for the SwiGLU kinds
              sf_a: torch.Tensor | None = None,    # cfg.a_fp4: uint8 (rows, K/16), the activations' e4m3 scale bytes
              sf_c: torch.Tensor | None = None,    # SWIGLU_NVFP4: uint8 (rows, N/32), h's e4m3 scale bytes
              gs_c: torch.Tensor | None = None,    # SWIGLU_NVFP4: fp32 (E,), h's static global scale per expert
+             gs_r: torch.Tensor | None = None,    # SWIGLU_NVFP4: fp32 (rows,) out, gs_c of each row's expert
              dump: torch.Tensor | None = None,    # SWIGLU_NVFP4 with cfg.dump: fp32 (rows, N/2), h before quantization
             ):
     "Launch the kernel for `cfg` on the current torch stream (compiled on first use per config and device). No checks: the launcher's job."
     tvm = have_tvm_ffi()
     fn, n_ctas = _compiled(cfg, a3.device, tvm)
     if tvm:
-        fn(w_sm90, a3, out3, expert_offsets, gs_w, gs_a2, n_ctas, sf_a, sf_c, gs_c, dump)
+        fn(w_sm90, a3, out3, expert_offsets, gs_w, gs_a2, n_ctas, sf_a, sf_c, gs_c, gs_r, dump)
         return
     # CuTeDSL's Python path: DLPack views with dynamic layouts and the stream, built per call; compiled on first use
     # from these real operands (their layouts are as dynamic as the fake ones: only the contiguous stride is fixed)
@@ -795,7 +798,7 @@ def run_sm90(cfg: GemmConfig,
     from cutlass.cute.runtime import from_dlpack
     dl = lambda t, lead: None if t is None else from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=lead)
     args = (dl(w_sm90, 1), dl(a3, 1), dl(out3, 1), dl(expert_offsets, 0), dl(gs_w, 0), dl(gs_a2, 1), cutlass.Int32(n_ctas),
-            dl(sf_a, 1), dl(sf_c, 1), dl(gs_c, 0), dl(dump, 1), cuda.CUstream(torch.cuda.current_stream(a3.device).cuda_stream))
+            dl(sf_a, 1), dl(sf_c, 1), dl(gs_c, 0), dl(gs_r, 0), dl(dump, 1), cuda.CUstream(torch.cuda.current_stream(a3.device).cuda_stream))
     key = (cfg, a3.device.index, "python")
     if key not in _COMPILED_PY: _COMPILED_PY[key] = cute.compile(GroupedGemmSm90(cfg), *args)
     _COMPILED_PY[key](*args)
