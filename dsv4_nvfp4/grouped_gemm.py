@@ -22,9 +22,9 @@ from .routing import check_offsets, group_sizes, random_topk, route_topk
 from .runtime import check_tensor, out_tensor
 
 # %% auto #0
-__all__ = ['GEMM_PROBLEMS', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4', 'PreparedWeights', 'prepare_weights',
-           'pick_config', 'grouped_gemm_nvfp4', 'wo_a_nvfp4', 'bench_gemm', 'gemm_table', 'launch_table', 'gemm_goals',
-           'plot_gemm']
+__all__ = ['ACT_DECODE', 'GEMM_PROBLEMS', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4', 'PreparedWeights',
+           'prepare_weights', 'pick_config', 'cached_ones', 'act_decode_in_kernel', 'activation_operand',
+           'grouped_gemm_nvfp4', 'wo_a_nvfp4', 'bench_gemm', 'gemm_table', 'launch_table', 'gemm_goals', 'plot_gemm']
 
 # %% ../nbs/04a_grouped_gemm.ipynb #80082d62
 def _unscaled(t, K: int) -> torch.Tensor:
@@ -211,7 +211,7 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
 # %% ../nbs/04a_grouped_gemm.ipynb #906ea918
 _CACHED = {}
 
-def _ones(shape, dev):
+def cached_ones(shape, dev):
     "A cached fp32 tensor of ones on `dev` (unit global scales): no allocation per call."
     key = ("ones", tuple(shape), dev)
     if key not in _CACHED: _CACHED[key] = torch.ones(shape, dtype=torch.float32, device=dev)
@@ -223,33 +223,47 @@ def _no_offsets(dev):
     if key not in _CACHED: _CACHED[key] = torch.zeros(1, dtype=torch.int32, device=dev)
     return _CACHED[key]
 
-def _activations(a, K, what, workspace):
-    "(bf16 activations, gs_a fp32 tensor or None) for W4A16 (bf16) or W4A4 (NVFP4Tensor, decoded exactly to bf16)."
+ACT_DECODE = ("pre", "kernel", "auto")
+
+def act_decode_in_kernel(act_decode: str, K: int, what: str = "act_decode") -> bool:
+    """Whether W4A4 activations are decoded inside the GEMM kernel: `"kernel"` (needs K % 256 == 0), `"pre"` (a
+    separate exact dequantize pass into a bf16 workspace), or `"auto"` (the kernel where it can)."""
+    if act_decode not in ACT_DECODE: raise ValueError(f"{what}: act_decode must be one of {ACT_DECODE}, got {act_decode!r}")
+    if act_decode == "kernel" and K % 256:
+        raise ValueError(f"{what}: act_decode='kernel' needs K % 256 == 0 (got K = {K}); use 'pre' or 'auto'")
+    return act_decode == "kernel" or (act_decode == "auto" and K % 256 == 0)
+
+def activation_operand(a, K, what, workspace, act_decode="pre"):
+    """(activations, gs_a fp32 tensor or None, scale bytes or None) for W4A16 (bf16) or W4A4 (NVFP4Tensor): decoded
+    exactly to bf16 by a separate pass, or (`act_decode` says the kernel) its packed codes and plain scale bytes."""
     if isinstance(a, NVFP4Tensor):
         if a.shape[-1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {a.shape[-1]}, weights K = {K}")
         dev = a.data.device
-        if not a.data.is_cuda: raise ValueError(f"{what}: activations must be on a CUDA device, got {dev}")
-        ab = dequantize_nvfp4_cuda(a.data, a.scale, _ones((), dev), out=workspace)
-        return ab, check_tensor(a.global_scale, what, "the activations' global_scale", (torch.float32,), dev, align=0)
+        check_tensor(a.data, what, "the activations' codes", (torch.uint8,))        # on the GPU, contiguous, aligned
+        gs = check_tensor(a.global_scale, what, "the activations' global_scale", (torch.float32,), dev, align=0)
+        if act_decode_in_kernel(act_decode, K, what):
+            return a.data, gs, check_tensor(a.scale.view(torch.uint8), what, "the activations' scales", (torch.uint8,), dev)
+        return dequantize_nvfp4_cuda(a.data, a.scale, cached_ones((), dev), out=workspace), gs, None
     if isinstance(a, torch.Tensor):
         if a.dtype != torch.bfloat16:
             raise TypeError(f"{what}: activations must be bf16 (W4A16) or an NVFP4Tensor (W4A4), got {a.dtype}")
         if a.shape[-1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {a.shape[-1]}, weights K = {K}")
-        return check_tensor(a, what, "activations", (torch.bfloat16,)), None
+        return check_tensor(a, what, "activations", (torch.bfloat16,)), None, None
     raise TypeError(f"{what}: activations must be a bf16 tensor or an NVFP4Tensor, got {type(a).__name__}")
 
-def _operands(what, a, w, workspace):
-    "Checks shared by both entry points: (bf16 activations, gs_a or None) with the weights checked against them."
+def _operands(what, a, w, workspace, act_decode="pre"):
+    """Checks shared by the entry points: (activations, gs_a or None, scale bytes or None) with the weights checked
+    against them (activations: bf16, or with the scale bytes given the NVFP4 codes the kernel decodes)."""
     if not isinstance(w, PreparedWeights): raise TypeError(f"{what}: w must be PreparedWeights (prepare_weights), got {type(w).__name__}")
     if w.w_sm90 is None: raise ValueError(f"{what}: w has no sm_90a layout (prepare_weights(..., sm90=True))")
-    ab, gs_a = _activations(a, w.k, what, workspace)
+    ab, gs_a, sf_a = activation_operand(a, w.k, what, workspace, act_decode)
     dev = ab.device
     ok = w.__dict__.get("_checked")       # the weights' own checks, done once per (tensors, device): a launch is hot
     if ok is None or ok[0] is not w.w_sm90 or ok[1] is not w.w_gs or ok[2] != dev:
         check_tensor(w.w_sm90, what, "w.w_sm90", (torch.uint8,), dev); check_tensor(w.w_gs, what, "w.w_gs", (torch.float32,), dev)
         sm100 = torch.cuda.get_device_capability(dev)[0] == 10
-        w.__dict__["_checked"] = (w.w_sm90, w.w_gs, dev, *w.shape, sm100, _ones((1, 1), dev))
-    return ab, gs_a
+        w.__dict__["_checked"] = (w.w_sm90, w.w_gs, dev, *w.shape, sm100, cached_ones((1, 1), dev))
+    return ab, gs_a, sf_a
 
 def _hot(a, w, expert_offsets, out):
     """The launch's fast path for the common call (bf16 activations, `out=` given, weights checked on this device
@@ -270,17 +284,17 @@ def _hot(a, w, expert_offsets, out):
 
 def _gs_rows(gs_a, rows, cols, what, dev):
     "gs_a as the kernel's 2-D (rows, cols) per-row tensor, or (1, 1); and whether it is per row."
-    if gs_a is None: return _ones((1, 1), dev), False
+    if gs_a is None: return cached_ones((1, 1), dev), False
     if gs_a.numel() == 1: return gs_a.reshape(1, 1), False
     if gs_a.numel() != rows * cols: raise ValueError(f"{what}: per-row global scale must have {rows * cols} entries, got {gs_a.numel()}")
     return gs_a.reshape(rows, cols), True
 
-_LAUNCH = {}   # (config, rows, E, K, per_row, wo_a) -> the GemmConfig to launch
+_LAUNCH = {}   # (config, rows, E, K, per_row, wo_a, a_fp4) -> the GemmConfig to launch
 
-def _config(config, rows, E, K, per_row, wo_a, what):
-    """The config to launch: the given one (checked) or pick_config's, with the epilogue kind of this call. Cached per
-    shape (a launch is hot): DSV4_GEMM_CONFIG is read when a shape is first launched."""
-    key = (config, rows, E, K, per_row, wo_a)
+def _config(config, rows, E, K, per_row, wo_a, what, a_fp4=False):
+    """The config to launch: the given one (checked) or pick_config's, with the epilogue kind and activation format of
+    this call. Cached per shape (a launch is hot): DSV4_GEMM_CONFIG is read when a shape is first launched."""
+    key = (config, rows, E, K, per_row, wo_a, a_fp4)
     cfg = _LAUNCH.get(key)
     if cfg is not None: return cfg
     from dsv4_nvfp4.gemm_sm90 import Epilogue, GroupedGemmSm90
@@ -290,7 +304,11 @@ def _config(config, rows, E, K, per_row, wo_a, what):
         if not ok: raise ValueError(f"{what}: {why}")
         cfg = config
     if len(_LAUNCH) > 4096: _LAUNCH.clear()
-    cfg = _LAUNCH[key] = cfg._replace(epilogue=Epilogue.of(per_row, wo_a))
+    cfg = cfg._replace(epilogue=Epilogue.of(per_row, wo_a), a_fp4=a_fp4)
+    if a_fp4:
+        ok, why = GroupedGemmSm90.can_implement(cfg, E, K)
+        if not ok: raise ValueError(f"{what}: {why}")
+    _LAUNCH[key] = cfg
     return cfg
 
 _ARCH = {}
@@ -318,6 +336,7 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16) or N
                        workspace: torch.Tensor | None = None,  # bf16 (R, K): W4A4's decoded activations, no allocation
                        config=None,                            # a gemm_sm90.GemmConfig; default pick_config(R, E, K)
                        check: bool = False,                    # validate the offsets on the host (a sync)
+                       act_decode: str = "pre",                # W4A4: "pre" (dequantize pass), "kernel" (K % 256 == 0) or "auto"
                       ) -> torch.Tensor:                       # bf16 (R, N)
     """`C[rows of e] = gs_a * gs_w[e] * A[rows of e] @ W[e]^T` for every expert e: the MoE grouped GEMM with NVFP4
     weights, decoded exactly in the kernel (Hopper sm_90a; sm_100 goes to `gemm_sm100`, unverified).
@@ -325,15 +344,18 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16) or N
     Rows are expert-major (see `routing.route_topk`): expert e owns rows `[expert_offsets[e-1], expert_offsets[e])`,
     empty experts allowed. Never syncs with the host; offsets outside [0, R] are clamped in the kernel (nothing
     outside `out` is written), `check=True` validates them instead. With `out=` (and `workspace=` for W4A4) it
-    allocates nothing, so it can be captured in a CUDA graph and replayed with new offsets. Needs K % 16 == 0."""
+    allocates nothing, so it can be captured in a CUDA graph and replayed with new offsets. Needs K % 16 == 0.
+    W4A4 activations are decoded exactly to bf16 by a separate pass into `workspace` (`act_decode="pre"`) or inside
+    the kernel from their codes and plain scales (`"kernel"`, K % 256 == 0: no workspace, 80 instead of 256 + 2 x 64
+    bytes of activation traffic per row and 128 of K)."""
     what = "grouped_gemm_nvfp4"
     if out is not None and not check and config is None:
         R, st = _hot(a, w, expert_offsets, out)
-        cfg = _LAUNCH.get((None, R, st[3], st[5], False, False)) if R is not None else None
+        cfg = _LAUNCH.get((None, R, st[3], st[5], False, False, False)) if R is not None else None
         if cfg is not None:                  # everything checked: launch (the first call of a shape takes the full path)
             _sm90().run_sm90(cfg, st[0], a, out, expert_offsets, st[1], st[7])
             return out
-    ab, gs_a = _operands(what, a, w, workspace)
+    ab, gs_a, sf_a = _operands(what, a, w, workspace, act_decode)
     if ab.dim() != 2: raise ValueError(f"{what}: activations must be 2-D (rows, K), got {tuple(ab.shape)}")
     E, N, K = w.shape
     R = ab.shape[0]
@@ -347,8 +369,8 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16) or N
         from dsv4_nvfp4.gemm_sm100 import grouped_mm_sm100
         return grouped_mm_sm100(a, w.w_fp4, w.w_sf_swz, w.w_gs, expert_offsets, out)
     gs_a2, per_row = _gs_rows(gs_a, R, 1, what, ab.device)
-    cfg = _config(config, R, E, K, per_row, False, what)
-    _sm90().run_sm90(cfg, w.w_sm90, ab, out, expert_offsets, w.w_gs, gs_a2)
+    cfg = _config(config, R, E, K, per_row, False, what, sf_a is not None)
+    _sm90().run_sm90(cfg, w.w_sm90, ab, out, expert_offsets, w.w_gs, gs_a2, sf_a)
     return out
 
 # %% ../nbs/04a_grouped_gemm.ipynb #12246ee6
@@ -362,7 +384,7 @@ def wo_a_nvfp4(x,                   # (T, G, K) on the GPU: bf16, or NVFP4Tensor
     """DSV4's attention-output projection `out[t, g] = gs_a * gs_w[g] * W[g] @ x[t, g]` for every token and group:
     the grouped kernel on a strided (T, K, G) view of x, no copy of x, no offsets tensor. CUDA-graph safe with `out=`."""
     what = "wo_a_nvfp4"
-    xb, gs_a = _operands(what, x, w, workspace)
+    xb, gs_a, _ = _operands(what, x, w, workspace)
     if xb.dim() != 3: raise ValueError(f"{what}: x must be (T, G, K), got {tuple(xb.shape)}")
     T, G, K = xb.shape
     E, N, _ = w.shape

@@ -6,19 +6,21 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .formats import e2m1_decode, unpack_fp4
-from .grouped_gemm import PreparedWeights, pick_config, ref_grouped_gemm_nvfp4
-from .quant import NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
-from .quantize_cuda import dequantize_nvfp4_cuda
+from .grouped_gemm import (PreparedWeights, activation_operand, cached_ones, act_decode_in_kernel, grouped_gemm_nvfp4,
+                                     pick_config, ref_grouped_gemm_nvfp4)
+from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
 from .routing import check_offsets, group_sizes
 from .runtime import check_tensor, out_tensor
 
 # %% auto #0
 __all__ = ['L1_GROUP', 'interleave_l1', 'deinterleave_l1', 'interleave_experts', 'check_swiglu_limit', 'ref_swiglu',
-           'calibrate_input_scales', 'ref_expert_mlp', 'grouped_gemm_swiglu_nvfp4']
+           'calibrate_input_scales', 'ref_expert_mlp', 'grouped_gemm_swiglu_nvfp4', 'MLPWorkspace', 'mlp_workspace',
+           'expert_mlp_nvfp4']
 
 # %% ../nbs/05_swiglu.ipynb #13885d96
 L1_GROUP = 8   # W1 / W3 rows alternate in groups of 8 in the fused L1 weight
@@ -156,56 +158,163 @@ def ref_expert_mlp(x,                              # bf16 (R, H) (W4A16) or NVFP
     return (y, h) if return_h else y
 
 # %% ../nbs/05_swiglu.ipynb #987a29e1
+def _static_scales(out_scale, E: int, dev, what: str, check: bool) -> torch.Tensor:
+    "The static per-expert global scales of the NVFP4 h, fp32 (E,) on `dev`; values checked when on the host or `check`."
+    if out_scale is None:
+        raise ValueError(f"{what}: out_dtype='nvfp4' needs out_scale, the static global scale of each expert's h "
+                         "(the checkpoint's input_scale of w2, or calibrate_input_scales)")
+    gs = torch.as_tensor(out_scale)
+    if gs.dtype != torch.float32: raise TypeError(f"{what}: out_scale must be float32, got {gs.dtype}")
+    if gs.numel() != E: raise ValueError(f"{what}: out_scale must have one scale per expert ({E}), got {gs.numel()}")
+    if not gs.is_cuda or check:      # a host tensor costs nothing to check; a device one only with check=True (a sync)
+        if not torch.isfinite(gs).all() or (gs < GS_MIN).any():
+            raise ValueError(f"{what}: out_scale must be finite and >= GS_MIN = 2^-110 (see global_scale_from_amax)")
+    return check_tensor(gs.reshape(E).to(dev), what, "out_scale", (torch.float32,), dev, align=4)
+
+def _nvfp4_out(out, R: int, I: int, dev, what: str) -> NVFP4Tensor:
+    "The NVFP4 h buffer: the caller's (checked, written in place) or a new one; per-row global scale (R,)."
+    if out is None:
+        return NVFP4Tensor(torch.empty(R, I // 2, dtype=torch.uint8, device=dev),
+                           torch.empty(R, I // 16, dtype=torch.float8_e4m3fn, device=dev),
+                           torch.empty(R, dtype=torch.float32, device=dev), (R, I))
+    if not isinstance(out, NVFP4Tensor): raise TypeError(f"{what}: out for out_dtype='nvfp4' must be an NVFP4Tensor")
+    if tuple(out.shape) != (R, I) or tuple(out.global_scale.shape) != (R,):
+        raise ValueError(f"{what}: out must be an NVFP4Tensor of shape ({R}, {I}) with a per-row global scale ({R},), "
+                         f"got {tuple(out.shape)} with global_scale {tuple(out.global_scale.shape)}")
+    for t, name in ((out.data, "out.data"), (out.scale, "out.scale"), (out.global_scale, "out.global_scale")):
+        check_tensor(t, what, name, (t.dtype,), dev, align=4 if t.dim() == 1 else 16)
+    return out
+
 def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A16) or NVFP4Tensor (R, H) (W4A4), on the GPU
                               w13: PreparedWeights,          # (E, 2I, H) interleaved L1 weights (interleave_experts -> prepare_weights), on a's device
                               expert_offsets: torch.Tensor,  # int32 (E,) cumulative end offsets of the expert-major rows, on the GPU
                               *,
                               swiglu_limit: float | None = 10.0,        # L; None or 0: no clamp (compiled into the kernel)
                               route_weight: torch.Tensor | None = None,  # fp32 (R,): multiplied into h (before W2)
-                              out: torch.Tensor | None = None,           # bf16 (R, I)
-                              workspace: torch.Tensor | None = None,     # bf16 (R, H): W4A4's decoded activations
+                              out_dtype: str = "bf16",                   # "bf16": h (R, I) bf16; "nvfp4": h as an NVFP4Tensor
+                              out_scale=None,                            # "nvfp4": fp32 (E,) static global scale of each expert's h
+                              out=None,                                  # bf16 (R, I), or an NVFP4Tensor (R, I) with global_scale (R,)
+                              workspace: torch.Tensor | None = None,     # bf16 (R, H): W4A4's decoded activations (act_decode "pre")
+                              row_scales: torch.Tensor | None = None,    # fp32 (R, 2): the kernel's per-row (gs_a, p), no allocation
+                              act_decode: str = "pre",                   # W4A4 input: "pre", "kernel" (H % 256 == 0) or "auto"
                               config=None,                               # a gemm_sm90.GemmConfig; default pick_config
-                              check: bool = False,                       # validate the offsets on the host (a sync)
-                             ) -> torch.Tensor:                          # bf16 (R, I)
+                              check: bool = False,                       # validate offsets and out_scale on the host (a sync)
+                              dump: torch.Tensor | None = None,          # "nvfp4": fp32 (R, I), also store h before quantization (tests)
+                             ):                                          # bf16 (R, I) or NVFP4Tensor (R, I)
     """The fused L1 of the expert MLP on Hopper: `h = swiglu(W13 x) * p` per expert in one launch, SwiGLU in the GEMM's
-    epilogue (no (R, 2I) tensor), h as bf16. Rows are expert-major; a non-finite gate or up gives NaN in that element."""
+    epilogue (no (R, 2I) tensor), h as bf16 or, with `out_dtype="nvfp4"`, quantized in the epilogue with each expert's
+    static global scale (bit-exact `ref_quantize_nvfp4(h, out_scale[e])` of the kernel's fp32 h; the result carries the
+    scale per row). Rows are expert-major; a non-finite gate or up gives NaN in that element of h (for NVFP4, a NaN
+    block scale). With `out=`, `row_scales=` (and `workspace=` for W4A4 with `act_decode="pre"`) nothing is allocated."""
     what = "grouped_gemm_swiglu_nvfp4"
-    import math as _m
     from dsv4_nvfp4 import gemm_sm90 as S90
     L = check_swiglu_limit(swiglu_limit)
+    if out_dtype not in ("bf16", "nvfp4"): raise ValueError(f"{what}: out_dtype must be 'bf16' or 'nvfp4', got {out_dtype!r}")
     if not isinstance(w13, PreparedWeights): raise TypeError(f"{what}: w13 must be PreparedWeights (prepare_weights), got {type(w13).__name__}")
     if w13.w_sm90 is None: raise ValueError(f"{what}: w13 has no sm_90a layout (prepare_weights(..., sm90=True))")
     E, N2, K = w13.shape
     if N2 % 32: raise ValueError(f"{what}: W13 has {N2} rows; 2I with I a multiple of 16 (NVFP4 blocks of the L2 input) is needed")
-    if isinstance(a, NVFP4Tensor):
-        if a.shape[-1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {a.shape[-1]}, weights K = {K}")
-        dev = a.data.device
-        check_tensor(a.data, what, "activations' codes", (torch.uint8,))
-        gs = check_tensor(a.global_scale, what, "the activations' global_scale", (torch.float32,), dev, align=0)
-        ab = dequantize_nvfp4_cuda(a.data, a.scale, torch.ones((), device=dev), out=workspace)
-    elif isinstance(a, torch.Tensor):
-        if a.dtype != torch.bfloat16: raise TypeError(f"{what}: activations must be bf16 (W4A16) or an NVFP4Tensor (W4A4), got {a.dtype}")
-        if a.dim() != 2 or a.shape[-1] != K: raise ValueError(f"{what}: activations must be (R, K = {K}), got {tuple(a.shape)}")
-        ab, gs = check_tensor(a, what, "activations", (torch.bfloat16,)), None
-    else:
+    I = N2 // 2
+    if not isinstance(a, (torch.Tensor, NVFP4Tensor)):
         raise TypeError(f"{what}: activations must be a bf16 tensor or an NVFP4Tensor, got {type(a).__name__}")
-    dev, R = ab.device, ab.shape[0]
+    if len(a.shape) != 2: raise ValueError(f"{what}: activations must be (R, K = {K}), got {tuple(a.shape)}")
+    dev, R = (a.data if isinstance(a, NVFP4Tensor) else a).device, a.shape[0]
     check_tensor(w13.w_sm90, what, "w13.w_sm90", (torch.uint8,), dev); check_tensor(w13.w_gs, what, "w13.w_gs", (torch.float32,), dev)
     check_tensor(expert_offsets, what, "expert_offsets (int32 cumulative ends)", (torch.int32,), dev)
     if expert_offsets.dim() != 1 or expert_offsets.numel() != E:
         raise ValueError(f"{what}: expert_offsets must be (E,) = ({E},), got {tuple(expert_offsets.shape)}")
     if check: check_offsets(expert_offsets, R, E)
-    out = out_tensor(out, what, "out", (R, N2 // 2), (torch.bfloat16,), dev)
+    if out_dtype == "nvfp4":
+        gs_c = _static_scales(out_scale, E, dev, what, check)
+        out = _nvfp4_out(out, R, I, dev, what)
+        if dump is not None: dump = out_tensor(dump, what, "dump", (R, I), (torch.float32,), dev)
+    else:
+        if out_scale is not None or dump is not None: raise ValueError(f"{what}: out_scale and dump are for out_dtype='nvfp4'")
+        out = out_tensor(out, what, "out", (R, I), (torch.bfloat16,), dev)
+    ab, gs, sf_a = activation_operand(a, K, what, workspace, act_decode)     # checks; W4A4 "pre": the dequantize pass
     if R == 0: return out
-    gs_rows = torch.ones(R, device=dev) if gs is None else gs.reshape(-1).expand(R) if gs.numel() == 1 else gs.reshape(R)
-    if route_weight is None: p = torch.ones(R, device=dev)
+    gs_rows = cached_ones((R,), dev) if gs is None else gs.reshape(-1).expand(R) if gs.numel() == 1 else gs.reshape(R)
+    if route_weight is None: p = cached_ones((R,), dev)
     else:
         p = check_tensor(route_weight, what, "route_weight", (torch.float32,), dev, align=4)
         if tuple(p.shape) != (R,): raise ValueError(f"{what}: route_weight must be ({R},), got {tuple(p.shape)}")
-    scales = torch.stack([gs_rows, p], 1)                  # (R, 2): the kernel's per-row (gs_a, p)
+    row_scales = out_tensor(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)
+    torch.stack([gs_rows, p], 1, out=row_scales)          # the kernel's per-row (gs_a, p): one small copy kernel
     if config is not None:
         ok, why = S90.GroupedGemmSm90.can_implement(config, E, K)
         if not ok: raise ValueError(f"{what}: {why}")
-    cfg = (config or pick_config(R, E, K))._replace(epilogue=S90.Epilogue.SWIGLU_BF16, swiglu_limit=_m.inf if L is None else L)
-    S90.run_sm90(cfg, w13.w_sm90, ab, out, expert_offsets, w13.w_gs, scales)
+    epi = S90.Epilogue.SWIGLU_NVFP4 if out_dtype == "nvfp4" else S90.Epilogue.SWIGLU_BF16
+    cfg = (config or pick_config(R, E, K))._replace(epilogue=epi, swiglu_limit=math.inf if L is None else L,
+                                                    a_fp4=sf_a is not None, dump=dump is not None)
+    ok, why = S90.GroupedGemmSm90.can_implement(cfg, E, K)
+    if not ok: raise ValueError(f"{what}: {why}")
+    if out_dtype == "nvfp4":
+        S90.run_sm90(cfg, w13.w_sm90, ab, out.data.view(torch.int32), expert_offsets, w13.w_gs, row_scales, sf_a,
+                     out.scale.view(torch.uint8), gs_c, out.global_scale, dump)
+    else:
+        S90.run_sm90(cfg, w13.w_sm90, ab, out, expert_offsets, w13.w_gs, row_scales, sf_a)
     return out
+
+# %% ../nbs/05_swiglu.ipynb #0d7c4dba
+@dataclass
+class MLPWorkspace:
+    "Every intermediate buffer of `expert_mlp_nvfp4` for R rows: pass it as `workspace=` and the MLP allocates nothing."
+    h: object                                   # bf16 (R, I) (W4A16), or NVFP4Tensor (R, I) with per-row gs (W4A4)
+    row_scales: torch.Tensor                    # fp32 (R, 2): L1's per-row (gs_a, p)
+    x_dec: torch.Tensor | None = None           # bf16 (R, H): W4A4 L1 input decoded (act_decode "pre" only)
+    h_dec: torch.Tensor | None = None           # bf16 (R, I): W4A4 L2 input decoded (act_decode "pre" only)
+
+def mlp_workspace(rows: int, w13: PreparedWeights, w2: PreparedWeights, act: str = "w4a16",
+                  act_decode: str = "pre", device=None) -> MLPWorkspace:
+    "The buffers `expert_mlp_nvfp4` needs for `rows` routed rows (allocate once, reuse every call, capture in a graph)."
+    if act not in ("w4a16", "w4a4"): raise ValueError(f"mlp_workspace: act must be 'w4a16' or 'w4a4', got {act!r}")
+    dev = torch.device(device) if device is not None else w13.device
+    (E, N2, H), I = w13.shape, w13.shape[1] // 2
+    z = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
+    if act == "w4a16": return MLPWorkspace(z(rows, I), z(rows, 2, dt=torch.float32))
+    h = NVFP4Tensor(z(rows, I // 2, dt=torch.uint8), z(rows, I // 16, dt=torch.float8_e4m3fn), z(rows, dt=torch.float32), (rows, I))
+    return MLPWorkspace(h, z(rows, 2, dt=torch.float32),
+                        None if act_decode_in_kernel(act_decode, H, "mlp_workspace") else z(rows, H),
+                        None if act_decode_in_kernel(act_decode, I, "mlp_workspace") else z(rows, I))
+
+def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16) or NVFP4Tensor (R, H) (W4A4), expert-major rows, on the GPU
+                     w13: PreparedWeights,           # (E, 2I, H) interleaved gate/up (interleave_experts -> prepare_weights)
+                     w2: PreparedWeights,            # (E, H, I) down projections
+                     expert_offsets: torch.Tensor,   # int32 (E,) cumulative end offsets of the rows, on the GPU
+                     *,
+                     act: str = "w4a16",             # "w4a16": h in bf16; "w4a4": x and h in NVFP4
+                     swiglu_limit: float | None = 10.0,
+                     route_weight: torch.Tensor | None = None,  # fp32 (R,): multiplied into h before W2 (DSV4)
+                     a2_scales=None,                 # "w4a4": fp32 (E,) static global scales of h (w2's input_scale)
+                     out: torch.Tensor | None = None,          # bf16 (R, H)
+                     workspace: MLPWorkspace | None = None,    # mlp_workspace(R, w13, w2, act, act_decode)
+                     act_decode: str = "pre",        # W4A4 activations: "pre" (dequantize pass), "kernel" or "auto"
+                     check: bool = False,            # validate offsets and a2_scales on the host (a sync)
+                    ) -> torch.Tensor:               # bf16 (R, H)
+    """DSV4's routed expert MLP `y = W2 (swiglu(W13 x) * p)` on Hopper in two launches: the fused L1 (SwiGLU, routing
+    weight and, for W4A4, the NVFP4 quantization of h in its epilogue) and the L2 grouped GEMM. The spec is
+    `ref_expert_mlp`. With `out=` and `workspace=` it allocates nothing: the whole MLP can be captured in one CUDA
+    graph and replayed with new routing (up to the captured row count)."""
+    what = "expert_mlp_nvfp4"
+    if act not in ("w4a16", "w4a4"): raise ValueError(f"{what}: act must be 'w4a16' or 'w4a4', got {act!r}")
+    for w, name in ((w13, "w13"), (w2, "w2")):
+        if not isinstance(w, PreparedWeights): raise TypeError(f"{what}: {name} must be PreparedWeights, got {type(w).__name__}")
+    E, N2, H = w13.shape
+    if w2.shape[0] != E or w2.shape[1] != H or N2 != 2 * w2.shape[2]:
+        raise ValueError(f"{what}: w13 {tuple(w13.shape)} must be (E, 2I, H) for w2 {tuple(w2.shape)} = (E, H, I)")
+    I = w2.shape[2]
+    if I % 16: raise ValueError(f"{what}: I = {I} must be a multiple of 16 (NVFP4 blocks of h)")
+    if act == "w4a4" and not isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a4' takes NVFP4Tensor activations")
+    if act == "w4a16" and isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a16' takes bf16 activations")
+    if act == "w4a16" and a2_scales is not None: raise ValueError(f"{what}: a2_scales is for act='w4a4' (h in NVFP4)")
+    R = x.shape[0]
+    ws = workspace
+    if ws is not None and not isinstance(ws, MLPWorkspace): raise TypeError(f"{what}: workspace must be an MLPWorkspace (mlp_workspace)")
+    if act == "w4a16":
+        h = grouped_gemm_swiglu_nvfp4(x, w13, expert_offsets, swiglu_limit=swiglu_limit, route_weight=route_weight,
+                                      out=ws and ws.h, row_scales=ws and ws.row_scales, check=check)
+    else:
+        h = grouped_gemm_swiglu_nvfp4(x, w13, expert_offsets, swiglu_limit=swiglu_limit, route_weight=route_weight,
+                                      out_dtype="nvfp4", out_scale=a2_scales, out=ws and ws.h, row_scales=ws and ws.row_scales,
+                                      workspace=ws and ws.x_dec, act_decode=act_decode, check=check)
+    return grouped_gemm_nvfp4(h, w2, expert_offsets, out=out, workspace=ws and ws.h_dec, act_decode=act_decode)

@@ -533,7 +533,7 @@ def test_launch_fast_path_keeps_every_check(monkeypatch):
     calls = []
     class FakeSm90:
         @staticmethod
-        def run_sm90(cfg, w_sm90, a, out, offs, gs_w, gs_a): calls.append((cfg.tok_tile, a.shape, out.data_ptr()))
+        def run_sm90(cfg, w_sm90, a, out, offs, gs_w, gs_a, *optional): calls.append((cfg.tok_tile, a.shape, out.data_ptr()))
     monkeypatch.setitem(GG._ARCH, "sm90", FakeSm90)
     pw = GG.prepare_weights(Q.quantize_experts(torch.randn(4, 128, 256, generator=gen(9))))
     a = torch.randn(6, 256).to(torch.bfloat16)
