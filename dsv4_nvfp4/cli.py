@@ -145,6 +145,10 @@ def _bench(what: str, sizes_mb, out: Path) -> int:
     if what == "gemm":
         from dsv4_nvfp4.grouped_gemm import bench_gemm, gemm_table, plot_gemm
         res, table, plot = bench_gemm(log=log), gemm_table, plot_gemm
+    elif what == "mlp":
+        from dsv4_nvfp4.swiglu import bench_mlp, mlp_goals, mlp_table, plot_mlp
+        res, plot = bench_mlp(log=log), plot_mlp
+        table = lambda r: mlp_table(r) + "\n\n" + mlp_goals(r)
     else:
         from dsv4_nvfp4.bench import kernels_table, plot_kernels
         res, table, plot = bench_kernels(sizes_mb, log=log), kernels_table, plot_kernels
@@ -164,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="quantize a synthetic DSV4-Flash expert, or a ModelOpt checkpoint, and report")
     d.add_argument("--checkpoint", type=Path, help="a ModelOpt NVFP4 .safetensors file")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
-    bn = sub.add_parser("bench", help="benchmark on a CUDA GPU: the memory-bound kernels, or the grouped GEMM")
-    bn.add_argument("what", choices=["kernels", "gemm"])
+    bn = sub.add_parser("bench", help="benchmark on a CUDA GPU: the memory-bound kernels, the grouped GEMM, or the expert MLP")
+    bn.add_argument("what", choices=["kernels", "gemm", "mlp"])
     bn.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="kernels: input sizes")
     bn.add_argument("--out", type=Path, default=Path("."), help="folder for bench_<what>.{md,json,png}")
     args = p.parse_args(argv)

@@ -22,9 +22,10 @@ from .routing import check_offsets, group_sizes, random_topk, route_topk
 from .runtime import check_tensor, out_tensor
 
 # %% auto #0
-__all__ = ['ACT_DECODE', 'GEMM_PROBLEMS', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4', 'PreparedWeights',
-           'prepare_weights', 'pick_config', 'cached_ones', 'act_decode_in_kernel', 'activation_operand',
-           'grouped_gemm_nvfp4', 'wo_a_nvfp4', 'bench_gemm', 'gemm_table', 'launch_table', 'gemm_goals', 'plot_gemm']
+__all__ = ['ACT_DECODE', 'GEMM_PROBLEMS', 'PEER_BACKENDS', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4',
+           'PreparedWeights', 'prepare_weights', 'pick_config', 'cached_ones', 'act_decode_in_kernel',
+           'activation_operand', 'grouped_gemm_nvfp4', 'wo_a_nvfp4', 'synthetic_weights', 'find_peer_dir',
+           'bench_peers', 'peer_table', 'bench_gemm', 'gemm_table', 'launch_table', 'gemm_goals', 'plot_gemm']
 
 # %% ../nbs/04a_grouped_gemm.ipynb #80082d62
 def _unscaled(t, K: int) -> torch.Tensor:
@@ -410,15 +411,24 @@ def _launch_cost(timer, ours) -> dict:
     res.update(tvm_ffi=S90.have_tvm_ffi(), py_eager_us=py["eager_us"], py_host_us=py["host_us"])
     return res
 
-def _bench_problem(timer, name, E, N, K, T, topk, wo_a=False):
-    dev = torch.device("cuda")
-    gg = torch.Generator().manual_seed(0)
+def synthetic_weights(E: int, N: int, K: int, device="cuda") -> PreparedWeights:
+    """Timing-only sm_90a weights of E experts (N, K): random codes, every block scale 1.0, global scales 1; built on
+    the device in the kernel's layout (no CPU quantization of gigabytes of weights). Not for numerics."""
     from dsv4_nvfp4.gemm_sm90 import K_TILE, N_PAD, SLAB_BYTES, SLAB_CODE_BYTES, SLAB_ROWS, SLAB_WIDTH, WG_ROWS
+    dev = torch.device(device)
     Np, Kt = round_up(N, N_PAD), round_up(K, K_TILE)
     pw = PreparedWeights(torch.empty(1, dtype=torch.uint8, device=dev).expand(E, N, Kt // 2), None, None,
                          torch.ones(E, device=dev), K, K_TILE, None,
                          torch.randint(0, 256, (E * Np // WG_ROWS * Kt // K_TILE * SLAB_ROWS, SLAB_WIDTH), dtype=torch.uint8, device=dev))
     pw.w_sm90.view(-1, SLAB_BYTES)[:, SLAB_CODE_BYTES:] = 22 << 3     # scale code of 1.0: finite products
+    return pw
+
+def _bench_problem(timer, name, E, N, K, T, topk, wo_a=False):
+    dev = torch.device("cuda")
+    gg = torch.Generator().manual_seed(0)
+    from dsv4_nvfp4.gemm_sm90 import K_TILE, N_PAD
+    Np, Kt = round_up(N, N_PAD), round_up(K, K_TILE)
+    pw = synthetic_weights(E, N, K, dev)
     if wo_a:
         G, R, active = E, T * E, E
         x = torch.randn(T, G, K, device=dev).to(torch.bfloat16)
@@ -452,6 +462,66 @@ GEMM_PROBLEMS = ([("Flash L1 gate+up K=4096 N=4096", 256, 4096, 4096, T, 6, Fals
                  [(f"Pro EP48 K={K} N={N}", 48, N, K, T, 6, False) for T in (1, 32, 512, 4096) for K, N in ((7168, 6144), (3072, 7168))] +
                  [("wo_a G=8 K=4096 N=1024", 8, 1024, 4096, T, 1, True) for T in (1, 32, 512, 4096)])
 
+def find_peer_dir(path=None):
+    """The staged peer kernels (vLLM's Marlin MoE op `_moe_C.abi3.so`, OpenAI's `triton_kernels`, and the `bench_peer.py`
+    harness that times them) as a Path: `path`, else `$DSV4_PEER_DIR`, else `.peer/` in the working directory or the
+    repository; None when there is none."""
+    from pathlib import Path
+    here = Path(__file__).resolve().parent.parent if "__file__" in globals() else Path.cwd()
+    for c in ([path] if path else []) + [os.environ.get("DSV4_PEER_DIR"), Path.cwd() / ".peer", here / ".peer"]:
+        if c and (Path(c) / "bench_peer.py").is_file(): return Path(c)
+    return None
+
+PEER_BACKENDS = ("ours_nvfp4", "marlin_nvfp4", "triton_mxfp4")
+
+def bench_peers(problems=None, peer_dir=None, tokens=(1, 8, 32, 128, 512, 2048, 8192), log=print) -> list:
+    """Ours, Marlin NVFP4 and triton_kernels MXFP4 on the routed problems of `GEMM_PROBLEMS`, timed by the peers'
+    own harness (one routed grouped GEMM with the token gather, L2 flushed, median of CUDA events over 4 routings;
+    eager and, where the peer allows, graph-replayed), so every backend is measured the same way. [] without peers."""
+    import argparse, importlib.util
+    peer_dir = find_peer_dir(peer_dir)
+    if peer_dir is None: return []
+    spec = importlib.util.spec_from_file_location("dsv4_bench_peer", peer_dir / "bench_peer.py")
+    bp = importlib.util.module_from_spec(spec); spec.loader.exec_module(bp)
+    shapes = []
+    for name, E, N, K, T, topk, wo_a in problems or GEMM_PROBLEMS:
+        if not wo_a and (name, E, N, K, topk) not in shapes: shapes.append((name, E, N, K, topk))
+    rows = []
+    for name, E, N, K, topk in shapes:
+        args = argparse.Namespace(E=E, N=N, K=K, topk=topk, tokens=list(tokens), iters=50, warmup=10, routings=4, seed=0,
+                                  no_flush=False, check=False, peer_dir=str(peer_dir))
+        for b in PEER_BACKENDS:
+            got = []
+            try:
+                if b == "ours_nvfp4": bp.bench_ours(args, got)
+                elif b == "triton_mxfp4": bp.bench_triton(args, got)
+                else: bp.bench_marlin(args, b.split("_")[1], got)
+            except Exception as e:                    # a peer that fails to load or run leaves its rows out, loudly
+                log(f"  peer {b} on {name}: {type(e).__name__}: {e}")
+            rows += [dict(r, problem=name) for r in got]
+            torch.cuda.empty_cache()
+    return rows
+
+def peer_table(res: dict) -> str:
+    "Ours against the peers, per problem and T (median us from the peers' harness; best of eager and graph for each)."
+    best = {}
+    for r in res.get("peers", []):
+        k = (r["problem"], r["T"], r["backend"].split("(")[0])
+        best[k] = min(best.get(k, float("inf")), r["median_us"])
+    keys = sorted({(p, T) for p, T, _ in best}, key=lambda k: (k[0], k[1]))
+    if not keys: return ""
+    get = lambda p, T, b: best.get((p, T, b))
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    ratio = lambda a, b: "-" if a is None or b is None else f"{b / a:.2f}"
+    head = ("| problem | T | ours us | Marlin NVFP4 us | triton MXFP4 us | Marlin / ours | faster peer / ours |\n"
+            "|---|---|---|---|---|---|---|\n")
+    body = []
+    for p, T in keys:
+        o, m, t = get(p, T, "ours_nvfp4"), get(p, T, "marlin_nvfp4"), get(p, T, "triton_mxfp4")
+        peers = [v for v in (m, t) if v is not None]
+        body.append(f"| {p} | {T} | {fmt(o)} | {fmt(m)} | {fmt(t)} | {ratio(o, m)} | {ratio(o, min(peers) if peers else None)} |")
+    return head + "\n".join(body)
+
 def bench_gemm(problems=None, log=print) -> dict:
     """Our grouped GEMM (graph-replayed and eager) vs torch bf16 / fp8 grouped GEMMs on DSV4 routed problems, with the
     copy and bf16 matmul ceilings measured in the same run. Returns {info, copy_tbs, bf16_tflops, rows}."""
@@ -468,6 +538,8 @@ def bench_gemm(problems=None, log=print) -> dict:
         r["x_bf16"] = r["bf16_us"] / r["time_us"]; r["x_fp8"] = r["fp8_us"] / r["time_us"]
         res["rows"].append(r)
         log(f"  {r['problem']:32s} T={r['tokens']:5d} {r['time_us']:9.1f} us (eager {r['eager_us']:.1f})  x{r['x_bf16']:.2f} bf16  x{r['x_fp8']:.2f} fp8")
+    res["peers"] = bench_peers(problems, log=log)      # optional rows: only when the peers are staged
+    if not res["peers"]: log("  (no peers staged: Marlin / triton_kernels rows left out)")
     return res
 
 def gemm_table(res: dict) -> str:
@@ -483,7 +555,9 @@ def gemm_table(res: dict) -> str:
              f"{r['fp8_us']:.1f}", f"{r['x_fp8']:.2f}") for r in res["rows"]]
     return head + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + \
         "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in rows) + \
-        ("\n\nLaunch cost, each call issued on an idle GPU:\n\n" + launch_table(res) if any(r.get("launch") for r in res["rows"]) else "")
+        ("\n\nLaunch cost, each call issued on an idle GPU:\n\n" + launch_table(res) if any(r.get("launch") for r in res["rows"]) else "") + \
+        ("\n\nAgainst the peers, all timed by the peers' harness (token gather included, L2 flushed, median):\n\n" + peer_table(res)
+         if res.get("peers") else "")
 
 def launch_table(res: dict) -> str:
     "The launch-cost rows of the benchmark (each call issued on an idle GPU) as a Markdown table."
@@ -520,6 +594,26 @@ def gemm_goals(res: dict) -> str:
         ok = all(r["launch"]["eager_us"] - r["launch"]["graph_us"] <= 10 for r in eg)
         out.append(f"* **Launch cost (eager within 10 us of graph-replayed, Flash L1, each call issued on an idle GPU)**: "
                    f"{'met' if ok else 'missed'}: {gaps}.")
+    pr = res.get("peers") or []
+    if pr:
+        best = {}
+        for r in pr:
+            k = (r["problem"], r["T"], r["backend"].split("(")[0]); best[k] = min(best.get(k, float("inf")), r["median_us"])
+        E_of = {p[0]: p[1] for p in GEMM_PROBLEMS}
+        cells = sorted({(p, T) for p, T, b in best if b == "ours_nvfp4"})
+        per_ = lambda p, T: 6 * T / max(1, min(E_of.get(p, 1), 6 * T))
+        mem = [(p, T) for p, T in cells if per_(p, T) <= 16 and (p, T, "marlin_nvfp4") in best]
+        slow = [f"{p.split(' K=')[0]} T={T}" for p, T in mem if best[(p, T, "ours_nvfp4")] >= best[(p, T, "marlin_nvfp4")]]
+        if mem: out.append(f"* **Faster than Marlin when memory-bound (<= 16 rows per expert)**: {'met' if not slow else 'missed'} "
+                           f"on {len(mem) - len(slow)} of {len(mem)} rows" + (f"; slower: {', '.join(slow)}." if slow else "."))
+        comp = [(p, T) for p, T in cells if per_(p, T) >= 256]
+        def fastest_peer(p, T):
+            v = [best[(p, T, b)] for b in ("marlin_nvfp4", "triton_mxfp4") if (p, T, b) in best]
+            return min(v) if v else None
+        comp = [(p, T, fastest_peer(p, T) / best[(p, T, "ours_nvfp4")]) for p, T in comp if fastest_peer(p, T)]
+        if comp: out.append(f"* **Compute-bound (>= 256 rows per expert): >= 1.1x the faster peer**: met on "
+                            f"{sum(x >= 1.1 for *_, x in comp)} of {len(comp)} rows ({min(x for *_, x in comp):.2f}-"
+                            f"{max(x for *_, x in comp):.2f}x).")
     return "\n".join(out)
 
 def plot_gemm(res: dict, path=None):

@@ -18,9 +18,9 @@ from .routing import check_offsets, group_sizes
 from .runtime import check_tensor, out_tensor
 
 # %% auto #0
-__all__ = ['L1_GROUP', 'interleave_l1', 'deinterleave_l1', 'interleave_experts', 'check_swiglu_limit', 'ref_swiglu',
-           'calibrate_input_scales', 'ref_expert_mlp', 'grouped_gemm_swiglu_nvfp4', 'MLPWorkspace', 'mlp_workspace',
-           'expert_mlp_nvfp4']
+__all__ = ['L1_GROUP', 'MLP_PROBLEMS', 'MLP_GOALS', 'interleave_l1', 'deinterleave_l1', 'interleave_experts',
+           'check_swiglu_limit', 'ref_swiglu', 'calibrate_input_scales', 'ref_expert_mlp', 'grouped_gemm_swiglu_nvfp4',
+           'MLPWorkspace', 'mlp_workspace', 'expert_mlp_nvfp4', 'bench_mlp', 'mlp_table', 'mlp_goals', 'plot_mlp']
 
 # %% ../nbs/05_swiglu.ipynb #13885d96
 L1_GROUP = 8   # W1 / W3 rows alternate in groups of 8 in the fused L1 weight
@@ -318,3 +318,145 @@ def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16) or NV
                                       out_dtype="nvfp4", out_scale=a2_scales, out=ws and ws.h, row_scales=ws and ws.row_scales,
                                       workspace=ws and ws.x_dec, act_decode=act_decode, check=check)
     return grouped_gemm_nvfp4(h, w2, expert_offsets, out=out, workspace=ws and ws.h_dec, act_decode=act_decode)
+
+# %% ../nbs/05_swiglu.ipynb #993a4647
+MLP_PROBLEMS = ([("Flash", 256, 4096, 2048, T, 6) for T in (1, 8, 32, 128, 512, 2048, 8192)] +
+                [("Pro EP48", 48, 7168, 3072, T, 6) for T in (1, 8, 32, 128, 512, 2048, 8192)])
+MLP_GOALS = dict(decode_bf16=3.0, decode_fp8=1.7, mid_bf16=2.5, mid_fp8=1.5)   # the issue's targets vs torch
+
+def _torch_mlp(x, w13, w2, offs, p, L, fp8: bool):
+    "The same MLP in torch: grouped mm (bf16, or fp8 rowwise with the activations quantized in the call), SwiGLU, grouped mm."
+    I = w2[0].shape[-1] if fp8 else w2.shape[-1]
+    def q8(t):                                               # rowwise fp8: amax / 448 per row
+        s = t.abs().amax(1).float().clamp_min(1e-12) / 448.0
+        return (t.float() / s[:, None]).to(torch.float8_e4m3fn), s
+    if fp8:
+        xq, sx = q8(x)
+        gu = torch._scaled_grouped_mm(xq, w13[0].transpose(-2, -1), sx, w13[1], offs=offs, out_dtype=torch.bfloat16)
+    else:
+        gu = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
+    g, u = gu[:, :I].float(), gu[:, I:].float()
+    g = g.clamp(max=L); u = u.clamp(-L, L)
+    h = (torch.nn.functional.silu(g) * u * p[:, None]).to(torch.bfloat16)
+    if fp8:
+        hq, sh = q8(h)
+        return torch._scaled_grouped_mm(hq, w2[0].transpose(-2, -1), sh, w2[1], offs=offs, out_dtype=torch.bfloat16)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+def _bench_mlp_problem(timer, name, E, H, I, T, topk, L=10.0):
+    from dsv4_nvfp4.grouped_gemm import synthetic_weights
+    from dsv4_nvfp4.routing import random_topk, route_topk
+    dev = torch.device("cuda")
+    gg = torch.Generator().manual_seed(T)
+    rt = route_topk(random_topk(T, E, topk, generator=gg), E)
+    offs, R = rt.expert_offsets.to(dev), rt.perm.numel()
+    active = int((group_sizes(rt.expert_offsets) > 0).sum())
+    w13, w2 = synthetic_weights(E, 2 * I, H, dev), synthetic_weights(E, H, I, dev)
+    x = (torch.randn(R, H, device=dev) * 0.1).to(torch.bfloat16)
+    x4 = NVFP4Tensor(torch.randint(0, 256, (R, H // 2), dtype=torch.uint8, device=dev),
+                     torch.full((R, H // 16), 0x30, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn),
+                     torch.full((R,), 1e-3, device=dev), (R, H))
+    p = torch.rand(R, device=dev)
+    a2 = torch.full((E,), 1e-3, device=dev)
+    out = torch.empty(R, H, dtype=torch.bfloat16, device=dev)
+    row = dict(problem=name, E=E, H=H, I=I, tokens=T, rows=R, active=active)
+    runs = [("w4a16", "w4a16", x, None, "pre"), ("w4a4_pre", "w4a4", x4, a2, "pre"), ("w4a4_kernel", "w4a4", x4, a2, "kernel")]
+    for key, act, xx, aa, dec in runs:
+        ws = mlp_workspace(R, w13, w2, act, act_decode=dec)
+        fn = lambda: expert_mlp_nvfp4(xx, w13, w2, offs, act=act, route_weight=p, a2_scales=aa, out=out, workspace=ws,
+                                      act_decode=dec)
+        row[key + "_us"], row[key + "_eager_us"] = timer(fn)
+        del ws
+    del w13, w2; torch.cuda.empty_cache()
+    wb13 = (torch.randn(E, 2 * I, H, device=dev) * 0.02).to(torch.bfloat16)
+    wb2 = (torch.randn(E, H, I, device=dev) * 0.02).to(torch.bfloat16)
+    t = timer(lambda: _torch_mlp(x, wb13, wb2, offs, p, L, False)); row["bf16_us"] = t[0] or t[1]
+    w813 = (wb13.to(torch.float8_e4m3fn), torch.ones(E, 2 * I, device=dev)); del wb13
+    w82 = (wb2.to(torch.float8_e4m3fn), torch.ones(E, H, device=dev)); del wb2
+    t = timer(lambda: _torch_mlp(x, w813, w82, offs, p, L, True)); row["fp8_us"] = t[0] or t[1]
+    del w813, w82; torch.cuda.empty_cache()
+    wbytes = active * 3 * I * H * (0.5 + 1 / 16)
+    row["bytes_w4a16"] = wbytes + R * H * 4 + R * I * 4                   # weights, x and y (bf16), h written and read (bf16)
+    row["bytes_w4a4"] = wbytes + R * H * (0.5625 + 2) + R * I * 0.5625 * 2  # x NVFP4, y bf16, h NVFP4 both ways
+    row["flops"] = 2 * R * 3 * I * H
+    return row
+
+def bench_mlp(problems=None, log=print) -> dict:
+    """The expert MLP (W4A16, and W4A4 with the activation decode as a pass or in the kernel), graph-replayed and eager,
+    vs the same MLP in torch bf16 and fp8, with the copy and bf16 matmul ceilings measured in the same run."""
+    from dsv4_nvfp4.bench import Timer, copy_rows, gpu_info, matmul_tflops
+    timer = Timer()
+    _, copy_tbs = copy_rows(timer, (256, 1024))
+    mm = matmul_tflops(timer)
+    res = dict(info=gpu_info(), copy_tbs=copy_tbs, bf16_tflops=mm, rows=[])
+    log(f"copy {copy_tbs:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
+    for pr in problems or MLP_PROBLEMS:
+        r = _bench_mlp_problem(timer, *pr)
+        for key in ("w4a16", "w4a4_pre", "w4a4_kernel"):
+            r[key + "_x_bf16"] = r["bf16_us"] / r[key + "_us"]; r[key + "_x_fp8"] = r["fp8_us"] / r[key + "_us"]
+        r["tbs"] = r["bytes_w4a16"] / r["w4a16_us"] / 1e6
+        r["pct_copy"] = 100 * r["tbs"] / copy_tbs
+        r["tflops"] = r["flops"] / r["w4a16_us"] / 1e6
+        res["rows"].append(r)
+        log(f"  {r['problem']:9s} T={r['tokens']:5d} w4a16 {r['w4a16_us']:8.1f} us  w4a4 {r['w4a4_pre_us']:8.1f} / "
+            f"{r['w4a4_kernel_us']:8.1f} us  bf16 {r['bf16_us']:8.1f}  fp8 {r['fp8_us']:8.1f}")
+    return res
+
+def mlp_table(res: dict) -> str:
+    "The MLP benchmark as a Markdown table (rendered from the measured rows)."
+    i = res["info"]
+    head = (f"{i['gpu']} ({i['sms']} SMs), torch {i['torch']}; copy {res['copy_tbs']:.2f} TB/s, "
+            f"bf16 matmul {res['bf16_tflops']:.0f} TFLOP/s; times in us, graph-replayed\n\n")
+    cols = ["problem", "tokens", "rows/active expert", "W4A16", "W4A16 eager", "W4A4 (decode pass)", "W4A4 (in-kernel decode)",
+            "torch bf16", "torch fp8", "W4A16 x bf16", "W4A16 x fp8", "W4A4 best x bf16", "W4A16 TB/s", "% of copy"]
+    body = []
+    for r in res["rows"]:
+        best = min(r["w4a4_pre_us"], r["w4a4_kernel_us"])
+        body.append((r["problem"], r["tokens"], f"{r['rows'] / max(r['active'], 1):.0f}", f"{r['w4a16_us']:.1f}",
+                     f"{r['w4a16_eager_us']:.1f}", f"{r['w4a4_pre_us']:.1f}", f"{r['w4a4_kernel_us']:.1f}",
+                     f"{r['bf16_us']:.1f}", f"{r['fp8_us']:.1f}", f"{r['w4a16_x_bf16']:.2f}", f"{r['w4a16_x_fp8']:.2f}",
+                     f"{r['bf16_us'] / best:.2f}", f"{r['tbs']:.2f}", f"{r['pct_copy']:.0f}%"))
+    return head + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + \
+        "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in body)
+
+def mlp_goals(res: dict) -> str:
+    "The MLP benchmark against the issue's goals vs torch, rendered from the measured rows (no number typed by hand)."
+    per = lambda r: r["rows"] / max(r["active"], 1)
+    out = []
+    def verdict(sel, b, f, what):
+        if not sel: return
+        miss = [r for r in sel if not (r["w4a16_x_bf16"] >= b and r["w4a16_x_fp8"] >= f)]
+        out.append(f"* **{what}** (W4A16): met on {len(sel) - len(miss)} of {len(sel)} rows, x bf16 "
+                   f"{min(r['w4a16_x_bf16'] for r in sel):.2f}-{max(r['w4a16_x_bf16'] for r in sel):.2f}, x fp8 "
+                   f"{min(r['w4a16_x_fp8'] for r in sel):.2f}-{max(r['w4a16_x_fp8'] for r in sel):.2f}"
+                   + (f"; missed: {', '.join(r['problem'] + ' T=' + str(r['tokens']) for r in miss)}." if miss else "."))
+    g = MLP_GOALS
+    verdict([r for r in res["rows"] if per(r) <= 16], g["decode_bf16"], g["decode_fp8"],
+            f"Decode (<= 16 rows per active expert): >= {g['decode_bf16']}x torch bf16 and >= {g['decode_fp8']}x torch fp8")
+    verdict([r for r in res["rows"] if r["problem"] == "Flash" and r["tokens"] == 2048], g["mid_bf16"], g["mid_fp8"],
+            f"Flash at 2048 tokens: >= {g['mid_bf16']}x torch bf16 and >= {g['mid_fp8']}x torch fp8")
+    w4 = [(r["problem"], r["tokens"], r["w4a4_kernel_us"] / r["w4a4_pre_us"]) for r in res["rows"]]
+    if w4:
+        faster = [f"{p} T={t}" for p, t, q in w4 if q < 1]
+        out.append(f"* W4A4, in-kernel decode / decode pass: {min(q for *_, q in w4):.2f}-{max(q for *_, q in w4):.2f} of the time; "
+                   f"the kernel decode is faster on {len(faster)} of {len(w4)} rows.")
+    return "\n".join(out)
+
+def plot_mlp(res: dict, path=None):
+    "Speed-up of the expert MLP over torch bf16 and fp8 against rows per active expert."
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for name in sorted({r["problem"] for r in res["rows"]}):
+        rr = [r for r in res["rows"] if r["problem"] == name]
+        xs = [r["rows"] / max(r["active"], 1) for r in rr]
+        for key, st in (("w4a16", "o-"), ("w4a4_kernel", "s--")):
+            ax[0].plot(xs, [r[key + "_x_bf16"] for r in rr], st, label=f"{name} {key}")
+            ax[1].plot(xs, [r[key + "_x_fp8"] for r in rr], st, label=f"{name} {key}")
+    for a_, t, goal in ((ax[0], "expert MLP: x vs torch bf16", MLP_GOALS["decode_bf16"]),
+                        (ax[1], "expert MLP: x vs torch fp8", MLP_GOALS["decode_fp8"])):
+        a_.set_xscale("log"); a_.axhline(1, color="k", lw=0.8); a_.axhline(goal, color="gray", ls=":", lw=0.8)
+        a_.axvline(16, color="gray", ls="--", lw=0.6); a_.set_xlabel("rows per active expert"); a_.set_title(t)
+    ax[0].legend(fontsize=7)
+    fig.tight_layout()
+    if path: fig.savefig(path, dpi=110)
+    return fig
