@@ -138,6 +138,7 @@ class GemmConfig(NamedTuple):
     swiglu_limit: float = 10.0         # SwiGLU kinds: L (compiled in; math.inf: no clamp)
     a_fp4: bool = False                # activations are NVFP4 (codes (R, K/2) + scales (R, K/16)), decoded in the kernel
     dump: bool = False                 # SWIGLU_NVFP4: also store the fp32 h before quantization (the bit-exactness test)
+    overlap: bool = False              # decode K tile k+1 while tile k's WGMMAs run (two A fragments, wait_group(1))
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
@@ -149,7 +150,7 @@ def smem_bytes(cfg: GemmConfig) -> int:
     and scales), `a_fp4`'s two decoded bf16 tiles, the SwiGLU-NVFP4 amax exchange, the staged offsets, barriers."""
     tt = cfg.tok_tile
     act = tt * (A_CODE_BOX + A_SF_BOX) if cfg.a_fp4 else tt * K_TILE * 2
-    dec = 2 * tt * K_TILE * 2 + 1024 if cfg.a_fp4 else 0
+    dec = (3 if cfg.overlap else 2) * tt * K_TILE * 2 + 1024 if cfg.a_fp4 else 0
     xchg = 4 * cfg.wgs * 4 * tt if cfg.epilogue.fp4_out else 0
     return cfg.stages * (SLAB_BYTES * cfg.wgs + act) + dec + xchg + 4 * MAX_EXPERTS + SMEM_RESERVED
 
@@ -394,6 +395,101 @@ class _Consumer:
             db = 1 - db
         return cs, db
 
+    @cute.jit
+    def decode_w(self, sW, stage, cw, t, a_frag):
+        "Decode this thread's 64 weights of the stage's slab into `a_frag` (8 K blocks x 4 bf16x2)."
+        base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, stage].iterator, dtype=cutlass.Uint32),
+                                cute.make_layout(SLAB_BYTES // 4))
+        v = cute.flat_divide(base, (4,))
+        c0 = cute.make_rmem_tensor((4,), cutlass.Uint32)
+        c1 = cute.make_rmem_tensor((4,), cutlass.Uint32)
+        sc = cute.make_rmem_tensor((4,), cutlass.Uint32)
+        cute.autovec_copy(v[None, t], c0)
+        cute.autovec_copy(v[None, 128 + t], c1)
+        cute.autovec_copy(v[None, 256 + t // 4], sc)
+        a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)
+        for kb in cutlass.range_constexpr(8):
+            w_ = c0[kb] if kb < 4 else c1[kb - 4]
+            s0 = _asm(_SCL[kb % 4], sc[kb // 4])
+            s1 = _asm(_SCL[kb % 4], sc[2 + kb // 4])
+            for j in cutlass.range_constexpr(4):
+                a_u32[j + 4 * kb] = _asm(_DEC[j], w_, s0 if j % 2 == 0 else s1)
+
+    @cute.jit
+    def mainloop_overlapped(self, pipe, cs, sW, mmas, acc_frag, a_frags, tCrB, t, cw, KT, sA, sS, dwords, ctid, db):
+        """`cfg.overlap`: the mainloop with tile k+1's decode (registers, and with `a_fp4` shared memory) running while
+        tile k's WGMMAs execute. Two A fragments alternate (the loop is unrolled by two: registers cannot be indexed
+        dynamically); a stage is released one tile late, after `wait_group(1)` says its WGMMAs completed; with `a_fp4`
+        three decoded tiles rotate (a consumer may pass tile k's barrier while the other warpgroup's tile k-1 WGMMAs
+        still read theirs). Tile 0 is peeled (it starts the accumulator and releases nothing). `mmas` = (the tiled MMA
+        with ACCUMULATE off, the one with it on), each set once outside every loop."""
+        rs = cs.clone()                         # the stage to release next: one tile behind cs
+        # tile 0
+        pipe.consumer_wait(cs)
+        bi = cs.index
+        if cutlass.const_expr(self.a_fp4):
+            self.decode_act(sA, sS, dwords, cs.index, 0, db, ctid)
+            bi = db
+        self.decode_w(sW, cs.index, cw, t, a_frags[0])
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(8):
+            cute.gemm(mmas[0] if kb == 0 else mmas[1], acc_frag, a_frags[0][None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+        warpgroup.commit_group()
+        cs.advance()
+        db = (db + 1) % 3
+        # tiles 1 .. KT-1, two per trip (fragments 1 then 0), then the last one alone when KT is even (a 0/1-trip loop)
+        for k2 in cutlass.range((KT - 1) // 2, unroll=1):
+            pipe.consumer_wait(cs)
+            bi = cs.index
+            if cutlass.const_expr(self.a_fp4):
+                self.decode_act(sA, sS, dwords, cs.index, 2 * k2 + 1, db, ctid)
+                bi = db
+            self.decode_w(sW, cs.index, cw, t, a_frags[1])
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(8):
+                cute.gemm(mmas[1], acc_frag, a_frags[1][None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)                               # the previous tile's WGMMAs are done: its stage and fragment are free
+            pipe.consumer_release(rs)
+            rs.advance()
+            cs.advance()
+            db = (db + 1) % 3
+            pipe.consumer_wait(cs)
+            bi = cs.index
+            if cutlass.const_expr(self.a_fp4):
+                self.decode_act(sA, sS, dwords, cs.index, 2 * k2 + 2, db, ctid)
+                bi = db
+            self.decode_w(sW, cs.index, cw, t, a_frags[0])
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(8):
+                cute.gemm(mmas[1], acc_frag, a_frags[0][None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)                               # the previous tile's WGMMAs are done: its stage and fragment are free
+            pipe.consumer_release(rs)
+            rs.advance()
+            cs.advance()
+            db = (db + 1) % 3
+        for k2 in cutlass.range((KT - 1) % 2, unroll=1):
+            pipe.consumer_wait(cs)
+            bi = cs.index
+            if cutlass.const_expr(self.a_fp4):
+                self.decode_act(sA, sS, dwords, cs.index, KT - 1, db, ctid)
+                bi = db
+            self.decode_w(sW, cs.index, cw, t, a_frags[1])
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(8):
+                cute.gemm(mmas[1], acc_frag, a_frags[1][None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)                               # the previous tile's WGMMAs are done: its stage and fragment are free
+            pipe.consumer_release(rs)
+            rs.advance()
+            cs.advance()
+            db = (db + 1) % 3
+        warpgroup.wait_group(0)
+        pipe.consumer_release(rs)
+        rs.advance()
+        return cs, db
+
 # %% ../nbs/04b_gemm_sm90.ipynb #8547c569
 def emulate_decode_act_sm90(data: torch.Tensor,   # uint8 (rows, K/2) packed codes, element 2i in the low nibble
                             scale: torch.Tensor,  # float8_e4m3fn (rows, K/16) block scales
@@ -531,6 +627,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.per_row, self.wo_a, self.swiglu = cfg.epilogue.per_row, cfg.epilogue.wo_a, cfg.epilogue.swiglu
         self.fp4_out = cfg.epilogue.fp4_out
         self.a_fp4, self.dump = cfg.a_fp4, cfg.dump and cfg.epilogue.fp4_out
+        self.overlap = cfg.overlap
         self.limit = cfg.swiglu_limit
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
@@ -561,6 +658,20 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             return False, f"config needs {smem_bytes(cfg)} B of shared memory, the device allows {limit}"
         return True, ""
 
+    def occupancy(self) -> dict:
+        """Launch options. With `overlap` and room for two or more CTAs per SM, a minimum of 2 CTAs per SM for ptxas:
+        without a bound it spends ~170 registers on the two live A fragments (one CTA per SM); asking for 3 makes it
+        serialize the WGMMAs (warning C7511), which defeats the overlap; 2 gives 68-76 registers at tok_tile 16-32, few
+        enough that shared memory, not registers, still sets the CTAs per SM. Nothing for the other variants."""
+        if not self.overlap or HOPPER_SMEM_PER_SM // smem_bytes(self.cfg) < 2: return {}
+        return dict(min_blocks_per_mp=2, preferred_smem_carveout=100)
+
+    def make_mma(self):
+        "The tiled WGMMA: bf16 x bf16 -> fp32, A (decoded weights) from registers, B (tokens) from shared memory, K-major."
+        return sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (self.wgs, 1, 1), tiler_mn=(WG_ROWS, self.tt), a_source=warpgroup.OperandSource.RMEM)
+
     @cute.jit
     def __call__(self, mW: cute.Tensor, mA: cute.Tensor, mC: cute.Tensor, mOff: cute.Tensor,
                  mGw: cute.Tensor, mGa: cute.Tensor, n_ctas: cutlass.Int32,
@@ -572,16 +683,14 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if cutlass.const_expr(cute.rank(mA) == 2):    # (rows, K) / (rows, N): add the batch mode L = 1 here, not in Python
             mA = add_l(mA)
             mC = add_l(mC)
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (self.wgs, 1, 1), tiler_mn=(WG_ROWS, tt), a_source=warpgroup.OperandSource.RMEM)
+        self.tiled_mma = self.make_mma()
         b_layout = sm90_utils.make_smem_layout_b(                                  # (tt, 128, stages), 128B swizzle
             cutlass.utils.LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), cutlass.BFloat16, self.stages)
         w_layout = cute.make_layout((SLAB_ROWS, SLAB_WIDTH), stride=(SLAB_WIDTH, 1))   # (18, 256) bytes: one slab
         tma_w, tW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, w_layout, (SLAB_ROWS, SLAB_WIDTH))
         if cutlass.const_expr(self.a_fp4):
-            b_layout = sm90_utils.make_smem_layout_b(                              # the two decoded tiles (tt, 128, 2)
-                cutlass.utils.LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), cutlass.BFloat16, 2)
+            b_layout = sm90_utils.make_smem_layout_b(                              # the decoded tiles (tt, 128, 2 or 3)
+                cutlass.utils.LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), cutlass.BFloat16, 3 if self.overlap else 2)
             ac_layout = cute.make_layout((tt, A_CODE_BOX), stride=(A_CODE_BOX, 1))        # codes: (tt, 64) bytes
             as_layout = cute.make_layout((tt, A_SF_BOX), stride=(A_SF_BOX, 1))            # scales: (tt, 16) bytes
             tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, ac_layout, (tt, A_CODE_BOX))
@@ -619,7 +728,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if cutlass.const_expr(mDump is None):
             mDump = mC
         self.kernel(tma_w, tW, tma_a, tA, tma_s, tS, mC, mOff, mGw, mGa, mSfC, mGc, mGr, mDump, self.tiled_mma,
-                    b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+                    b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
+                                               **self.occupancy())
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,
@@ -674,7 +784,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             sS = cute.make_tensor(st.sAq.data_ptr() + tt * A_CODE_BOX,
                                   cute.make_layout((tt, A_SF_BOX, self.stages), stride=(A_SF_BOX, 1, q)))
             dwords = cute.make_tensor(cute.recast_ptr(st.sB.data_ptr(), dtype=cutlass.Uint32),
-                                      cute.make_layout(2 * tt * K_TILE // 2))                  # both decoded tiles, unswizzled
+                                      cute.make_layout((3 if self.overlap else 2) * tt * K_TILE // 2))   # the decoded tiles, unswizzled
         xbuf = st.xb.get_tensor(cute.make_layout(self.x_words))
         sOff = st.offs.get_tensor(cute.make_layout(MAX_EXPERTS))                                # (MAX_EXPERTS,)
         for i in cutlass.range(tidx, E, self.threads, unroll=1):
@@ -694,6 +804,13 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             thr_mma = tiled_mma.get_slice(ctid)
             acc_frag = thr_mma.make_fragment_C(thr_mma.partition_shape_C((self.m_tile, tt)))
             a_frag = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
+            a_frag2 = a_frag
+            mmas = (tiled_mma, tiled_mma)
+            if cutlass.const_expr(self.overlap):
+                a_frag2 = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
+                mmas = (self.make_mma(), self.make_mma())       # ACCUMULATE set once, off and on: no set in any loop
+                mmas[0].set(warpgroup.Field.ACCUMULATE, False)
+                mmas[1].set(warpgroup.Field.ACCUMULATE, True)
             tCsB = thr_mma.partition_B(sB)
             tCrB = tiled_mma.make_fragment_B(tCsB)
             cC = cute.make_identity_tensor((self.m_tile, tt))
@@ -705,7 +822,11 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
-                cs, db = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, sA, sS, dwords, ctid, db)
+                if cutlass.const_expr(self.overlap):
+                    cs, db = self.mainloop_overlapped(pipe, cs, sW, mmas, acc_frag, (a_frag, a_frag2), tCrB, t, cw, KT,
+                                                      sA, sS, dwords, ctid, db)
+                else:
+                    cs, db = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, sA, sS, dwords, ctid, db)
                 self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump)
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
@@ -737,11 +858,12 @@ def _fake_args(tvm_ffi: bool, cfg: GemmConfig):
 def compile_sm90(cfg: GemmConfig,
                  arch: str = "sm_90a",
                  tvm_ffi: bool = False,   # compile the TVM-FFI entry (needs apache-tvm-ffi)
+                 options: str = "",       # more CuTeDSL compile options, e.g. "--keep-ptx --dump-dir=DIR"
                 ):
     "Compile the kernel for `cfg` (its epilogue kind included) for `arch` with fake tensors: no GPU needed (CI does this)."
     ok, why = GroupedGemmSm90.can_implement(cfg, 1, smem_limit=HOPPER_SMEM_PER_BLOCK)
     if not ok: raise ValueError(f"compile_sm90: {why}")
-    opts = f"--gpu-arch={arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
+    opts = f"--gpu-arch={arch}" + (" --enable-tvm-ffi" if tvm_ffi else "") + (f" {options}" if options else "")
     return cute.compile(GroupedGemmSm90(cfg), *_fake_args(tvm_ffi, cfg), options=opts)
 
 USE_TVM_FFI = os.environ.get("DSV4_GEMM_TVM_FFI", "1") not in ("0", "")   # read once, at import (a launch is hot)

@@ -180,10 +180,13 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
                 k: int | None = None,  # K, checked by can_implement when given
                ):                      # a gemm_sm90.GemmConfig (epilogue: BF16; the launcher sets the kind)
     """The kernel configuration for `rows` routed rows over `num_experts` experts, chosen on the host without reading the
-    offsets (no sync). `DSV4_GEMM_CONFIG=16|32|64|128` forces a token tile; `DSV4_VERBOSE=1` prints the choice once per shape."""
+    offsets (no sync). `DSV4_GEMM_CONFIG=16|32|64|128` forces a token tile; `DSV4_GEMM_OVERLAP=1` picks the overlapped
+    mainloop (`GemmConfig.overlap`, opt-in until the GPU benchmark has measured it); `DSV4_VERBOSE=1` prints the choice
+    once per shape."""
     from dsv4_nvfp4.gemm_sm90 import CONFIGS, GroupedGemmSm90
     forced = os.environ.get("DSV4_GEMM_CONFIG")
-    key = (rows, num_experts, k, forced)
+    overlap = os.environ.get("DSV4_GEMM_OVERLAP", "") not in ("", "0")
+    key = (rows, num_experts, k, forced, overlap)
     cfg = _PICKED.get(key)
     if cfg is not None: return cfg
     if forced:
@@ -203,6 +206,7 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
         # decode batches (few active experts, few rows each) over more SMs.
         fit = [c for c in cands if c.tok_tile >= per]
         cfg = min(fit, key=lambda c: c.tok_tile) if fit else max(cands, key=lambda c: c.tok_tile)
+    if overlap: cfg = cfg._replace(overlap=True)
     if len(_PICKED) > 4096: _PICKED.clear()
     _PICKED[key] = cfg
     if os.environ.get("DSV4_VERBOSE", "") not in ("", "0"):
@@ -445,6 +449,9 @@ def _bench_problem(timer, name, E, N, K, T, topk, wo_a=False):
         ours = lambda: grouped_gemm_nvfp4(a2, pw, offs, out=out)
     cfg = pick_config(R, E, K)
     t_ours, e_ours = timer(ours)
+    if wo_a: ours_ov = lambda: wo_a_nvfp4(x, pw, out=out, config=cfg._replace(overlap=True))
+    else: ours_ov = lambda: grouped_gemm_nvfp4(a2, pw, offs, out=out, config=cfg._replace(overlap=True))
+    t_ov = timer(ours_ov)[0]                        # the overlapped mainloop, same config otherwise
     launch = _launch_cost(timer, ours) if name.startswith("Flash L1") and T in (1, 8, 128) else None
     wb = torch.randn(E, N, K, device=dev).to(torch.bfloat16)
     t_bf = timer(lambda: torch._grouped_mm(a2, wb.transpose(-2, -1), offs=offs))[0]
@@ -455,7 +462,7 @@ def _bench_problem(timer, name, E, N, K, T, topk, wo_a=False):
     del w8, pw; torch.cuda.empty_cache()
     need = active * Np * Kt * 0.5625 + R * K * 2 + R * N * 2
     return dict(problem=name, tokens=T, rows=R, active=active, tok_tile=cfg.tok_tile, time_us=t_ours,
-                bytes=need, flops=2 * R * N * K, bf16_us=t_bf, fp8_us=t_f8, eager_us=e_ours, launch=launch)
+                bytes=need, flops=2 * R * N * K, bf16_us=t_bf, fp8_us=t_f8, eager_us=e_ours, launch=launch, overlap_us=t_ov)
 
 GEMM_PROBLEMS = ([("Flash L1 gate+up K=4096 N=4096", 256, 4096, 4096, T, 6, False) for T in (1, 8, 32, 128, 512, 2048, 8192)] +
                  [("Flash L2 down K=2048 N=4096", 256, 4096, 2048, T, 6, False) for T in (1, 8, 32, 128, 512, 2048, 8192)] +
@@ -547,10 +554,11 @@ def gemm_table(res: dict) -> str:
     i = res["info"]
     head = (f"{i['gpu']} ({i['sms']} SMs), torch {i['torch']}; copy {res['copy_tbs']:.2f} TB/s, "
             f"bf16 matmul {res['bf16_tflops']:.0f} TFLOP/s\n\n")
-    cols = ["problem", "tokens", "rows/active expert", "tile", "time_us", "eager us", "TB/s", "TFLOP/s", "% of ceiling",
-            "bf16 us", "x vs bf16", "fp8 us", "x vs fp8"]
+    cols = ["problem", "tokens", "rows/active expert", "tile", "time_us", "eager us", "overlap us", "TB/s", "TFLOP/s",
+            "% of ceiling", "bf16 us", "x vs bf16", "fp8 us", "x vs fp8"]
+    ov = lambda r: "-" if r.get("overlap_us") is None else f"{r['overlap_us']:.1f}"
     rows = [(r["problem"], r["tokens"], f"{r['rows'] / max(r['active'], 1):.0f}", r["tok_tile"], f"{r['time_us']:.1f}",
-             f"{r['eager_us']:.1f}",
+             f"{r['eager_us']:.1f}", ov(r),
              f"{r['tbs']:.2f}", f"{r['tflops']:.0f}", f"{r['pct']:.0f}%", f"{r['bf16_us']:.1f}", f"{r['x_bf16']:.2f}",
              f"{r['fp8_us']:.1f}", f"{r['x_fp8']:.2f}") for r in res["rows"]]
     return head + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + \

@@ -583,3 +583,26 @@ def test_peer_rows_are_optional_and_rendered_from_the_rows(tmp_path, monkeypatch
     assert "Faster than Marlin" in goals and "missed on 1 of 2 rows" in goals and "slower: Flash L1 gate+up T=8" in goals
     assert "met on 0 of 1 rows (0.96-0.96x)" in goals
     assert GG.peer_table(dict(res, peers=[])) == "" and "peers" not in GG.gemm_table(dict(res, peers=[]))
+
+
+@pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
+def test_sm90_variants_no_spills_and_no_serialized_wgmma(tok_tile, tmp_path, monkeypatch):
+    """ptxas (when installed: the GPU host has it) on the PTX of the plain and the overlapped mainloop, bf16 and NVFP4
+    activations: no register spills, and no C7511 (WGMMAs serialized for lack of registers: the overlap's failure mode)."""
+    import re, shutil, subprocess
+    ptxas = shutil.which("ptxas")
+    if ptxas is None: pytest.skip("ptxas is not installed")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    pytest.importorskip("cutlass")
+    base = S90.CONFIGS[tok_tile]
+    for n, cfg in enumerate([base, base._replace(overlap=True),
+                             base._replace(epilogue=S90.Epilogue.SWIGLU_NVFP4, a_fp4=True),
+                             base._replace(epilogue=S90.Epilogue.SWIGLU_NVFP4, a_fp4=True, overlap=True)]):
+        d = tmp_path / str(n); d.mkdir()
+        S90.compile_sm90(cfg, options=f"--keep-ptx --dump-dir={d}")
+        (ptx,) = d.glob("*.ptx")
+        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(d / "k.cubin")], capture_output=True, text=True)
+        assert rep.returncode == 0, rep.stderr[-2000:]
+        assert "C7511" not in rep.stderr, f"{cfg}: ptxas serialized the WGMMAs"
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", rep.stderr)]
+        assert spills and max(spills) == 0, f"{cfg}: spills {spills}"
