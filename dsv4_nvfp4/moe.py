@@ -19,7 +19,7 @@ from .swiglu import (calibrate_input_scales, check_swiglu_limit, deinterleave_l1
                                interleave_experts, interleave_l1, mlp_workspace, ref_expert_mlp, ref_swiglu)
 
 # %% auto #0
-__all__ = ['FLASH', 'PRO', 'MoEConfig', 'DSV4MoE', 'combine_rows', 'ref_moe', 'ref_moe_bf16']
+__all__ = ['FLASH', 'PRO', 'MoEConfig', 'DSV4MoE', 'combine_rows', 'ref_moe', 'ref_moe_bf16', 'route_padded', 'CapturedMoE']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
@@ -41,7 +41,7 @@ def _routing_with_shared(ids: torch.Tensor, w: torch.Tensor, E: int) -> tuple[Ro
     T = ids.shape[0]
     ids1 = torch.cat([ids.long(), torch.full((T, 1), E, dtype=torch.long, device=ids.device)], 1)
     w1 = torch.cat([w.float(), torch.ones(T, 1, dtype=torch.float32, device=w.device)], 1)
-    rt = route_topk(ids1, E + 1)
+    rt = route_topk(ids1, E + 1, validate=False)           # router ids are in range: no host sync
     return rt, w1.reshape(-1)[rt.perm]
 
 class DSV4MoE(torch.nn.Module):
@@ -260,3 +260,94 @@ def _pro(cls, seed: int = 0, act: str = "w4a16", **kw):
 
 DSV4MoE.synthetic, DSV4MoE.from_modelopt = classmethod(_synthetic), classmethod(_from_modelopt)
 DSV4MoE.flash, DSV4MoE.pro = classmethod(_flash), classmethod(_pro)
+
+# %% ../nbs/08_moe_layer.ipynb #04885a55
+def route_padded(ids: torch.Tensor,        # int (Tmax, k): router ids of the static token buffer
+                 w: torch.Tensor,          # fp32 (Tmax, k): router weights
+                 n_tokens: torch.Tensor,   # int64 () on the device: how many leading tokens are real
+                 num_experts: int,         # E
+                ) -> tuple[Routing, torch.Tensor]:   # (routing over E + 2 experts, row weights (Tmax (k + 1),))
+    """Routing of a padded token buffer without a host sync: each real token gets its k experts and the shared one
+    (expert E, weight 1); every padded token goes to the sink expert E + 1, whose rows sort last and which no kernel
+    is given (pass `expert_offsets[:E + 1]`)."""
+    T, k = ids.shape
+    valid = (torch.arange(T, device=ids.device) < n_tokens)[:, None]
+    ids1 = torch.cat([ids.long(), torch.full((T, 1), num_experts, dtype=torch.long, device=ids.device)], 1)
+    ids1 = torch.where(valid, ids1, torch.full_like(ids1, num_experts + 1))
+    w1 = torch.cat([w.float(), torch.ones(T, 1, dtype=torch.float32, device=w.device)], 1)
+    rt = route_topk(ids1, num_experts + 2, validate=False)
+    return rt, w1.reshape(-1)[rt.perm]
+
+def _static_forward(layer, x, n_tokens, input_ids, mlp, ws=None, out=None, xq_bufs=None):
+    """The forward on a padded buffer (`x` (Tmax, H), `n_tokens` real): everything on the device, no sync, fixed
+    shapes (the body of the captured graph). `mlp` runs the expert MLP on (rows, offsets over E + 1 experts, weights)."""
+    c = layer.cfg
+    T = x.shape[0]
+    if input_ids is not None:
+        input_ids = torch.where(torch.arange(T, device=x.device) < n_tokens, input_ids, torch.zeros_like(input_ids))
+    w, ids = layer.route(x, input_ids)
+    rt, p = route_padded(ids, w, n_tokens, c.num_experts)
+    rows = mlp(x, rt, p, ws, xq_bufs)
+    y = combine_rows(rows, rt)
+    if out is None: return y
+    out.copy_(y)
+    return out
+
+class CapturedMoE:
+    "A DSV4MoE forward recorded in one CUDA graph for up to `max_tokens` tokens (make it with `DSV4MoE.capture`)."
+    def __init__(self, layer, max_tokens: int):
+        if max_tokens < 1: raise ValueError(f"capture: max_tokens must be >= 1, got {max_tokens}")
+        c, dev = layer.cfg, layer.gate_weight.device
+        if dev.type != "cuda": raise ValueError("capture: the layer must be on a CUDA device (layer.to('cuda'))")
+        self.layer, self.max_tokens = layer, max_tokens
+        R = max_tokens * (c.top_k + 1)
+        w13p, w2p = layer.prepared(dev)
+        self.x = torch.zeros(max_tokens, c.hidden, dtype=torch.bfloat16, device=dev)
+        self.ids = torch.zeros(max_tokens, dtype=torch.long, device=dev) if layer.tid2eid is not None else None
+        self.n = torch.zeros((), dtype=torch.long, device=dev)
+        self.out = torch.empty(max_tokens, c.hidden, dtype=torch.bfloat16, device=dev)
+        self.ws = mlp_workspace(R, w13p, w2p, layer.act, act_decode="auto")
+        self.rows_out = torch.empty(R, c.hidden, dtype=torch.bfloat16, device=dev)
+        self.xr = torch.empty(R, c.hidden, dtype=torch.bfloat16, device=dev) if layer.act == "w4a16" else None
+        run = lambda: _static_forward(layer, self.x, self.n, self.ids, self._mlp, out=self.out)
+        self.n.fill_(max_tokens)
+        s = torch.cuda.Stream(dev); s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(2): run()                                      # compile, prepare, warm the caches
+        torch.cuda.current_stream(dev).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            run()
+
+    def _mlp(self, x, rt, p, ws, xq_bufs):
+        layer, c = self.layer, self.layer.cfg
+        w13p, w2p = layer.prepared(x.device)
+        offs = rt.expert_offsets[: c.num_experts + 1]
+        if layer.act == "w4a4":
+            from dsv4_nvfp4.quantize_cuda import quantize_nvfp4
+            xq = quantize_nvfp4(x, per_row=True)
+            xr = NVFP4Tensor(xq.data[rt.token], xq.scale[rt.token], xq.global_scale[rt.token], (rt.token.numel(), c.hidden))
+            return expert_mlp_nvfp4(xr, w13p, w2p, offs, act="w4a4", swiglu_limit=c.swiglu_limit, route_weight=p,
+                                    a2_scales=layer.a2_scales, out=self.rows_out, workspace=self.ws, act_decode="auto")
+        torch.index_select(x, 0, rt.token, out=self.xr)
+        return expert_mlp_nvfp4(self.xr, w13p, w2p, offs, act="w4a16", swiglu_limit=c.swiglu_limit, route_weight=p,
+                                out=self.rows_out, workspace=self.ws)
+
+    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        "The layer's output for x (T, H) bf16, T <= max_tokens: a view of a static buffer, overwritten by the next call."
+        T = x.shape[0]
+        if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != self.layer.cfg.hidden:
+            raise ValueError(f"CapturedMoE: x must be bf16 (T, {self.layer.cfg.hidden}), got {x.dtype} {tuple(x.shape)}")
+        if T > self.max_tokens: raise ValueError(f"CapturedMoE: {T} tokens > the captured capacity {self.max_tokens}")
+        if (self.ids is None) != (input_ids is None): raise ValueError("CapturedMoE: pass input_ids exactly when the layer routes by token id")
+        self.x[:T].copy_(x)
+        if input_ids is not None: self.ids[:T].copy_(input_ids)
+        self.n.fill_(T)
+        self.graph.replay()
+        return self.out[:T]
+
+def _capture(self, max_tokens: int) -> CapturedMoE:
+    "Record the whole forward in one CUDA graph for up to `max_tokens` tokens (see `CapturedMoE`)."
+    return CapturedMoE(self, max_tokens)
+
+DSV4MoE.capture = _capture

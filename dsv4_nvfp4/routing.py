@@ -25,23 +25,26 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 def route_topk(topk_ids: torch.Tensor,  # int (T, k): expert ids chosen per token
                num_experts: int,        # E
+               validate: bool = True,   # check the ids lie in [0, E) (reads them: a host sync on a GPU)
               ) -> Routing:
     """Sort the T*k (token, slot) assignments by expert (stable) into `Routing(perm, token, inv, expert_offsets)`:
     perm/token int64 (T*k,), inv int64 (T, k), expert_offsets int32 (E,) cumulative END offsets (rows of experts
-    0..e). Gather activations with `x[routing.token]`; un-permute with `ref_combine`. Runs on the ids' device."""
+    0..e). Gather activations with `x[routing.token]`; un-permute with `ref_combine`. Runs on the ids' device; with
+    `validate=False` it never synchronizes with the host (CUDA-graph capturable), and ids must be in range."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in _INT_DTYPES:
         raise TypeError(f"route_topk: topk_ids must be an integer tensor, got "
                         f"{topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else type(topk_ids).__name__}")
     if topk_ids.dim() != 2: raise ValueError(f"route_topk: topk_ids must be (T, k), got shape {tuple(topk_ids.shape)}")
     if num_experts < 1: raise ValueError(f"route_topk: num_experts must be >= 1, got {num_experts}")
     flat = topk_ids.reshape(-1).long()
-    if flat.numel() and (flat.min() < 0 or flat.max() >= num_experts):
+    if validate and flat.numel() and (flat.min() < 0 or flat.max() >= num_experts):
         raise ValueError(f"route_topk: expert ids must lie in [0, {num_experts}), got min {flat.min().item()} "
                          f"max {flat.max().item()}")
     perm = torch.sort(flat, stable=True).indices
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    offsets = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = counts.cumsum(0).to(torch.int32)               # scatter_add, not bincount: no sync for the output size
     return Routing(perm, perm // max(topk_ids.shape[1], 1), inv.reshape(topk_ids.shape), offsets)
 
 def random_topk(num_tokens: int, num_experts: int, k: int, generator=None) -> torch.Tensor:

@@ -34,3 +34,15 @@ def test_layer_hash_routing_and_nan_token():
     assert yn[4].isnan().all()
     keep = [t for t in range(9) if t != 4]
     assert torch.equal(yn[keep], y.cpu()[keep])
+
+
+@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+def test_captured_layer_replays_new_inputs_and_routing_like_eager(act):
+    layer = M.DSV4MoE.synthetic(CFG, seed=11, act=act, device=DEV).to(DEV)
+    cap = layer.capture(max_tokens=32)
+    for T, seed in ((32, 1), (5, 2), (1, 3), (17, 4)):
+        x = torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEV)
+        got = cap(x).clone()
+        assert torch.equal(got, layer(x)), f"T={T}: replay differs from eager"
+    with pytest.raises(ValueError, match="capacity"):
+        cap(torch.zeros(33, CFG.hidden, dtype=torch.bfloat16, device=DEV))
