@@ -13,7 +13,7 @@ CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scali
 @pytest.mark.parametrize("act", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_layer_against_float64_reference(act, T):
-    layer = M.DSV4MoE.synthetic(CFG, seed=T, act=act, device=DEV)
+    layer = M.DSV4MoE.synthetic(CFG, seed=T, act=act, device=DEV).to(DEV)
     x = torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
     y = layer(x.to(DEV))
     assert y.dtype == torch.bfloat16 and y.shape == (T, CFG.hidden)
@@ -23,7 +23,7 @@ def test_layer_against_float64_reference(act, T):
 
 
 def test_layer_hash_routing_and_nan_token():
-    layer = M.DSV4MoE.synthetic(CFG, seed=5, hash_vocab=100, device=DEV)
+    layer = M.DSV4MoE.synthetic(CFG, seed=5, hash_vocab=100, device=DEV).to(DEV)
     x = torch.randn(9, CFG.hidden, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     ids = torch.randint(0, 100, (9,), generator=torch.Generator().manual_seed(1))
     y = layer(x.to(DEV), ids.to(DEV))
