@@ -396,93 +396,74 @@ class _Consumer:
         return cs, db
 
     @cute.jit
-    def decode_w(self, sW, stage, cw, t, a_frag):
-        "Decode this thread's 64 weights of the stage's slab into `a_frag` (8 K blocks x 4 bf16x2)."
+    def decode_w_half(self, sW, stage, cw, t, a_frag, sc, half: cutlass.Constexpr):
+        "Decode this thread's 32 weights of K blocks 4 half .. 4 half + 3 of the stage's slab into `a_frag` (scale words `sc`)."
         base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, stage].iterator, dtype=cutlass.Uint32),
                                 cute.make_layout(SLAB_BYTES // 4))
         v = cute.flat_divide(base, (4,))
-        c0 = cute.make_rmem_tensor((4,), cutlass.Uint32)
-        c1 = cute.make_rmem_tensor((4,), cutlass.Uint32)
-        sc = cute.make_rmem_tensor((4,), cutlass.Uint32)
-        cute.autovec_copy(v[None, t], c0)
-        cute.autovec_copy(v[None, 128 + t], c1)
-        cute.autovec_copy(v[None, 256 + t // 4], sc)
+        cw_ = cute.make_rmem_tensor((4,), cutlass.Uint32)
+        cute.autovec_copy(v[None, 128 * half + t], cw_)
+        if cutlass.const_expr(half == 0):
+            cute.autovec_copy(v[None, 256 + t // 4], sc)
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)
-        for kb in cutlass.range_constexpr(8):
-            w_ = c0[kb] if kb < 4 else c1[kb - 4]
+        for q in cutlass.range_constexpr(4):
+            kb = 4 * half + q
             s0 = _asm(_SCL[kb % 4], sc[kb // 4])
             s1 = _asm(_SCL[kb % 4], sc[2 + kb // 4])
             for j in cutlass.range_constexpr(4):
-                a_u32[j + 4 * kb] = _asm(_DEC[j], w_, s0 if j % 2 == 0 else s1)
+                a_u32[j + 4 * kb] = _asm(_DEC[j], cw_[q], s0 if j % 2 == 0 else s1)
 
     @cute.jit
-    def mainloop_overlapped(self, pipe, cs, sW, mmas, acc_frag, a_frags, tCrB, t, cw, KT, sA, sS, dwords, ctid, db):
-        """`cfg.overlap`: the mainloop with tile k+1's decode (registers, and with `a_fp4` shared memory) running while
-        tile k's WGMMAs execute. Two A fragments alternate (the loop is unrolled by two: registers cannot be indexed
-        dynamically); a stage is released one tile late, after `wait_group(1)` says its WGMMAs completed; with `a_fp4`
-        three decoded tiles rotate (a consumer may pass tile k's barrier while the other warpgroup's tile k-1 WGMMAs
-        still read theirs). Tile 0 is peeled (it starts the accumulator and releases nothing). `mmas` = (the tiled MMA
-        with ACCUMULATE off, the one with it on), each set once outside every loop."""
+    def mainloop_overlapped(self, pipe, cs, sW, mmas, acc_frag, a_frag, tCrB, t, cw, KT, sA, sS, dwords, ctid, db):
+        """`cfg.overlap`: the decode runs while WGMMAs execute, half a tile apart. A tile's 8 K blocks go out as two
+        WGMMA groups (blocks 0-3, then 4-7) on disjoint halves of one A fragment: blocks 4-7 are decoded while 0-3
+        run, and the next tile's 0-3 while this tile's 4-7 run (`wait_group(1)` after every commit retires the group
+        before last, whose fragment half is rewritten next). A stage is released once its second group retired, half
+        a tile late; with `a_fp4` three decoded activation tiles rotate (a warpgroup may pass tile k's barrier while
+        the other's tile k-1 WGMMAs still read theirs). One fragment, so about the plain mainloop's registers. Tile 0
+        is peeled (it starts the accumulator and releases nothing); `mmas` = (the MMA with ACCUMULATE off, on), each
+        set once outside every loop."""
         rs = cs.clone()                         # the stage to release next: one tile behind cs
+        sc = cute.make_rmem_tensor((4,), cutlass.Uint32)
         # tile 0
         pipe.consumer_wait(cs)
         bi = cs.index
         if cutlass.const_expr(self.a_fp4):
             self.decode_act(sA, sS, dwords, cs.index, 0, db, ctid)
             bi = db
-        self.decode_w(sW, cs.index, cw, t, a_frags[0])
+        self.decode_w_half(sW, cs.index, cw, t, a_frag, sc, 0)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(8):
-            cute.gemm(mmas[0] if kb == 0 else mmas[1], acc_frag, a_frags[0][None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+        for kb in cutlass.range_constexpr(4):
+            cute.gemm(mmas[0] if kb == 0 else mmas[1], acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
         warpgroup.commit_group()
+        self.decode_w_half(sW, cs.index, cw, t, a_frag, sc, 1)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(4, 8):
+            cute.gemm(mmas[1], acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)                 # blocks 0-3 retired: their fragment half is free
         cs.advance()
         db = (db + 1) % 3
-        # tiles 1 .. KT-1, two per trip (fragments 1 then 0), then the last one alone when KT is even (a 0/1-trip loop)
-        for k2 in cutlass.range((KT - 1) // 2, unroll=1):
+        for k in cutlass.range(1, KT, unroll=1):
             pipe.consumer_wait(cs)
             bi = cs.index
             if cutlass.const_expr(self.a_fp4):
-                self.decode_act(sA, sS, dwords, cs.index, 2 * k2 + 1, db, ctid)
+                self.decode_act(sA, sS, dwords, cs.index, k, db, ctid)
                 bi = db
-            self.decode_w(sW, cs.index, cw, t, a_frags[1])
+            self.decode_w_half(sW, cs.index, cw, t, a_frag, sc, 0)
             warpgroup.fence()
-            for kb in cutlass.range_constexpr(8):
-                cute.gemm(mmas[1], acc_frag, a_frags[1][None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+            for kb in cutlass.range_constexpr(4):
+                cute.gemm(mmas[1], acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
             warpgroup.commit_group()
-            warpgroup.wait_group(1)                               # the previous tile's WGMMAs are done: its stage and fragment are free
+            warpgroup.wait_group(1)             # the previous tile's blocks 4-7 retired: release its stage
             pipe.consumer_release(rs)
             rs.advance()
-            cs.advance()
-            db = (db + 1) % 3
-            pipe.consumer_wait(cs)
-            bi = cs.index
-            if cutlass.const_expr(self.a_fp4):
-                self.decode_act(sA, sS, dwords, cs.index, 2 * k2 + 2, db, ctid)
-                bi = db
-            self.decode_w(sW, cs.index, cw, t, a_frags[0])
+            self.decode_w_half(sW, cs.index, cw, t, a_frag, sc, 1)
             warpgroup.fence()
-            for kb in cutlass.range_constexpr(8):
-                cute.gemm(mmas[1], acc_frag, a_frags[0][None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+            for kb in cutlass.range_constexpr(4, 8):
+                cute.gemm(mmas[1], acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
             warpgroup.commit_group()
-            warpgroup.wait_group(1)                               # the previous tile's WGMMAs are done: its stage and fragment are free
-            pipe.consumer_release(rs)
-            rs.advance()
-            cs.advance()
-            db = (db + 1) % 3
-        for k2 in cutlass.range((KT - 1) % 2, unroll=1):
-            pipe.consumer_wait(cs)
-            bi = cs.index
-            if cutlass.const_expr(self.a_fp4):
-                self.decode_act(sA, sS, dwords, cs.index, KT - 1, db, ctid)
-                bi = db
-            self.decode_w(sW, cs.index, cw, t, a_frags[1])
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(8):
-                cute.gemm(mmas[1], acc_frag, a_frags[1][None, None, kb], tCrB[None, None, kb, bi], acc_frag)
-            warpgroup.commit_group()
-            warpgroup.wait_group(1)                               # the previous tile's WGMMAs are done: its stage and fragment are free
-            pipe.consumer_release(rs)
-            rs.advance()
+            warpgroup.wait_group(1)             # this tile's blocks 0-3 retired
             cs.advance()
             db = (db + 1) % 3
         warpgroup.wait_group(0)
@@ -659,12 +640,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         return True, ""
 
     def occupancy(self) -> dict:
-        """Launch options. With `overlap` and room for two or more CTAs per SM, a minimum of 2 CTAs per SM for ptxas:
-        without a bound it spends ~170 registers on the two live A fragments (one CTA per SM); asking for 3 makes it
-        serialize the WGMMAs (warning C7511), which defeats the overlap; 2 gives 68-76 registers at tok_tile 16-32, few
-        enough that shared memory, not registers, still sets the CTAs per SM. Nothing for the other variants."""
-        if not self.overlap or HOPPER_SMEM_PER_SM // smem_bytes(self.cfg) < 2: return {}
-        return dict(min_blocks_per_mp=2, preferred_smem_carveout=100)
+        "Launch options beyond grid and block: none (kept as the one place to add them)."
+        return {}
 
     def make_mma(self):
         "The tiled WGMMA: bf16 x bf16 -> fp32, A (decoded weights) from registers, B (tokens) from shared memory, K-major."
@@ -804,10 +781,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             thr_mma = tiled_mma.get_slice(ctid)
             acc_frag = thr_mma.make_fragment_C(thr_mma.partition_shape_C((self.m_tile, tt)))
             a_frag = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
-            a_frag2 = a_frag
             mmas = (tiled_mma, tiled_mma)
             if cutlass.const_expr(self.overlap):
-                a_frag2 = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
                 mmas = (self.make_mma(), self.make_mma())       # ACCUMULATE set once, off and on: no set in any loop
                 mmas[0].set(warpgroup.Field.ACCUMULATE, False)
                 mmas[1].set(warpgroup.Field.ACCUMULATE, True)
@@ -823,7 +798,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
                 if cutlass.const_expr(self.overlap):
-                    cs, db = self.mainloop_overlapped(pipe, cs, sW, mmas, acc_frag, (a_frag, a_frag2), tCrB, t, cw, KT,
+                    cs, db = self.mainloop_overlapped(pipe, cs, sW, mmas, acc_frag, a_frag, tCrB, t, cw, KT,
                                                       sA, sS, dwords, ctid, db)
                 else:
                     cs, db = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, sA, sS, dwords, ctid, db)

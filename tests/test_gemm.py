@@ -588,7 +588,8 @@ def test_peer_rows_are_optional_and_rendered_from_the_rows(tmp_path, monkeypatch
 @pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
 def test_sm90_variants_no_spills_and_no_serialized_wgmma(tok_tile, tmp_path, monkeypatch):
     """ptxas (when installed: the GPU host has it) on the PTX of the plain and the overlapped mainloop, bf16 and NVFP4
-    activations: no register spills, and no C7511 (WGMMAs serialized for lack of registers: the overlap's failure mode)."""
+    activations: no register spills, and no warning that the WGMMAs are serialized (C7511 / C7512, for lack of
+    registers: the overlap's failure mode, which would put a full wait after every WGMMA)."""
     import re, shutil, subprocess
     ptxas = shutil.which("ptxas")
     if ptxas is None: pytest.skip("ptxas is not installed")
@@ -603,6 +604,6 @@ def test_sm90_variants_no_spills_and_no_serialized_wgmma(tok_tile, tmp_path, mon
         (ptx,) = d.glob("*.ptx")
         rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(d / "k.cubin")], capture_output=True, text=True)
         assert rep.returncode == 0, rep.stderr[-2000:]
-        assert "C7511" not in rep.stderr, f"{cfg}: ptxas serialized the WGMMAs"
+        assert "serialized" not in rep.stderr, f"{cfg}: ptxas serialized the WGMMAs: {rep.stderr[-600:]}"
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", rep.stderr)]
         assert spills and max(spills) == 0, f"{cfg}: spills {spills}"
