@@ -145,6 +145,10 @@ def _bench(what: str, sizes_mb, out: Path) -> int:
     if what == "gemm":
         from dsv4_nvfp4.grouped_gemm import bench_gemm, gemm_table, plot_gemm
         res, table, plot = bench_gemm(log=log), gemm_table, plot_gemm
+    elif what == "moe":
+        from dsv4_nvfp4.moe import bench_moe, moe_goals, moe_table
+        res, plot = bench_moe(log=log), None
+        table = lambda r: moe_table(r) + "\n\n" + moe_goals(r)
     elif what == "mlp":
         from dsv4_nvfp4.swiglu import bench_mlp, mlp_goals, mlp_table, plot_mlp
         res, plot = bench_mlp(log=log), plot_mlp
@@ -157,7 +161,7 @@ def _bench(what: str, sizes_mb, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"bench_{what}.md").write_text(text + "\n")
     (out / f"bench_{what}.json").write_text(json.dumps(res, indent=1))
-    plot(res, out / f"bench_{what}.png")
+    if plot is not None: plot(res, out / f"bench_{what}.png")
     return 0
 
 # %% ../nbs/09_cli.ipynb #34c0eb25
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--checkpoint", type=Path, help="a ModelOpt NVFP4 .safetensors file")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     bn = sub.add_parser("bench", help="benchmark on a CUDA GPU: the memory-bound kernels, the grouped GEMM, or the expert MLP")
-    bn.add_argument("what", choices=["kernels", "gemm", "mlp"])
+    bn.add_argument("what", choices=["kernels", "gemm", "mlp", "moe"])
     bn.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="kernels: input sizes")
     bn.add_argument("--out", type=Path, default=Path("."), help="folder for bench_<what>.{md,json,png}")
     args = p.parse_args(argv)

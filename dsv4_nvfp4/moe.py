@@ -19,7 +19,8 @@ from .swiglu import (calibrate_input_scales, check_swiglu_limit, deinterleave_l1
                                interleave_experts, interleave_l1, mlp_workspace, ref_expert_mlp, ref_swiglu)
 
 # %% auto #0
-__all__ = ['FLASH', 'PRO', 'MoEConfig', 'DSV4MoE', 'combine_rows', 'ref_moe', 'ref_moe_bf16', 'route_padded', 'CapturedMoE']
+__all__ = ['FLASH', 'PRO', 'MOE_PROBLEMS', 'MoEConfig', 'DSV4MoE', 'combine_rows', 'ref_moe', 'ref_moe_bf16', 'route_padded',
+           'CapturedMoE', 'bench_moe', 'moe_table', 'moe_goals']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
@@ -351,3 +352,112 @@ def _capture(self, max_tokens: int) -> CapturedMoE:
     return CapturedMoE(self, max_tokens)
 
 DSV4MoE.capture = _capture
+
+# %% ../nbs/08_moe_layer.ipynb #2aedd6ea
+MOE_PROBLEMS = ([("Flash", MoEConfig(4096, 2048, 256, 6, 1.5), T) for T in (1, 8, 32, 128, 512, 2048, 8192)] +
+                [("Pro EP48", MoEConfig(7168, 3072, 48, 6, 2.5), T) for T in (1, 8, 32, 128, 512, 2048, 8192)])
+
+class _TorchMoE:
+    "The same layer in torch (bf16 `_grouped_mm`, or fp8 `_scaled_grouped_mm` rowwise) for the benchmark baselines."
+    def __init__(self, layer: DSV4MoE, fp8: bool):
+        w1, w3, w2 = (t.to(layer.gate_weight.device) for t in layer.bf16_weights)
+        self.layer, self.fp8 = layer, fp8
+        w13 = torch.cat([w1, w3], 1)                                    # (E + 1, 2I, H): gate rows, then up rows
+        if fp8:
+            q = lambda w: (w.to(torch.float8_e4m3fn), torch.ones(w.shape[0], w.shape[1], device=w.device))
+            self.w13, self.w2 = q(w13), q(w2)
+        else:
+            self.w13, self.w2 = w13, w2
+    def _mm(self, a, w, offs):
+        if not self.fp8: return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+        s = a.abs().amax(1).float().clamp_min(1e-12) / 448.0
+        return torch._scaled_grouped_mm((a.float() / s[:, None]).to(torch.float8_e4m3fn), w[0].transpose(-2, -1), s, w[1],
+                                        offs=offs, out_dtype=torch.bfloat16)
+    def __call__(self, x):
+        c = self.layer.cfg
+        w, ids = self.layer.route(x)
+        rt, p = _routing_with_shared(ids, w, c.num_experts)
+        gu = self._mm(x[rt.token], self.w13, rt.expert_offsets)
+        g, u = gu[:, :c.inter].float(), gu[:, c.inter:].float()
+        h = (torch.nn.functional.silu(g.clamp(max=c.swiglu_limit)) * u.clamp(-c.swiglu_limit, c.swiglu_limit) * p[:, None])
+        return combine_rows(self._mm(h.to(torch.bfloat16), self.w2, rt.expert_offsets), rt)
+
+def _bench_moe_problem(timer, name, cfg, T):
+    dev = torch.device("cuda")
+    row = dict(problem=name, tokens=T, E=cfg.num_experts, H=cfg.hidden, I=cfg.inter)
+    x = (torch.randn(T, cfg.hidden, generator=torch.Generator(device=dev).manual_seed(T), device=dev) * 0.5).to(torch.bfloat16)
+    layer = DSV4MoE.synthetic(cfg, seed=0, device=dev).to(dev)          # W4A16; keeps the bf16 weights for torch
+    layer4 = DSV4MoE(cfg, layer.w13, layer.w2, layer.gate_weight, layer.gate_bias, None,
+                     torch.full((cfg.num_experts + 1,), 1e-3), "w4a4").to(dev)   # the same weights, W4A4 (timing only)
+    layer4._prepared = layer._prepared
+    for act, lay in (("w4a16", layer), ("w4a4", layer4)):
+        cap = lay.capture(T)
+        row[f"{act}_us"] = timer(lambda: cap(x))[1]                  # replays of the captured layer
+        del cap
+    from dsv4_nvfp4.grouped_gemm import grouped_gemm_nvfp4
+    from dsv4_nvfp4.swiglu import grouped_gemm_swiglu_nvfp4
+    w13p, w2p = layer.prepared(dev)                                  # the breakdown, one piece at a time
+    w, ids = layer.route(x); rt, p = _routing_with_shared(ids, w, cfg.num_experts)
+    xr = x[rt.token]
+    hh = grouped_gemm_swiglu_nvfp4(xr, w13p, rt.expert_offsets, route_weight=p)
+    rows = grouped_gemm_nvfp4(hh, w2p, rt.expert_offsets)
+    row["t_router"] = timer(lambda: layer.route(x))[1]
+    row["t_permute"] = timer(lambda: (_routing_with_shared(ids, w, cfg.num_experts), x[rt.token]))[1]
+    row["t_l1"] = timer(lambda: grouped_gemm_swiglu_nvfp4(xr, w13p, rt.expert_offsets, route_weight=p, out=hh))[0]
+    row["t_l2"] = timer(lambda: grouped_gemm_nvfp4(hh, w2p, rt.expert_offsets, out=rows))[0]
+    row["t_combine"] = timer(lambda: combine_rows(rows, rt))[1]
+    bf_layer = layer
+    for key, fp8 in (("bf16", False), ("fp8", True)):
+        tm = _TorchMoE(bf_layer, fp8)
+        g, e = timer(lambda: tm(x)); row[f"{key}_us"] = g or e
+        del tm; torch.cuda.empty_cache()
+    E1, H, I = cfg.num_experts + 1, cfg.hidden, cfg.inter
+    row["bytes"] = dict(nvfp4=E1 * 3 * H * I * (0.5 + 1 / 16), bf16=E1 * 3 * H * I * 2, fp8=E1 * 3 * H * I)
+    del layer, layer4, bf_layer; torch.cuda.empty_cache()
+    return row
+
+def bench_moe(problems=None, log=print) -> dict:
+    "The DSV4 MoE layer, ours (W4A16, W4A4; captured) vs the torch bf16 / fp8 layers, with a breakdown of ours."
+    from dsv4_nvfp4.bench import Timer, gpu_info
+    timer = Timer()
+    res = dict(info=gpu_info(), rows=[])
+    for name, cfg, T in problems or MOE_PROBLEMS:
+        r = _bench_moe_problem(timer, name, cfg, T)
+        r["x_bf16"], r["x_fp8"] = r["bf16_us"] / r["w4a16_us"], r["fp8_us"] / r["w4a16_us"]
+        gemm = r["t_l1"] + r["t_l2"]
+        r["outside_pct"] = 100 * max(0.0, r["w4a16_us"] - gemm) / r["w4a16_us"]
+        res["rows"].append(r)
+        log(f"  {name:9s} T={T:5d} w4a16 {r['w4a16_us']:9.1f} us  w4a4 {r['w4a4_us']:9.1f}  bf16 {r['bf16_us']:9.1f}  fp8 {r['fp8_us']:9.1f}")
+    return res
+
+def moe_table(res: dict) -> str:
+    "The layer benchmark and our breakdown as Markdown (rendered from the measured rows)."
+    i = res["info"]
+    head = f"{i['gpu']} ({i['sms']} SMs), torch {i['torch']}; times in us\n\n"
+    cols = ["problem", "tokens", "ours W4A16", "ours W4A4", "torch bf16", "torch fp8", "x bf16", "x fp8", "router", "permute",
+            "L1", "L2", "combine", "outside the GEMMs"]
+    body = [(r["problem"], r["tokens"], f"{r['w4a16_us']:.1f}", f"{r['w4a4_us']:.1f}", f"{r['bf16_us']:.1f}", f"{r['fp8_us']:.1f}",
+             f"{r['x_bf16']:.2f}", f"{r['x_fp8']:.2f}", f"{r['t_router']:.1f}", f"{r['t_permute']:.1f}", f"{r['t_l1']:.1f}",
+             f"{r['t_l2']:.1f}", f"{r['t_combine']:.1f}", f"{r['outside_pct']:.0f}%") for r in res["rows"]]
+    b = res["rows"][0]["bytes"] if res["rows"] else None
+    tail = "" if b is None else f"\n\nWeight bytes of one {res['rows'][0]['problem']} layer: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in b.items())
+    return head + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + \
+        "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in body) + tail
+
+def moe_goals(res: dict) -> str:
+    "The layer against the issue's goals, rendered from the measured rows."
+    rows, out = res["rows"], []
+    small = [r for r in rows if r["tokens"] <= 128]
+    if small:
+        miss = [f"{r['problem']} T={r['tokens']}" for r in small if not (r["x_bf16"] >= 3 and r["x_fp8"] >= 1.7)]
+        out.append(f"* **T <= 128: >= 3x the torch bf16 layer and >= 1.7x the torch fp8 layer**: met on {len(small) - len(miss)} of {len(small)} rows"
+                   + (f"; missed: {', '.join(miss)}." if miss else "."))
+    one = [r for r in rows if r["tokens"] == 1]
+    if one:
+        miss = [r["problem"] for r in one if r["outside_pct"] > 15]
+        out.append(f"* **T = 1: time outside the two grouped GEMMs <= 15%**: " + ", ".join(f"{r['problem']} {r['outside_pct']:.0f}%" for r in one)
+                   + (f" (missed: {', '.join(miss)})." if miss else " (met)."))
+    big = [r for r in rows if r["tokens"] == 8192]
+    if big:
+        out.append(f"* **T = 8192: >= 1.1x the torch bf16 layer**: " + ", ".join(f"{r['problem']} {r['x_bf16']:.2f}x" for r in big) + ".")
+    return "\n".join(out)
