@@ -11,7 +11,8 @@ import time
 import torch
 
 # %% auto #0
-__all__ = ['gpu_info', 'Timer', 'bench_row', 'copy_rows', 'matmul_tflops', 'bandwidth_results', 'kernels_table', 'plot_kernels']
+__all__ = ['gpu_info', 'Timer', 'bench_row', 'copy_rows', 'matmul_tflops', 'ceilings', 'bandwidth_results', 'kernels_table',
+           'plot_kernels']
 
 # %% ../nbs/02a_bench.ipynb #7a82d279
 def gpu_info() -> dict:
@@ -123,6 +124,13 @@ def matmul_tflops(timer: Timer, n: int = 8192) -> float:
     t = timer(lambda: a @ b)[0]
     del a, b; torch.cuda.empty_cache()
     return 2 * n ** 3 / t / 1e6
+
+def ceilings(timer: Timer, log=print) -> dict:
+    "The start of every compute benchmark's result: GPU info, copy bandwidth and bf16 matmul rate, measured now."
+    _, copy_tbs = copy_rows(timer, (256, 1024))
+    mm = matmul_tflops(timer)
+    log(f"copy {copy_tbs:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
+    return dict(info=gpu_info(), copy_tbs=copy_tbs, bf16_tflops=mm, rows=[])
 
 def bandwidth_results(rows: list, ceiling_tbs: float) -> dict:
     "The rows with TB/s, % of the copy ceiling and the speed-up over torch, under the GPU's description."

@@ -639,10 +639,6 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             return False, f"config needs {smem_bytes(cfg)} B of shared memory, the device allows {limit}"
         return True, ""
 
-    def occupancy(self) -> dict:
-        "Launch options beyond grid and block: none (kept as the one place to add them)."
-        return {}
-
     def make_mma(self):
         "The tiled WGMMA: bf16 x bf16 -> fp32, A (decoded weights) from registers, B (tokens) from shared memory, K-major."
         return sm90_utils.make_trivial_tiled_mma(
@@ -705,8 +701,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if cutlass.const_expr(mDump is None):
             mDump = mC
         self.kernel(tma_w, tW, tma_a, tA, tma_s, tS, mC, mOff, mGw, mGa, mSfC, mGc, mGr, mDump, self.tiled_mma,
-                    b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
-                                               **self.occupancy())
+                    b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,

@@ -24,8 +24,9 @@ from .runtime import check_tensor, out_tensor
 # %% auto #0
 __all__ = ['ACT_DECODE', 'GEMM_PROBLEMS', 'PEER_BACKENDS', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4',
            'PreparedWeights', 'prepare_weights', 'pick_config', 'cached_ones', 'act_decode_in_kernel',
-           'activation_operand', 'grouped_gemm_nvfp4', 'wo_a_nvfp4', 'synthetic_weights', 'find_peer_dir',
-           'bench_peers', 'peer_table', 'bench_gemm', 'gemm_table', 'launch_table', 'gemm_goals', 'plot_gemm']
+           'activation_operand', 'expert_offsets_operand', 'gemm_operands', 'grouped_gemm_nvfp4', 'wo_a_nvfp4',
+           'synthetic_weights', 'find_peer_dir', 'bench_peers', 'peer_table', 'bench_gemm', 'gemm_table',
+           'launch_table', 'gemm_goals', 'plot_gemm']
 
 # %% ../nbs/04a_grouped_gemm.ipynb #80082d62
 def _unscaled(t, K: int) -> torch.Tensor:
@@ -256,7 +257,15 @@ def activation_operand(a, K, what, workspace, act_decode="pre"):
         return check_tensor(a, what, "activations", (torch.bfloat16,)), None, None
     raise TypeError(f"{what}: activations must be a bf16 tensor or an NVFP4Tensor, got {type(a).__name__}")
 
-def _operands(what, a, w, workspace, act_decode="pre"):
+def expert_offsets_operand(expert_offsets, E: int, R: int, dev, what: str, check: bool = False) -> torch.Tensor:
+    "The launchers' check of the offsets: int32 (E,) on `dev`, aligned; with `check`, their values too (a host sync)."
+    check_tensor(expert_offsets, what, "expert_offsets (int32 cumulative ends)", (torch.int32,), dev)
+    if expert_offsets.dim() != 1 or expert_offsets.numel() != E:
+        raise ValueError(f"{what}: expert_offsets must be (E,) = ({E},), got {tuple(expert_offsets.shape)}")
+    if check: check_offsets(expert_offsets, R, E)
+    return expert_offsets
+
+def gemm_operands(what, a, w, workspace, act_decode="pre"):
     """Checks shared by the entry points: (activations, gs_a or None, scale bytes or None) with the weights checked
     against them (activations: bf16, or with the scale bytes given the NVFP4 codes the kernel decodes)."""
     if not isinstance(w, PreparedWeights): raise TypeError(f"{what}: w must be PreparedWeights (prepare_weights), got {type(w).__name__}")
@@ -360,14 +369,11 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16) or N
         if cfg is not None:                  # everything checked: launch (the first call of a shape takes the full path)
             _sm90().run_sm90(cfg, st[0], a, out, expert_offsets, st[1], st[7])
             return out
-    ab, gs_a, sf_a = _operands(what, a, w, workspace, act_decode)
+    ab, gs_a, sf_a = gemm_operands(what, a, w, workspace, act_decode)
     if ab.dim() != 2: raise ValueError(f"{what}: activations must be 2-D (rows, K), got {tuple(ab.shape)}")
     E, N, K = w.shape
     R = ab.shape[0]
-    check_tensor(expert_offsets, what, "expert_offsets (int32 cumulative ends)", (torch.int32,), ab.device)
-    if expert_offsets.dim() != 1 or expert_offsets.numel() != E:
-        raise ValueError(f"{what}: expert_offsets must be (E,) = ({E},), got {tuple(expert_offsets.shape)}")
-    if check: check_offsets(expert_offsets, R, E)
+    expert_offsets_operand(expert_offsets, E, R, ab.device, what, check)
     out = out_tensor(out, what, "out", (R, N), (torch.bfloat16,), ab.device)
     if R == 0 or N == 0: return out
     if _sm100():
@@ -389,7 +395,7 @@ def wo_a_nvfp4(x,                   # (T, G, K) on the GPU: bf16, or NVFP4Tensor
     """DSV4's attention-output projection `out[t, g] = gs_a * gs_w[g] * W[g] @ x[t, g]` for every token and group:
     the grouped kernel on a strided (T, K, G) view of x, no copy of x, no offsets tensor. CUDA-graph safe with `out=`."""
     what = "wo_a_nvfp4"
-    xb, gs_a, _ = _operands(what, x, w, workspace)
+    xb, gs_a, _ = gemm_operands(what, x, w, workspace)
     if xb.dim() != 3: raise ValueError(f"{what}: x must be (T, G, K), got {tuple(xb.shape)}")
     T, G, K = xb.shape
     E, N, _ = w.shape
@@ -532,12 +538,10 @@ def peer_table(res: dict) -> str:
 def bench_gemm(problems=None, log=print) -> dict:
     """Our grouped GEMM (graph-replayed and eager) vs torch bf16 / fp8 grouped GEMMs on DSV4 routed problems, with the
     copy and bf16 matmul ceilings measured in the same run. Returns {info, copy_tbs, bf16_tflops, rows}."""
-    from dsv4_nvfp4.bench import Timer, copy_rows, gpu_info, matmul_tflops
+    from dsv4_nvfp4.bench import Timer, ceilings
     timer = Timer()
-    _, copy_tbs = copy_rows(timer, (256, 1024))
-    mm = matmul_tflops(timer)
-    res = dict(info=gpu_info(), copy_tbs=copy_tbs, bf16_tflops=mm, rows=[])
-    log(f"copy {res['copy_tbs']:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
+    res = ceilings(timer, log)
+    mm = res["bf16_tflops"]
     for p in problems or GEMM_PROBLEMS:
         r = _bench_problem(timer, *p)
         r["tbs"] = r["bytes"] / r["time_us"] / 1e6; r["tflops"] = r["flops"] / r["time_us"] / 1e6

@@ -19,7 +19,7 @@ from .swiglu import (calibrate_input_scales, check_swiglu_limit, deinterleave_l1
                                interleave_experts, interleave_l1, mlp_workspace, ref_expert_mlp, ref_swiglu)
 
 # %% auto #0
-__all__ = ['FLASH', 'PRO', 'MOE_PROBLEMS', 'MoEConfig', 'DSV4MoE', 'combine_rows', 'ref_moe', 'ref_moe_bf16', 'route_padded',
+__all__ = ['FLASH', 'PRO', 'MOE_PROBLEMS', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'combine_rows', 'ref_moe', 'ref_moe_bf16',
            'CapturedMoE', 'bench_moe', 'moe_table', 'moe_goals']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
@@ -37,12 +37,21 @@ FLASH = MoEConfig(4096, 2048, 256, 6, 1.5)
 PRO = MoEConfig(7168, 3072, 384, 6, 2.5)
 
 # %% ../nbs/08_moe_layer.ipynb #246963cc
-def _routing_with_shared(ids: torch.Tensor, w: torch.Tensor, E: int) -> tuple[Routing, torch.Tensor]:
-    "Append the shared expert (id E, weight 1) to every token's top-k: the Routing over E + 1 experts and the row weights."
+def route_with_shared(ids: torch.Tensor,        # int (T, k): router ids
+                      w: torch.Tensor,          # fp32 (T, k): router weights
+                      num_experts: int,         # E routed experts
+                      n_tokens: torch.Tensor | None = None,  # int64 () on the device: leading real tokens of a padded buffer
+                     ) -> tuple[Routing, torch.Tensor]:  # (routing, fp32 weight of each row)
+    """Append the shared expert (id E, weight 1) to every token's top-k and route without a host sync: the Routing
+    over E + 1 experts. With `n_tokens`, the tokens from `n_tokens` on are padding and go, all k + 1 slots, to a
+    sink expert E + 1 whose rows sort last and which no kernel is given (pass `expert_offsets[:E + 1]`)."""
     T = ids.shape[0]
-    ids1 = torch.cat([ids.long(), torch.full((T, 1), E, dtype=torch.long, device=ids.device)], 1)
+    ids1 = torch.cat([ids.long(), torch.full((T, 1), num_experts, dtype=torch.long, device=ids.device)], 1)
+    if n_tokens is not None:
+        valid = (torch.arange(T, device=ids.device) < n_tokens)[:, None]
+        ids1 = torch.where(valid, ids1, torch.full_like(ids1, num_experts + 1))
     w1 = torch.cat([w.float(), torch.ones(T, 1, dtype=torch.float32, device=w.device)], 1)
-    rt = route_topk(ids1, E + 1, validate=False)           # router ids are in range: no host sync
+    rt = route_topk(ids1, num_experts + 1 + (n_tokens is not None), validate=False)   # ids in range by construction
     return rt, w1.reshape(-1)[rt.perm]
 
 class DSV4MoE(torch.nn.Module):
@@ -91,7 +100,7 @@ class DSV4MoE(torch.nn.Module):
                              f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
         if self.tid2eid is not None and input_ids is None: raise ValueError("DSV4MoE: this layer routes by token id: pass input_ids")
         if not x.is_cuda: return ref_moe(x, self, input_ids).to(torch.bfloat16)
-        return self._forward_cuda(x, input_ids)
+        return self._forward_device(x, input_ids)
 
     def prepared(self, device) -> tuple:
         "The kernel layouts of w13 and w2 on `device` (built once per device)."
@@ -100,32 +109,49 @@ class DSV4MoE(torch.nn.Module):
             self._prepared[key] = (prepare_weights(self.w13).to(key), prepare_weights(self.w2).to(key))
         return self._prepared[key]
 
-    def _forward_cuda(self, x, input_ids):
-        c, dev = self.cfg, x.device
-        w13p, w2p = self.prepared(dev)
-        w, ids = self.route(x, input_ids)
-        rt, p = _routing_with_shared(ids, w, c.num_experts)
+    def _expert_rows(self, x, rt, p, offs, out=None, workspace=None, xr=None):
+        """The routed rows through the fused expert MLP: x gathered to expert-major rows (into `xr` when given), or for
+        W4A4 quantized per token and then gathered (the k + 1 rows of a token share its codes)."""
+        c = self.cfg
+        w13p, w2p = self.prepared(x.device)
+        kw = dict(swiglu_limit=c.swiglu_limit, route_weight=p, out=out, workspace=workspace)
         if self.act == "w4a4":
             from dsv4_nvfp4.quantize_cuda import quantize_nvfp4
-            xq = quantize_nvfp4(x, per_row=True)                    # per token, then gathered: k + 1 rows share one
-            xr = NVFP4Tensor(xq.data[rt.token], xq.scale[rt.token], xq.global_scale[rt.token], (rt.token.numel(), c.hidden))
-            rows = expert_mlp_nvfp4(xr, w13p, w2p, rt.expert_offsets, act="w4a4", swiglu_limit=c.swiglu_limit,
-                                    route_weight=p, a2_scales=self.a2_scales.to(dev), act_decode="auto")
-        else:
-            rows = expert_mlp_nvfp4(x[rt.token], w13p, w2p, rt.expert_offsets, act="w4a16", swiglu_limit=c.swiglu_limit,
-                                    route_weight=p)
-        return combine_rows(rows, rt)
+            xq = quantize_nvfp4(x, per_row=True)
+            xa = NVFP4Tensor(xq.data[rt.token], xq.scale[rt.token], xq.global_scale[rt.token], (rt.token.numel(), c.hidden))
+            return expert_mlp_nvfp4(xa, w13p, w2p, offs, act="w4a4", a2_scales=self.a2_scales, act_decode="auto", **kw)
+        xa = x[rt.token] if xr is None else torch.index_select(x, 0, rt.token, out=xr)
+        return expert_mlp_nvfp4(xa, w13p, w2p, offs, act="w4a16", **kw)
+
+    def _forward_device(self, x, input_ids=None, n_tokens=None, out=None, mlp=None):
+        """The forward on the device, eager or as the body of the captured graph: no host sync, fixed shapes. With
+        `n_tokens` (a device scalar) x is a padded buffer whose rows from `n_tokens` on are padding (routed to the sink).
+        `mlp(x, rt, p, offs)` runs the experts (default `_expert_rows`; a test may pass the reference)."""
+        c = self.cfg
+        if input_ids is not None and n_tokens is not None:   # padding rows may hold any id: keep the table lookup in range
+            input_ids = torch.where(torch.arange(x.shape[0], device=x.device) < n_tokens, input_ids, torch.zeros_like(input_ids))
+        w, ids = self.route(x, input_ids)
+        rt, p = route_with_shared(ids, w, c.num_experts, n_tokens)
+        rows = (mlp or self._expert_rows)(x, rt, p, rt.expert_offsets[: c.num_experts + 1])
+        y = combine_rows(rows, rt)
+        return y if out is None else out.copy_(y)
 
 def combine_rows(rows: torch.Tensor,   # (T * (k + 1), H) expert-major rows, weights already applied
                  rt: Routing,          # the routing that produced them (k + 1 slots per token, the shared one last)
                 ) -> torch.Tensor:     # bf16 (T, H)
     "Sum each token's rows in a fixed order (slot 0 .. k, in fp32), then round to bf16: deterministic run to run."
-    T, k1 = rt.inv.shape
-    acc = rows[rt.inv[:, 0]].float()
-    for j in range(1, k1): acc += rows[rt.inv[:, j]].float()
+    g = rows[rt.inv]                                        # (T, k + 1, H): one gather
+    acc = g[:, 0].float()
+    for j in range(1, g.shape[1]): acc += g[:, j].float()
     return acc.to(torch.bfloat16)
 
 # %% ../nbs/08_moe_layer.ipynb #d079dfb3
+def _ref_route(x, layer, input_ids):
+    "The float64 router of `layer` on the CPU: (weights float64 (T, k), ids int64 (T, k))."
+    c, cpu = layer.cfg, lambda t: None if t is None else t.cpu()
+    return ref_dsv4_router(x.cpu(), layer.gate_weight.cpu(), cpu(layer.gate_bias), top_k=c.top_k,
+                           routed_scaling_factor=c.routed_scaling_factor, tid2eid=cpu(layer.tid2eid), input_ids=cpu(input_ids))
+
 def ref_moe(x: torch.Tensor,            # (T, H) activations (bf16)
             layer: DSV4MoE,
             input_ids: torch.Tensor | None = None,
@@ -134,11 +160,8 @@ def ref_moe(x: torch.Tensor,            # (T, H) activations (bf16)
     and the shared one (`ref_expert_mlp`, the routing weight multiplied into h before W2, W4A16 or W4A4 as the layer
     runs: activations quantized per token, h with the static a2 scales), summed."""
     c = layer.cfg
-    w, ids = ref_dsv4_router(x.cpu(), layer.gate_weight.cpu(), None if layer.gate_bias is None else layer.gate_bias.cpu(),
-                             top_k=c.top_k, routed_scaling_factor=c.routed_scaling_factor,
-                             tid2eid=None if layer.tid2eid is None else layer.tid2eid.cpu(),
-                             input_ids=None if input_ids is None else input_ids.cpu())
-    rt, p = _routing_with_shared(ids, w, c.num_experts)
+    w, ids = _ref_route(x, layer, input_ids)
+    rt, p = route_with_shared(ids, w, c.num_experts)
     xr = x.cpu()[rt.token]
     if layer.act == "w4a4": xr = ref_quantize_nvfp4(xr.float(), per_row=True)
     rows = ref_expert_mlp(xr, layer.w13, layer.w2, rt.expert_offsets, act=layer.act, swiglu_limit=c.swiglu_limit,
@@ -153,19 +176,17 @@ def ref_moe_bf16(x: torch.Tensor,       # (T, H)
     if layer.bf16_weights is None: raise ValueError("ref_moe_bf16: the layer has no unquantized weights (build it with DSV4MoE.synthetic)")
     c = layer.cfg
     w1, w3, w2 = (t.double() for t in layer.bf16_weights)
-    w, ids = ref_dsv4_router(x.cpu(), layer.gate_weight.cpu(), None if layer.gate_bias is None else layer.gate_bias.cpu(),
-                             top_k=c.top_k, routed_scaling_factor=c.routed_scaling_factor,
-                             tid2eid=None if layer.tid2eid is None else layer.tid2eid.cpu(),
-                             input_ids=None if input_ids is None else input_ids.cpu())
+    w, ids = _ref_route(x, layer, input_ids)
+    rt, p = route_with_shared(ids, w, c.num_experts)        # the same rows and (fp32) weights the kernels get
     xd = x.cpu().double()
-    E = c.num_experts
-    ids1 = torch.cat([ids, torch.full((ids.shape[0], 1), E, dtype=torch.long)], 1)
-    w1s = torch.cat([w, torch.ones(ids.shape[0], 1, dtype=torch.float64)], 1)
     y = torch.zeros_like(xd)
-    for e in ids1.unique().tolist():
-        t, j = (ids1 == e).nonzero(as_tuple=True)
-        h = ref_swiglu(xd[t] @ w1[e].T, xd[t] @ w3[e].T, c.swiglu_limit) * w1s[t, j][:, None]
-        y.index_add_(0, t, h @ w2[e].T)
+    start = 0
+    for e, end in enumerate(rt.expert_offsets.tolist()):
+        if end > start:
+            t = rt.token[start:end]
+            h = ref_swiglu(xd[t] @ w1[e].T, xd[t] @ w3[e].T, c.swiglu_limit) * p[start:end].double()[:, None]
+            y.index_add_(0, t, h @ w2[e].T)
+        start = end
     return y
 
 # %% ../nbs/08_moe_layer.ipynb #896ea841
@@ -203,7 +224,7 @@ def _synthetic(cls, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", h
         xs = torch.randn(calib_tokens, H, generator=g, device=dev).to(torch.bfloat16).cpu()
         ids_in = torch.randint(0, hash_vocab, (calib_tokens,)) if tid is not None else None
         w, ids = layer.route(xs, ids_in)
-        rt, p = _routing_with_shared(ids, w, E)
+        rt, p = route_with_shared(ids, w, E)
         _, h = ref_expert_mlp(xs[rt.token], w13, q2, rt.expert_offsets, route_weight=p, return_h=True)
         layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, calibrate_input_scales(h, rt.expert_offsets), "w4a4")
     layer.bf16_weights = bf
@@ -263,37 +284,6 @@ DSV4MoE.synthetic, DSV4MoE.from_modelopt = classmethod(_synthetic), classmethod(
 DSV4MoE.flash, DSV4MoE.pro = classmethod(_flash), classmethod(_pro)
 
 # %% ../nbs/08_moe_layer.ipynb #04885a55
-def route_padded(ids: torch.Tensor,        # int (Tmax, k): router ids of the static token buffer
-                 w: torch.Tensor,          # fp32 (Tmax, k): router weights
-                 n_tokens: torch.Tensor,   # int64 () on the device: how many leading tokens are real
-                 num_experts: int,         # E
-                ) -> tuple[Routing, torch.Tensor]:   # (routing over E + 2 experts, row weights (Tmax (k + 1),))
-    """Routing of a padded token buffer without a host sync: each real token gets its k experts and the shared one
-    (expert E, weight 1); every padded token goes to the sink expert E + 1, whose rows sort last and which no kernel
-    is given (pass `expert_offsets[:E + 1]`)."""
-    T, k = ids.shape
-    valid = (torch.arange(T, device=ids.device) < n_tokens)[:, None]
-    ids1 = torch.cat([ids.long(), torch.full((T, 1), num_experts, dtype=torch.long, device=ids.device)], 1)
-    ids1 = torch.where(valid, ids1, torch.full_like(ids1, num_experts + 1))
-    w1 = torch.cat([w.float(), torch.ones(T, 1, dtype=torch.float32, device=w.device)], 1)
-    rt = route_topk(ids1, num_experts + 2, validate=False)
-    return rt, w1.reshape(-1)[rt.perm]
-
-def _static_forward(layer, x, n_tokens, input_ids, mlp, ws=None, out=None, xq_bufs=None):
-    """The forward on a padded buffer (`x` (Tmax, H), `n_tokens` real): everything on the device, no sync, fixed
-    shapes (the body of the captured graph). `mlp` runs the expert MLP on (rows, offsets over E + 1 experts, weights)."""
-    c = layer.cfg
-    T = x.shape[0]
-    if input_ids is not None:
-        input_ids = torch.where(torch.arange(T, device=x.device) < n_tokens, input_ids, torch.zeros_like(input_ids))
-    w, ids = layer.route(x, input_ids)
-    rt, p = route_padded(ids, w, n_tokens, c.num_experts)
-    rows = mlp(x, rt, p, ws, xq_bufs)
-    y = combine_rows(rows, rt)
-    if out is None: return y
-    out.copy_(y)
-    return out
-
 class CapturedMoE:
     "A DSV4MoE forward recorded in one CUDA graph for up to `max_tokens` tokens (make it with `DSV4MoE.capture`)."
     def __init__(self, layer, max_tokens: int):
@@ -310,7 +300,8 @@ class CapturedMoE:
         self.ws = mlp_workspace(R, w13p, w2p, layer.act, act_decode="auto")
         self.rows_out = torch.empty(R, c.hidden, dtype=torch.bfloat16, device=dev)
         self.xr = torch.empty(R, c.hidden, dtype=torch.bfloat16, device=dev) if layer.act == "w4a16" else None
-        run = lambda: _static_forward(layer, self.x, self.n, self.ids, self._mlp, out=self.out)
+        mlp = lambda x, rt, p, offs: layer._expert_rows(x, rt, p, offs, out=self.rows_out, workspace=self.ws, xr=self.xr)
+        run = lambda: layer._forward_device(self.x, self.ids, self.n, out=self.out, mlp=mlp)
         self.n.fill_(max_tokens)
         s = torch.cuda.Stream(dev); s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
@@ -319,20 +310,6 @@ class CapturedMoE:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             run()
-
-    def _mlp(self, x, rt, p, ws, xq_bufs):
-        layer, c = self.layer, self.layer.cfg
-        w13p, w2p = layer.prepared(x.device)
-        offs = rt.expert_offsets[: c.num_experts + 1]
-        if layer.act == "w4a4":
-            from dsv4_nvfp4.quantize_cuda import quantize_nvfp4
-            xq = quantize_nvfp4(x, per_row=True)
-            xr = NVFP4Tensor(xq.data[rt.token], xq.scale[rt.token], xq.global_scale[rt.token], (rt.token.numel(), c.hidden))
-            return expert_mlp_nvfp4(xr, w13p, w2p, offs, act="w4a4", swiglu_limit=c.swiglu_limit, route_weight=p,
-                                    a2_scales=layer.a2_scales, out=self.rows_out, workspace=self.ws, act_decode="auto")
-        torch.index_select(x, 0, rt.token, out=self.xr)
-        return expert_mlp_nvfp4(self.xr, w13p, w2p, offs, act="w4a16", swiglu_limit=c.swiglu_limit, route_weight=p,
-                                out=self.rows_out, workspace=self.ws)
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         "The layer's output for x (T, H) bf16, T <= max_tokens: a view of a static buffer, overwritten by the next call."
@@ -376,7 +353,7 @@ class _TorchMoE:
     def __call__(self, x):
         c = self.layer.cfg
         w, ids = self.layer.route(x)
-        rt, p = _routing_with_shared(ids, w, c.num_experts)
+        rt, p = route_with_shared(ids, w, c.num_experts)
         gu = self._mm(x[rt.token], self.w13, rt.expert_offsets)
         g, u = gu[:, :c.inter].float(), gu[:, c.inter:].float()
         h = (torch.nn.functional.silu(g.clamp(max=c.swiglu_limit)) * u.clamp(-c.swiglu_limit, c.swiglu_limit) * p[:, None])
@@ -401,12 +378,12 @@ def _bench_moe_problem(timer, name, cfg, T, layers):
     from dsv4_nvfp4.grouped_gemm import grouped_gemm_nvfp4
     from dsv4_nvfp4.swiglu import grouped_gemm_swiglu_nvfp4
     w13p, w2p = layer.prepared(dev)                                  # the breakdown, one piece at a time
-    w, ids = layer.route(x); rt, p = _routing_with_shared(ids, w, cfg.num_experts)
+    w, ids = layer.route(x); rt, p = route_with_shared(ids, w, cfg.num_experts)
     xr = x[rt.token]
     hh = grouped_gemm_swiglu_nvfp4(xr, w13p, rt.expert_offsets, route_weight=p)
     rows = grouped_gemm_nvfp4(hh, w2p, rt.expert_offsets)
     row["t_router"] = timer(lambda: layer.route(x))[1]
-    row["t_permute"] = timer(lambda: (_routing_with_shared(ids, w, cfg.num_experts), x[rt.token]))[1]
+    row["t_permute"] = timer(lambda: (route_with_shared(ids, w, cfg.num_experts), x[rt.token]))[1]
     row["t_l1"] = timer(lambda: grouped_gemm_swiglu_nvfp4(xr, w13p, rt.expert_offsets, route_weight=p, out=hh))[0]
     row["t_l2"] = timer(lambda: grouped_gemm_nvfp4(hh, w2p, rt.expert_offsets, out=rows))[0]
     row["t_combine"] = timer(lambda: combine_rows(rows, rt))[1]
@@ -459,9 +436,9 @@ def moe_goals(res: dict) -> str:
     one = [r for r in rows if r["tokens"] == 1]
     if one:
         miss = [r["problem"] for r in one if r["outside_pct"] > 15]
-        out.append(f"* **T = 1: time outside the two grouped GEMMs <= 15%**: " + ", ".join(f"{r['problem']} {r['outside_pct']:.0f}%" for r in one)
+        out.append("* **T = 1: time outside the two grouped GEMMs <= 15%**: " + ", ".join(f"{r['problem']} {r['outside_pct']:.0f}%" for r in one)
                    + (f" (missed: {', '.join(miss)})." if miss else " (met)."))
     big = [r for r in rows if r["tokens"] == 8192]
     if big:
-        out.append(f"* **T = 8192: >= 1.1x the torch bf16 layer**: " + ", ".join(f"{r['problem']} {r['x_bf16']:.2f}x" for r in big) + ".")
+        out.append("* **T = 8192: >= 1.1x the torch bf16 layer**: " + ", ".join(f"{r['problem']} {r['x_bf16']:.2f}x" for r in big) + ".")
     return "\n".join(out)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from .formats import e2m1_decode, unpack_fp4
-from .grouped_gemm import (PreparedWeights, activation_operand, cached_ones, act_decode_in_kernel, grouped_gemm_nvfp4,
+from .grouped_gemm import (PreparedWeights, act_decode_in_kernel, cached_ones, expert_offsets_operand, gemm_operands,
+                                     grouped_gemm_nvfp4,
                                      pick_config, ref_grouped_gemm_nvfp4)
 from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
 from .routing import check_offsets, group_sizes
@@ -124,6 +125,18 @@ def _l2_input(h: torch.Tensor, act: str, expert_offsets: torch.Tensor, a2_scales
     rows_gs = gs.repeat_interleave(group_sizes(expert_offsets.cpu()))          # (R,) the expert's scale on each row
     return ref_quantize_nvfp4(h.float(), rows_gs) if h.shape[0] else ref_quantize_nvfp4(h.float(), 1.0)
 
+def _check_mlp(what: str, act: str, x, w13_shape, w2_shape) -> int:
+    "The checks every expert-MLP entry point shares: act, x's kind for it, W13 (E, 2I, H) against W2 (E, H, I). Returns I."
+    if act not in ("w4a16", "w4a4"): raise ValueError(f"{what}: act must be 'w4a16' or 'w4a4', got {act!r}")
+    E, I2, H = w13_shape
+    if w2_shape[0] != E or w2_shape[1] != H or I2 != 2 * w2_shape[2]:
+        raise ValueError(f"{what}: w13 {tuple(w13_shape)} must be (E, 2I, H) for w2 {tuple(w2_shape)} = (E, H, I)")
+    I = w2_shape[2]
+    if I % 16: raise ValueError(f"{what}: I = {I} must be a multiple of 16 (NVFP4 blocks) and of the interleave {L1_GROUP}")
+    if act == "w4a4" and not isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a4' takes NVFP4Tensor activations")
+    if act == "w4a16" and isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a16' takes bf16 activations")
+    return I
+
 def ref_expert_mlp(x,                              # bf16 (R, H) (W4A16) or NVFP4Tensor (R, H) (W4A4)
                    w13: NVFP4Experts,              # (E, 2I, H): W1 / W3 interleaved (interleave_experts)
                    w2: NVFP4Experts,               # (E, H, I)
@@ -137,16 +150,9 @@ def ref_expert_mlp(x,                              # bf16 (R, H) (W4A16) or NVFP
                   ):                               # float64 (R, H) (and h float64 (R, I))
     "The spec of the fused expert MLP: `y = W2 (swiglu(W13 x) * p)` per expert, in float64 on the NVFP4 weights."
     what = "ref_expert_mlp"
-    if act not in ("w4a16", "w4a4"): raise ValueError(f"{what}: act must be 'w4a16' or 'w4a4', got {act!r}")
     if not isinstance(w13, NVFP4Experts) or not isinstance(w2, NVFP4Experts):
         raise TypeError(f"{what}: w13 and w2 must be NVFP4Experts")
-    E, I2, H = w13.shape
-    if w2.shape[0] != E or w2.shape[1] != H or I2 != 2 * w2.shape[2]:
-        raise ValueError(f"{what}: w13 {tuple(w13.shape)} must be (E, 2I, H) for w2 {tuple(w2.shape)} = (E, H, I)")
-    I = w2.shape[2]
-    if I % 16: raise ValueError(f"{what}: I = {I} must be a multiple of 16 (NVFP4 blocks) and of the interleave {L1_GROUP}")
-    if act == "w4a4" and not isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a4' takes NVFP4Tensor activations")
-    if act == "w4a16" and isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a16' takes bf16 activations")
+    _check_mlp(what, act, x, w13.shape, w2.shape)
     c = ref_grouped_gemm_nvfp4(x, w13, expert_offsets)                       # (R, 2I) float64, interleaved columns
     g, u = deinterleave_l1(c, dim=-1)
     h = ref_swiglu(g, u, swiglu_limit)
@@ -211,7 +217,6 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
     L = check_swiglu_limit(swiglu_limit)
     if out_dtype not in ("bf16", "nvfp4"): raise ValueError(f"{what}: out_dtype must be 'bf16' or 'nvfp4', got {out_dtype!r}")
     if not isinstance(w13, PreparedWeights): raise TypeError(f"{what}: w13 must be PreparedWeights (prepare_weights), got {type(w13).__name__}")
-    if w13.w_sm90 is None: raise ValueError(f"{what}: w13 has no sm_90a layout (prepare_weights(..., sm90=True))")
     E, N2, K = w13.shape
     if N2 % 32: raise ValueError(f"{what}: W13 has {N2} rows; 2I with I a multiple of 16 (NVFP4 blocks of the L2 input) is needed")
     I = N2 // 2
@@ -219,11 +224,7 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
         raise TypeError(f"{what}: activations must be a bf16 tensor or an NVFP4Tensor, got {type(a).__name__}")
     if len(a.shape) != 2: raise ValueError(f"{what}: activations must be (R, K = {K}), got {tuple(a.shape)}")
     dev, R = (a.data if isinstance(a, NVFP4Tensor) else a).device, a.shape[0]
-    check_tensor(w13.w_sm90, what, "w13.w_sm90", (torch.uint8,), dev); check_tensor(w13.w_gs, what, "w13.w_gs", (torch.float32,), dev)
-    check_tensor(expert_offsets, what, "expert_offsets (int32 cumulative ends)", (torch.int32,), dev)
-    if expert_offsets.dim() != 1 or expert_offsets.numel() != E:
-        raise ValueError(f"{what}: expert_offsets must be (E,) = ({E},), got {tuple(expert_offsets.shape)}")
-    if check: check_offsets(expert_offsets, R, E)
+    expert_offsets_operand(expert_offsets, E, R, dev, what, check)
     if out_dtype == "nvfp4":
         gs_c = _static_scales(out_scale, E, dev, what, check)
         out = _nvfp4_out(out, R, I, dev, what)
@@ -231,7 +232,7 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
     else:
         if out_scale is not None or dump is not None: raise ValueError(f"{what}: out_scale and dump are for out_dtype='nvfp4'")
         out = out_tensor(out, what, "out", (R, I), (torch.bfloat16,), dev)
-    ab, gs, sf_a = activation_operand(a, K, what, workspace, act_decode)     # checks; W4A4 "pre": the dequantize pass
+    ab, gs, sf_a = gemm_operands(what, a, w13, workspace, act_decode)     # checks (weights once); W4A4 "pre": the decode pass
     if R == 0: return out
     gs_rows = cached_ones((R,), dev) if gs is None else gs.reshape(-1).expand(R) if gs.numel() == 1 else gs.reshape(R)
     if route_weight is None: p = cached_ones((R,), dev)
@@ -269,7 +270,7 @@ def mlp_workspace(rows: int, w13: PreparedWeights, w2: PreparedWeights, act: str
     "The buffers `expert_mlp_nvfp4` needs for `rows` routed rows (allocate once, reuse every call, capture in a graph)."
     if act not in ("w4a16", "w4a4"): raise ValueError(f"mlp_workspace: act must be 'w4a16' or 'w4a4', got {act!r}")
     dev = torch.device(device) if device is not None else w13.device
-    (E, N2, H), I = w13.shape, w13.shape[1] // 2
+    H, I = w13.shape[2], w13.shape[1] // 2
     z = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
     if act == "w4a16": return MLPWorkspace(z(rows, I), z(rows, 2, dt=torch.float32))
     h = NVFP4Tensor(z(rows, I // 2, dt=torch.uint8), z(rows, I // 16, dt=torch.float8_e4m3fn), z(rows, dt=torch.float32), (rows, I))
@@ -296,18 +297,10 @@ def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16) or NV
     `ref_expert_mlp`. With `out=` and `workspace=` it allocates nothing: the whole MLP can be captured in one CUDA
     graph and replayed with new routing (up to the captured row count)."""
     what = "expert_mlp_nvfp4"
-    if act not in ("w4a16", "w4a4"): raise ValueError(f"{what}: act must be 'w4a16' or 'w4a4', got {act!r}")
     for w, name in ((w13, "w13"), (w2, "w2")):
         if not isinstance(w, PreparedWeights): raise TypeError(f"{what}: {name} must be PreparedWeights, got {type(w).__name__}")
-    E, N2, H = w13.shape
-    if w2.shape[0] != E or w2.shape[1] != H or N2 != 2 * w2.shape[2]:
-        raise ValueError(f"{what}: w13 {tuple(w13.shape)} must be (E, 2I, H) for w2 {tuple(w2.shape)} = (E, H, I)")
-    I = w2.shape[2]
-    if I % 16: raise ValueError(f"{what}: I = {I} must be a multiple of 16 (NVFP4 blocks of h)")
-    if act == "w4a4" and not isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a4' takes NVFP4Tensor activations")
-    if act == "w4a16" and isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a16' takes bf16 activations")
+    _check_mlp(what, act, x, w13.shape, w2.shape)
     if act == "w4a16" and a2_scales is not None: raise ValueError(f"{what}: a2_scales is for act='w4a4' (h in NVFP4)")
-    R = x.shape[0]
     ws = workspace
     if ws is not None and not isinstance(ws, MLPWorkspace): raise TypeError(f"{what}: workspace must be an MLPWorkspace (mlp_workspace)")
     if act == "w4a16":
@@ -384,12 +377,10 @@ def _bench_mlp_problem(timer, name, E, H, I, T, topk, L=10.0):
 def bench_mlp(problems=None, log=print) -> dict:
     """The expert MLP (W4A16, and W4A4 with the activation decode as a pass or in the kernel), graph-replayed and eager,
     vs the same MLP in torch bf16 and fp8, with the copy and bf16 matmul ceilings measured in the same run."""
-    from dsv4_nvfp4.bench import Timer, copy_rows, gpu_info, matmul_tflops
+    from dsv4_nvfp4.bench import Timer, ceilings
     timer = Timer()
-    _, copy_tbs = copy_rows(timer, (256, 1024))
-    mm = matmul_tflops(timer)
-    res = dict(info=gpu_info(), copy_tbs=copy_tbs, bf16_tflops=mm, rows=[])
-    log(f"copy {copy_tbs:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
+    res = ceilings(timer, log)
+    copy_tbs = res["copy_tbs"]
     for pr in problems or MLP_PROBLEMS:
         r = _bench_mlp_problem(timer, *pr)
         for key in ("w4a16", "w4a4_pre", "w4a4_kernel"):

@@ -540,8 +540,8 @@ def test_launch_fast_path_keeps_every_check(monkeypatch):
     offs = torch.tensor([1, 3, 3, 6], dtype=I32)
     out = torch.empty(6, 128, dtype=torch.bfloat16)
     full = []
-    operands = GG._operands
-    monkeypatch.setattr(GG, "_operands", lambda *args: full.append(1) or operands(*args))
+    operands = GG.gemm_operands
+    monkeypatch.setattr(GG, "gemm_operands", lambda *args: full.append(1) or operands(*args))
     for _ in range(3): GG.grouped_gemm_nvfp4(a, pw, offs, out=out)
     assert len(calls) == 3 and len(full) == 1, "the 2nd and 3rd calls take the fast path"
     big = torch.empty(64, 300).to(torch.bfloat16)
