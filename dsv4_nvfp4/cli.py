@@ -17,7 +17,7 @@ from .checkpoint import load_modelopt_nvfp4
 from .quant import NVFP4Tensor, ref_quantize_nvfp4, sqnr_db
 
 # %% auto #0
-__all__ = ['demo_synthetic', 'demo_gpu', 'demo_checkpoint', 'bench_kernels', 'main']
+__all__ = ['demo_synthetic', 'demo_gpu', 'demo_moe', 'demo_checkpoint', 'bench_kernels', 'main']
 
 # %% ../nbs/09_cli.ipynb #7ae77f49
 def _legacy_dequant(x: torch.Tensor, q: NVFP4Tensor) -> torch.Tensor:
@@ -66,6 +66,7 @@ def demo_synthetic(seed: int = 0, tokens: int = 256, device: str = "cpu") -> lis
     lines += [f"matmul: relative Frobenius error of nvfp4(A) @ nvfp4(W)^T vs float64 A @ W^T: {rel:.4f}"]
     if torch.cuda.is_available():
         lines += demo_gpu(w, a)
+        lines += demo_moe(seed)
     lines += [f"total time {time.perf_counter() - t0:.2f} s"]
     return lines
 
@@ -94,6 +95,43 @@ def demo_gpu(w: torch.Tensor, a: torch.Tensor) -> list[str]:
     g = g or e
     lines.append(f"  dequantize weight -> bf16: {g:.1f} us ({(q.nbytes + out.numel() * 2) / 1e9 / g * 1e3:.2f} TB/s), "
                  f"eager {e:.1f} us")
+    return lines
+
+def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 8) -> list[str]:
+    """The synthetic DSV4-Flash MoE layer (256 routed + 1 shared expert) on the GPU, W4A16 and W4A4: accuracy against
+    the float64 reference on the same NVFP4 weights (`ref_moe`) and against the unquantized layer (`ref_moe_bf16`,
+    cosine), and the captured layer's time against the same layer in torch bf16, at a few batch sizes."""
+    from dsv4_nvfp4.bench import Timer
+    from dsv4_nvfp4.moe import FLASH, DSV4MoE, TorchMoE, ref_moe, ref_moe_bf16
+    dev, timer = torch.device("cuda"), Timer()
+    t0 = time.perf_counter()
+    lay = DSV4MoE.flash(seed, device=dev).to(dev)
+    lay4 = DSV4MoE.flash(seed, act="w4a4", device=dev).to(dev)
+    lines = [f"DSV4-Flash MoE layer ({FLASH.num_experts} + 1 experts, hidden {FLASH.hidden}, I {FLASH.inter}, top-{FLASH.top_k}), "
+             f"synthetic heavy-tailed weights, seed {seed}, built in {time.perf_counter() - t0:.1f} s"]
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(accuracy_tokens, FLASH.hidden, generator=g).to(torch.bfloat16)
+    bf = ref_moe_bf16(x, lay)
+    cos = lambda a, b: torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), 0).item()
+    for name, l in (("W4A16", lay), ("W4A4", lay4)):
+        y = l(x.to(dev)).cpu()
+        want = ref_moe(x, l)
+        rel = ((y.double() - want).norm() / want.norm()).item()
+        lines.append(f"  {name}: {accuracy_tokens} tokens, relative error vs the float64 layer on the same NVFP4 weights "
+                     f"{rel:.2e}; cosine vs the unquantized layer {cos(y, bf):.5f} (float64 NVFP4 layer: {cos(want, bf):.5f})")
+    tm = TorchMoE(lay, fp8=False)
+    for T in tokens:
+        xt = (torch.randn(T, FLASH.hidden, generator=g) * 0.5).to(torch.bfloat16).to(dev)
+        us = {}
+        for name, l in (("W4A16", lay), ("W4A4", lay4)):
+            cap = l.capture(T)
+            us[name] = timer(lambda: cap(xt))[1]
+            del cap
+        tb, te = timer(lambda: tm(xt))
+        tb = tb or te
+        lines.append(f"  T={T:4d}: ours W4A16 {us['W4A16']:8.1f} us, W4A4 {us['W4A4']:8.1f} us; torch bf16 layer {tb:8.1f} us "
+                     f"({tb / us['W4A16']:.2f}x / {tb / us['W4A4']:.2f}x)")
+    del tm; torch.cuda.empty_cache()
     return lines
 
 # %% ../nbs/09_cli.ipynb #493e04db

@@ -12,15 +12,16 @@ from typing import NamedTuple
 import torch
 
 from .checkpoint import ModelOptNVFP4, load_modelopt_nvfp4
-from .grouped_gemm import prepare_weights, ref_grouped_gemm_nvfp4
-from .quant import NVFP4Experts, NVFP4Tensor, global_scale_from_amax, quantize_experts, ref_quantize_nvfp4, stack_experts
-from .routing import Routing, dsv4_router, ref_dsv4_router, route_topk
-from .swiglu import (calibrate_input_scales, check_swiglu_limit, deinterleave_l1, expert_mlp_nvfp4,
-                               interleave_experts, interleave_l1, mlp_workspace, ref_expert_mlp, ref_swiglu)
+from .grouped_gemm import act_decode_in_kernel, grouped_gemm_nvfp4, prepare_weights
+from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
+from .routing import (Routing, check_bad, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes, permute_rows,
+                                ref_dsv4_router, route_buffers, route_rows, route_topk, router_logits)
+from .swiglu import (calibrate_input_scales, check_swiglu_limit, deinterleave_l1, grouped_gemm_swiglu_nvfp4,
+                               interleave_experts, ref_expert_mlp, ref_swiglu)
 
 # %% auto #0
-__all__ = ['FLASH', 'PRO', 'MOE_PROBLEMS', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'combine_rows', 'ref_moe', 'ref_moe_bf16',
-           'CapturedMoE', 'bench_moe', 'moe_table', 'moe_goals']
+__all__ = ['FLASH', 'PRO', 'L2_ACT_DECODE', 'MOE_PROBLEMS', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe',
+           'ref_moe_bf16', 'CapturedMoE', 'TorchMoE', 'bench_moe', 'moe_table', 'moe_goals']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
@@ -40,25 +41,32 @@ PRO = MoEConfig(7168, 3072, 384, 6, 2.5)
 def route_with_shared(ids: torch.Tensor,        # int (T, k): router ids
                       w: torch.Tensor,          # fp32 (T, k): router weights
                       num_experts: int,         # E routed experts
-                      n_tokens: torch.Tensor | None = None,  # int64 () on the device: leading real tokens of a padded buffer
                      ) -> tuple[Routing, torch.Tensor]:  # (routing, fp32 weight of each row)
-    """Append the shared expert (id E, weight 1) to every token's top-k and route without a host sync: the Routing
-    over E + 1 experts. With `n_tokens`, the tokens from `n_tokens` on are padding and go, all k + 1 slots, to a
-    sink expert E + 1 whose rows sort last and which no kernel is given (pass `expert_offsets[:E + 1]`)."""
+    """Append the shared expert (id E, weight 1) to every token's top-k and route: the `Routing` over E + 1 experts
+    and each expert-major row's weight (the reference's bookkeeping; the GPU path does this in `route_rows`)."""
     T = ids.shape[0]
     ids1 = torch.cat([ids.long(), torch.full((T, 1), num_experts, dtype=torch.long, device=ids.device)], 1)
-    if n_tokens is not None:
-        valid = (torch.arange(T, device=ids.device) < n_tokens)[:, None]
-        ids1 = torch.where(valid, ids1, torch.full_like(ids1, num_experts + 1))
     w1 = torch.cat([w.float(), torch.ones(T, 1, dtype=torch.float32, device=w.device)], 1)
-    rt = route_topk(ids1, num_experts + 1 + (n_tokens is not None), validate=False)   # ids in range by construction
+    rt = route_topk(ids1, num_experts + 1, validate=False)            # ids in range by construction
     return rt, w1.reshape(-1)[rt.perm]
+
+def _check_given(w, ids, T, cfg, what):
+    "A given routing: fp32-able weights and int ids, both (T, k)."
+    k = cfg.top_k
+    if not (isinstance(w, torch.Tensor) and isinstance(ids, torch.Tensor)): raise TypeError(f"{what}: topk_weights and topk_ids must be tensors")
+    if ids.dtype not in (torch.int32, torch.int64) or not w.is_floating_point(): raise TypeError(f"{what}: topk_ids must be int32/int64 and topk_weights float")
+    if tuple(w.shape) != (T, k) or tuple(ids.shape) != (T, k): raise ValueError(f"{what}: topk_weights / topk_ids must be ({T}, {k}), got {tuple(w.shape)} / {tuple(ids.shape)}")
+
+L2_ACT_DECODE = "pre"   # W4A4's NVFP4 h into W2: a decode pass, then the bf16 GEMM (the MLP benchmark of notebook 05
+                        # measured the in-kernel decode 1.17-1.74x slower on the H200)
 
 class DSV4MoE(torch.nn.Module):
     """One DSV4 MoE layer on NVFP4 weights: the router (bf16 gate weight, fp32 bias or a hash table), E routed experts
     and the shared expert stacked as expert E: `w13` (E + 1, 2I, H) gate/up interleaved by 8, `w2` (E + 1, H, I).
-    `forward(x (T, H) bf16, input_ids=None) -> (T, H) bf16`: on a CUDA device the fused kernels (weights prepared
-    on first use), on the CPU the float64 reference rounded to bf16."""
+    `forward(x (T, H) bf16, input_ids=None) -> (T, H) bf16`: on a CUDA device six launches (router logits, route,
+    permute, L1, L2, combine; weights prepared on first use), on the CPU the float64 reference rounded to bf16.
+    `act="w4a4"` quantizes x with each expert's static scale `a1_scales` and h with `a2_scales` (the checkpoint's
+    `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate)."""
 
     def __init__(self, cfg: MoEConfig,
                  w13: NVFP4Experts,                 # (E + 1, 2I, H), the shared expert last
@@ -66,8 +74,10 @@ class DSV4MoE(torch.nn.Module):
                  gate_weight: torch.Tensor,         # bf16 (E, H)
                  gate_bias: torch.Tensor | None = None,   # fp32 (E,)
                  tid2eid: torch.Tensor | None = None,     # int (vocab, top_k): hash routing
-                 a2_scales: torch.Tensor | None = None,   # fp32 (E + 1,): static global scales of h (w2's input_scale)
+                 *,
                  act: str = "w4a16",                # "w4a16" or "w4a4"
+                 a1_scales: torch.Tensor | None = None,   # W4A4: fp32 (E + 1,) static global scales of x (w1/w3 input_scale)
+                 a2_scales: torch.Tensor | None = None,   # W4A4: fp32 (E + 1,) static global scales of h (w2 input_scale)
                 ):
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden, cfg.inter
@@ -76,15 +86,23 @@ class DSV4MoE(torch.nn.Module):
         if tuple(gate_weight.shape) != (E, H): raise ValueError(f"DSV4MoE: gate_weight must be (E, H) = {(E, H)}, got {tuple(gate_weight.shape)}")
         if gate_bias is not None and tuple(gate_bias.shape) != (E,): raise ValueError(f"DSV4MoE: gate_bias must be ({E},), got {tuple(gate_bias.shape)}")
         if act not in ("w4a16", "w4a4"): raise ValueError(f"DSV4MoE: act must be 'w4a16' or 'w4a4', got {act!r}")
-        if act == "w4a4" and (a2_scales is None or tuple(a2_scales.shape) != (E + 1,)):
-            raise ValueError(f"DSV4MoE: act='w4a4' needs a2_scales (E + 1,) = ({E + 1},): the input_scale of every w2")
+        if act == "w4a4":
+            for name, s in (("a1_scales", a1_scales), ("a2_scales", a2_scales)):
+                if s is None or tuple(s.shape) != (E + 1,):
+                    raise ValueError(f"DSV4MoE: act='w4a4' needs {name} (E + 1,) = ({E + 1},): the static input scale of every expert")
+                s = s.detach().float().cpu()
+                if not (torch.isfinite(s).all() and (s >= GS_MIN).all()):
+                    raise ValueError(f"DSV4MoE: {name} must be finite and >= 2^-110 (got min {s.min().item()})")
+        elif a1_scales is not None or a2_scales is not None: raise ValueError("DSV4MoE: a1_scales / a2_scales are for act='w4a4'")
+        if tid2eid is not None: check_hash_table(tid2eid, E, "DSV4MoE")
         check_swiglu_limit(cfg.swiglu_limit)
         self.cfg, self.w13, self.w2, self.act = cfg, w13, w2, act
-        self.register_buffer("gate_weight", gate_weight.to(torch.bfloat16))
-        self.register_buffer("gate_bias", None if gate_bias is None else gate_bias.float())
-        self.register_buffer("tid2eid", tid2eid)
-        self.register_buffer("a2_scales", None if a2_scales is None else a2_scales.float())
-        self._prepared = {}
+        self.register_buffer("gate_weight", gate_weight.to(torch.bfloat16).contiguous())
+        self.register_buffer("gate_bias", None if gate_bias is None else gate_bias.float().contiguous())
+        self.register_buffer("tid2eid", None if tid2eid is None else tid2eid.to(torch.int32).contiguous())
+        self.register_buffer("a1_scales", None if a1_scales is None else a1_scales.float().contiguous())
+        self.register_buffer("a2_scales", None if a2_scales is None else a2_scales.float().contiguous())
+        self._prepared, self._eager = {}, {}
         self.bf16_weights = None           # (w1, w3, w2) unquantized, when the layer was built from them (synthetic)
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,14 +111,41 @@ class DSV4MoE(torch.nn.Module):
         return dsv4_router(x, self.gate_weight, self.gate_bias, top_k=c.top_k, routed_scaling_factor=c.routed_scaling_factor,
                            tid2eid=self.tid2eid, input_ids=input_ids)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _check_x(self, x, input_ids, what="DSV4MoE"):
         c = self.cfg
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != c.hidden:
-            raise ValueError(f"DSV4MoE: x must be bf16 (T, hidden = {c.hidden}), got "
+            raise ValueError(f"{what}: x must be bf16 (T, hidden = {c.hidden}), got "
                              f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        if self.tid2eid is not None and input_ids is None: raise ValueError("DSV4MoE: this layer routes by token id: pass input_ids")
+        if self.tid2eid is not None and input_ids is None: raise ValueError(f"{what}: this layer routes by token id: pass input_ids")
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_x(x, input_ids)
         if not x.is_cuda: return ref_moe(x, self, input_ids).to(torch.bfloat16)
-        return self._forward_device(x, input_ids)
+        if input_ids is not None:
+            if tuple(input_ids.shape) != (x.shape[0],): raise ValueError(f"DSV4MoE: input_ids must be ({x.shape[0]},), got {tuple(input_ids.shape)}")
+            input_ids = input_ids.to(device=x.device, dtype=torch.int64).contiguous()
+        return self._forward_device(x.contiguous(), input_ids)
+
+    def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                       check: bool = True,  # GPU: read the bad-routing counter after the launch (a host sync)
+                      ) -> torch.Tensor:
+        """The layer with a given routing (weights (T, k), expert ids (T, k), e.g. from another rank's router): the
+        shared expert is added as always. Ids out of [0, E) or repeated in a row raise (CPU; on the GPU with `check`:
+        without it, such a token's output is NaN and the others are computed)."""
+        what, c = "DSV4MoE.forward_routed", self.cfg
+        self._check_x(x, None if self.tid2eid is None else 0, what)
+        _check_given(topk_weights, topk_ids, x.shape[0], c, what)
+        if not x.is_cuda:
+            ids = topk_ids.long()
+            if ids.numel() and (ids.min() < 0 or ids.max() >= c.num_experts):
+                raise ValueError(f"{what}: expert ids must lie in [0, {c.num_experts}), got [{int(ids.min())}, {int(ids.max())}]")
+            srt = ids.sort(1).values
+            if bool((srt[:, 1:] == srt[:, :-1]).any()): raise ValueError(f"{what}: a token's expert ids repeat")
+            return ref_moe(x, self, routing=(topk_weights, topk_ids)).to(torch.bfloat16)
+        given = (topk_weights.to(device=x.device, dtype=torch.float32).contiguous(), topk_ids.to(device=x.device, dtype=torch.int32).contiguous())
+        y = self._forward_device(x.contiguous(), given=given)
+        if check: check_bad(self._eager[x.device][0], what)
+        return y
 
     def prepared(self, device) -> tuple:
         "The kernel layouts of w13 and w2 on `device` (built once per device)."
@@ -109,41 +154,52 @@ class DSV4MoE(torch.nn.Module):
             self._prepared[key] = (prepare_weights(self.w13).to(key), prepare_weights(self.w2).to(key))
         return self._prepared[key]
 
-    def _expert_rows(self, x, rt, p, offs, out=None, workspace=None, xr=None):
-        """The routed rows through the fused expert MLP: x gathered to expert-major rows (into `xr` when given), or for
-        W4A4 quantized per token and then gathered (the k + 1 rows of a token share its codes)."""
-        c = self.cfg
-        w13p, w2p = self.prepared(x.device)
-        kw = dict(swiglu_limit=c.swiglu_limit, route_weight=p, out=out, workspace=workspace)
-        if self.act == "w4a4":
-            from dsv4_nvfp4.quantize_cuda import quantize_nvfp4
-            xq = quantize_nvfp4(x, per_row=True)
-            xa = NVFP4Tensor(xq.data[rt.token], xq.scale[rt.token], xq.global_scale[rt.token], (rt.token.numel(), c.hidden))
-            return expert_mlp_nvfp4(xa, w13p, w2p, offs, act="w4a4", a2_scales=self.a2_scales, act_decode="auto", **kw)
-        xa = x[rt.token] if xr is None else torch.index_select(x, 0, rt.token, out=xr)
-        return expert_mlp_nvfp4(xa, w13p, w2p, offs, act="w4a16", **kw)
+    def buffers(self, capacity: int, device) -> tuple:
+        """(RouteBuffers, h, h decoded or None, L2 output rows) for up to `capacity` tokens: every buffer one forward
+        needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales for W4A4)."""
+        c, dev = self.cfg, torch.device(device)
+        R, I = capacity * (c.top_k + 1), c.inter
+        e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
+        if self.act == "w4a16": h, h_dec = e(R, I), None
+        else:
+            h = NVFP4Tensor(e(R, I // 2, dt=torch.uint8), e(R, I // 16, dt=torch.float8_e4m3fn), e(R, dt=torch.float32), (R, I))
+            h_dec = None if act_decode_in_kernel(L2_ACT_DECODE, I, "DSV4MoE") else e(R, I)
+        return route_buffers(capacity, c.num_experts, c.top_k, c.hidden, dev), h, h_dec, e(R, c.hidden)
 
-    def _forward_device(self, x, input_ids=None, n_tokens=None, out=None, mlp=None):
-        """The forward on the device, eager or as the body of the captured graph: no host sync, fixed shapes. With
-        `n_tokens` (a device scalar) x is a padded buffer whose rows from `n_tokens` on are padding (routed to the sink).
-        `mlp(x, rt, p, offs)` runs the experts (default `_expert_rows`; a test may pass the reference)."""
-        c = self.cfg
-        if input_ids is not None and n_tokens is not None:   # padding rows may hold any id: keep the table lookup in range
-            input_ids = torch.where(torch.arange(x.shape[0], device=x.device) < n_tokens, input_ids, torch.zeros_like(input_ids))
-        w, ids = self.route(x, input_ids)
-        rt, p = route_with_shared(ids, w, c.num_experts, n_tokens)
-        rows = (mlp or self._expert_rows)(x, rt, p, rt.expert_offsets[: c.num_experts + 1])
-        y = combine_rows(rows, rt)
-        return y if out is None else out.copy_(y)
+    def _forward_device(self, x, input_ids=None, n_tokens=None, out=None, bufs=None, given=None):
+        """The forward on the device, eager or as the body of the captured graph: six launches, no host sync, fixed
+        shapes. With `n_tokens` (an int64 device scalar) x is a padded buffer whose rows from `n_tokens` on are
+        padding (not routed: no rows, no output). Eager calls reuse per-device buffers, grown when T needs it (so
+        one layer's eager forwards must not run concurrently on two streams)."""
+        c, T, dev = self.cfg, x.shape[0], x.device
+        if bufs is None:
+            bufs = self._eager.get(dev)
+            if bufs is None or bufs[0].capacity < T:
+                bufs = self._eager[dev] = self.buffers(max(T, 1), dev)
+        buf = bufs[0]
+        if out is None: out = torch.empty(T, c.hidden, dtype=torch.bfloat16, device=dev)
+        if T == 0: return out
+        logits = None if given is not None else router_logits(x, self.gate_weight, out=buf.logits[:T])
+        route_rows(buf, T, logits, self.gate_bias, routed_scaling_factor=c.routed_scaling_factor,
+                   tid2eid=self.tid2eid if given is None else None, input_ids=input_ids if given is None else None,
+                   given=given, n_tokens=n_tokens)
+        xr, rs = permute_rows(x, buf, self.a1_scales if self.act == "w4a4" else None, n_tokens)
+        rows = self._experts(xr, rs, buf.offsets, bufs)
+        return combine_tokens(rows, buf, out, n_tokens)
 
-def combine_rows(rows: torch.Tensor,   # (T * (k + 1), H) expert-major rows, weights already applied
-                 rt: Routing,          # the routing that produced them (k + 1 slots per token, the shared one last)
-                ) -> torch.Tensor:     # bf16 (T, H)
-    "Sum each token's rows in a fixed order (slot 0 .. k, in fp32), then round to bf16: deterministic run to run."
-    g = rows[rt.inv]                                        # (T, k + 1, H): one gather
-    acc = g[:, 0].float()
-    for j in range(1, g.shape[1]): acc += g[:, j].float()
-    return acc.to(torch.bfloat16)
+    def _experts(self, xr, row_scales, offs, bufs):
+        "The fused L1 (SwiGLU, routing weight, for W4A4 h's NVFP4 quantization) and the L2 over the expert-major rows."
+        c, (_, h, h_dec, rows_out) = self.cfg, bufs
+        w13p, w2p = self.prepared(xr.device)
+        R = xr.shape[0]
+        kw = dict(swiglu_limit=c.swiglu_limit, row_scales=row_scales, scales_given=True)
+        if self.act == "w4a16":
+            h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out=h[:R], **kw)
+        else:
+            h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out_dtype="nvfp4", out_scale=self.a2_scales,
+                                          out=NVFP4Tensor(h.data[:R], h.scale[:R], h.global_scale[:R], (R, c.inter)), **kw)
+        return grouped_gemm_nvfp4(h, w2p, offs, out=rows_out[:R], workspace=None if h_dec is None else h_dec[:R],
+                                  act_decode=L2_ACT_DECODE)
 
 # %% ../nbs/08_moe_layer.ipynb #d079dfb3
 def _ref_route(x, layer, input_ids):
@@ -155,15 +211,19 @@ def _ref_route(x, layer, input_ids):
 def ref_moe(x: torch.Tensor,            # (T, H) activations (bf16)
             layer: DSV4MoE,
             input_ids: torch.Tensor | None = None,
+            routing: tuple | None = None,   # (weights (T, k), ids (T, k)): a given routing instead of the router
            ) -> torch.Tensor:           # float64 (T, H)
-    """The layer in float64 on its own NVFP4 weights: the float64 router, then every token through its k experts
-    and the shared one (`ref_expert_mlp`, the routing weight multiplied into h before W2, W4A16 or W4A4 as the layer
-    runs: activations quantized per token, h with the static a2 scales), summed."""
+    """The layer in float64 on its own NVFP4 weights: the float64 router (or the given routing, weights rounded to
+    fp32 as the kernels get them), then every token through its k experts and the shared one (`ref_expert_mlp`, the
+    routing weight multiplied into h before W2). W4A4 as the layer runs it: each row of x quantized with its
+    expert's static scale `a1_scales[e]`, h with `a2_scales[e]`."""
     c = layer.cfg
-    w, ids = _ref_route(x, layer, input_ids)
+    w, ids = _ref_route(x, layer, input_ids) if routing is None else (routing[0].cpu().float(), routing[1].cpu().long())
     rt, p = route_with_shared(ids, w, c.num_experts)
     xr = x.cpu()[rt.token]
-    if layer.act == "w4a4": xr = ref_quantize_nvfp4(xr.float(), per_row=True)
+    if layer.act == "w4a4":
+        expert = torch.repeat_interleave(torch.arange(c.num_experts + 1), group_sizes(rt.expert_offsets))
+        xr = ref_quantize_nvfp4(xr.float(), layer.a1_scales.cpu()[expert])
     rows = ref_expert_mlp(xr, layer.w13, layer.w2, rt.expert_offsets, act=layer.act, swiglu_limit=c.swiglu_limit,
                           route_weight=p, a2_scales=None if layer.a2_scales is None else layer.a2_scales.cpu())
     return rows[rt.inv].sum(1)
@@ -203,7 +263,7 @@ def _heavy(shape, g, scale, device):
 def _synthetic(cls, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", hash_vocab: int = 0,
                calib_tokens: int = 64, device="cpu", keep_bf16: bool = True):
     """A realistic random layer: heavy-tailed weights, the shared expert, a selection bias (or, with `hash_vocab`, a
-    tid2eid table), W4A4's a2 scales calibrated on `calib_tokens` sample tokens; keeps its unquantized weights."""
+    tid2eid table), W4A4's static scales of x and h calibrated on `calib_tokens` sample tokens; keeps its unquantized weights."""
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
     E, H, I = cfg.num_experts, cfg.hidden, cfg.inter
@@ -219,14 +279,18 @@ def _synthetic(cls, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", h
     tid = (torch.rand(hash_vocab, E, generator=g, device=dev).topk(cfg.top_k, 1).indices.to(torch.int32).cpu()
            if hash_vocab else None)
     bf = (torch.stack(w1), torch.stack(w3), torch.stack(w2)) if keep_bf16 else None
-    layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, None, "w4a16")
-    if act == "w4a4":                                  # static scales of h from sample tokens, as a calibration pass would
+    layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid)
+    if act == "w4a4":                                  # static scales from sample tokens, as a calibration pass would
         xs = torch.randn(calib_tokens, H, generator=g, device=dev).to(torch.bfloat16).cpu()
         ids_in = torch.randint(0, hash_vocab, (calib_tokens,)) if tid is not None else None
         w, ids = layer.route(xs, ids_in)
         rt, p = route_with_shared(ids, w, E)
         _, h = ref_expert_mlp(xs[rt.token], w13, q2, rt.expert_offsets, route_weight=p, return_h=True)
-        layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, calibrate_input_scales(h, rt.expert_offsets), "w4a4")
+        # x: every expert sees the same token stream, so one scale from the sample tokens' amax (a per-expert amax of
+        # the one or two tokens an expert gets in a small sample would clip the next ones); h: per expert
+        a1 = global_scale_from_amax(xs.float().abs().amax()).expand(E + 1).clone()
+        layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, act="w4a4", a1_scales=a1,
+                    a2_scales=calibrate_input_scales(h, rt.expert_offsets))
     layer.bf16_weights = bf
     return layer
 
@@ -265,12 +329,16 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
     if tuple(gate.shape) != (E, H): raise ValueError(f"DSV4MoE.from_modelopt: {p}.gate.weight is {tuple(gate.shape)}, expected {(E, H)}")
     bias, tid = raw.get(f"{p}.gate.bias"), raw.get(f"{p}.gate.tid2eid")
     if bias is None and tid is None: raise KeyError(f"DSV4MoE.from_modelopt: {where} has neither {p}.gate.bias nor {p}.gate.tid2eid")
-    a2 = None
-    if act == "w4a4":
-        miss = [n for n, t in zip(names, l2) if t.input_scale is None]
-        if miss: raise ValueError(f"DSV4MoE.from_modelopt: act='w4a4' needs {miss[0]}.w2.input_scale (the static scale of h)")
-        a2 = torch.tensor([t.input_scale for t in l2], dtype=torch.float32)
-    return cls(cfg, w13, stack_experts([t.weight for t in l2]), gate, None if bias is None else bias.float(), tid, a2, act)
+    a1 = a2 = None
+    if act == "w4a4":                  # ModelOpt's input_scale is amax / (6 * 448): our global scale
+        def scales(kind, what):
+            miss = [f"{n}.{kind}" for n in names if nv[f"{n}.{kind}"].input_scale is None]
+            if miss: raise ValueError(f"DSV4MoE.from_modelopt: act='w4a4' needs {miss[0]}.input_scale ({what})")
+            return torch.tensor([nv[f"{n}.{kind}"].input_scale for n in names], dtype=torch.float32)
+        a1 = torch.maximum(scales("w1", "the static scale of x"), scales("w3", "the static scale of x"))   # one x feeds both
+        a2 = scales("w2", "the static scale of h")
+    return cls(cfg, w13, stack_experts([t.weight for t in l2]), gate, None if bias is None else bias.float(), tid,
+               act=act, a1_scales=a1, a2_scales=a2)
 
 def _flash(cls, seed: int = 0, act: str = "w4a16", **kw):
     "A synthetic DSV4-Flash layer (256 + 1 experts, H 4096, I 2048); `device='cuda'` builds it in seconds."
@@ -291,17 +359,12 @@ class CapturedMoE:
         c, dev = layer.cfg, layer.gate_weight.device
         if dev.type != "cuda": raise ValueError("capture: the layer must be on a CUDA device (layer.to('cuda'))")
         self.layer, self.max_tokens = layer, max_tokens
-        R = max_tokens * (c.top_k + 1)
-        w13p, w2p = layer.prepared(dev)
+        self.bufs = layer.buffers(max_tokens, dev)
         self.x = torch.zeros(max_tokens, c.hidden, dtype=torch.bfloat16, device=dev)
         self.ids = torch.zeros(max_tokens, dtype=torch.long, device=dev) if layer.tid2eid is not None else None
         self.n = torch.zeros((), dtype=torch.long, device=dev)
         self.out = torch.empty(max_tokens, c.hidden, dtype=torch.bfloat16, device=dev)
-        self.ws = mlp_workspace(R, w13p, w2p, layer.act, act_decode="auto")
-        self.rows_out = torch.empty(R, c.hidden, dtype=torch.bfloat16, device=dev)
-        self.xr = torch.empty(R, c.hidden, dtype=torch.bfloat16, device=dev) if layer.act == "w4a16" else None
-        mlp = lambda x, rt, p, offs: layer._expert_rows(x, rt, p, offs, out=self.rows_out, workspace=self.ws, xr=self.xr)
-        run = lambda: layer._forward_device(self.x, self.ids, self.n, out=self.out, mlp=mlp)
+        run = lambda: layer._forward_device(self.x, self.ids, self.n, out=self.out, bufs=self.bufs)
         self.n.fill_(max_tokens)
         s = torch.cuda.Stream(dev); s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
@@ -313,13 +376,14 @@ class CapturedMoE:
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         "The layer's output for x (T, H) bf16, T <= max_tokens: a view of a static buffer, overwritten by the next call."
+        self.layer._check_x(x, input_ids, "CapturedMoE")
         T = x.shape[0]
-        if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != self.layer.cfg.hidden:
-            raise ValueError(f"CapturedMoE: x must be bf16 (T, {self.layer.cfg.hidden}), got {x.dtype} {tuple(x.shape)}")
         if T > self.max_tokens: raise ValueError(f"CapturedMoE: {T} tokens > the captured capacity {self.max_tokens}")
-        if (self.ids is None) != (input_ids is None): raise ValueError("CapturedMoE: pass input_ids exactly when the layer routes by token id")
+        if self.ids is None and input_ids is not None: raise ValueError("CapturedMoE: this layer does not route by token id")
         self.x[:T].copy_(x)
-        if input_ids is not None: self.ids[:T].copy_(input_ids)
+        if input_ids is not None:
+            if tuple(input_ids.shape) != (T,): raise ValueError(f"CapturedMoE: input_ids must be ({T},), got {tuple(input_ids.shape)}")
+            self.ids[:T].copy_(input_ids)
         self.n.fill_(T)
         self.graph.replay()
         return self.out[:T]
@@ -334,7 +398,7 @@ DSV4MoE.capture = _capture
 MOE_PROBLEMS = ([("Flash", MoEConfig(4096, 2048, 256, 6, 1.5), T) for T in (1, 8, 32, 128, 512, 2048, 8192)] +
                 [("Pro EP48", MoEConfig(7168, 3072, 48, 6, 2.5), T) for T in (1, 8, 32, 128, 512, 2048, 8192)])
 
-class _TorchMoE:
+class TorchMoE:
     "The same layer in torch (bf16 `_grouped_mm`, or fp8 `_scaled_grouped_mm` rowwise) for the benchmark baselines."
     def __init__(self, layer: DSV4MoE, fp8: bool):
         w1, w3, w2 = (t.to(layer.gate_weight.device) for t in layer.bf16_weights)
@@ -351,45 +415,54 @@ class _TorchMoE:
         return torch._scaled_grouped_mm((a.float() / s[:, None]).to(torch.float8_e4m3fn), w[0].transpose(-2, -1), s, w[1],
                                         offs=offs, out_dtype=torch.bfloat16)
     def __call__(self, x):
-        c = self.layer.cfg
-        w, ids = self.layer.route(x)
+        c, lay = self.layer.cfg, self.layer
+        w, ids = dsv4_router_torch(x, lay.gate_weight, lay.gate_bias, top_k=c.top_k, routed_scaling_factor=c.routed_scaling_factor)
         rt, p = route_with_shared(ids, w, c.num_experts)
         gu = self._mm(x[rt.token], self.w13, rt.expert_offsets)
         g, u = gu[:, :c.inter].float(), gu[:, c.inter:].float()
         h = (torch.nn.functional.silu(g.clamp(max=c.swiglu_limit)) * u.clamp(-c.swiglu_limit, c.swiglu_limit) * p[:, None])
-        return combine_rows(self._mm(h.to(torch.bfloat16), self.w2, rt.expert_offsets), rt)
+        y = self._mm(h.to(torch.bfloat16), self.w2, rt.expert_offsets)[rt.inv]          # (T, k + 1, H)
+        acc = y[:, 0].float()
+        for j in range(1, y.shape[1]): acc += y[:, j].float()
+        return acc.to(torch.bfloat16)
 
 def _bench_moe_problem(timer, name, cfg, T, layers):
+    from dsv4_nvfp4.grouped_gemm import grouped_gemm_nvfp4
     dev = torch.device("cuda")
     row = dict(problem=name, tokens=T, E=cfg.num_experts, H=cfg.hidden, I=cfg.inter)
     x = (torch.randn(T, cfg.hidden, generator=torch.Generator(device=dev).manual_seed(T), device=dev) * 0.5).to(torch.bfloat16)
     if name not in layers:                                           # built once per problem family, reused for every T
         layers.clear(); torch.cuda.empty_cache()
         layer = DSV4MoE.synthetic(cfg, seed=0, device=dev).to(dev)      # W4A16; keeps the bf16 weights for torch
-        layer4 = DSV4MoE(cfg, layer.w13, layer.w2, layer.gate_weight, layer.gate_bias, None,
-                         torch.full((cfg.num_experts + 1,), 1e-3), "w4a4").to(dev)   # the same weights, W4A4 (timing only)
+        E1 = cfg.num_experts + 1
+        layer4 = DSV4MoE(cfg, layer.w13, layer.w2, layer.gate_weight, layer.gate_bias, act="w4a4",   # the same weights
+                         a1_scales=torch.full((E1,), 3.0 / 2688), a2_scales=torch.full((E1,), 1e-3)).to(dev)
         layer4._prepared = layer._prepared
         layers[name] = (layer, layer4)
     layer, layer4 = layers[name]
     for act, lay in (("w4a16", layer), ("w4a4", layer4)):
         cap = lay.capture(T)
-        row[f"{act}_us"] = timer(lambda: cap(x))[1]                  # replays of the captured layer
+        row[f"{act}_us"] = timer(lambda: cap(x))[1]                  # replays of the captured layer (x copied in)
         del cap
-    from dsv4_nvfp4.grouped_gemm import grouped_gemm_nvfp4
-    from dsv4_nvfp4.swiglu import grouped_gemm_swiglu_nvfp4
-    w13p, w2p = layer.prepared(dev)                                  # the breakdown, one piece at a time
-    w, ids = layer.route(x); rt, p = route_with_shared(ids, w, cfg.num_experts)
-    xr = x[rt.token]
-    hh = grouped_gemm_swiglu_nvfp4(xr, w13p, rt.expert_offsets, route_weight=p)
-    rows = grouped_gemm_nvfp4(hh, w2p, rt.expert_offsets)
-    row["t_router"] = timer(lambda: layer.route(x))[1]
-    row["t_permute"] = timer(lambda: (route_with_shared(ids, w, cfg.num_experts), x[rt.token]))[1]
-    row["t_l1"] = timer(lambda: grouped_gemm_swiglu_nvfp4(xr, w13p, rt.expert_offsets, route_weight=p, out=hh))[0]
-    row["t_l2"] = timer(lambda: grouped_gemm_nvfp4(hh, w2p, rt.expert_offsets, out=rows))[0]
-    row["t_combine"] = timer(lambda: combine_rows(rows, rt))[1]
-    bf_layer = layer
+    # the breakdown: each piece on its own, graph-replayed, on one set of the layer's buffers
+    c, bufs = cfg, layer.buffers(T, dev)
+    buf, w13p, w2p = bufs[0], *layer.prepared(dev)
+    out = torch.empty(T, c.hidden, dtype=torch.bfloat16, device=dev)
+    route = lambda: route_rows(buf, T, router_logits(x, layer.gate_weight, out=buf.logits[:T]), layer.gate_bias,
+                               routed_scaling_factor=c.routed_scaling_factor)
+    route(); xr, rs = permute_rows(x, buf)
+    R = xr.shape[0]
+    h, rows = bufs[1][:R], bufs[3][:R]
+    l1 = lambda: grouped_gemm_swiglu_nvfp4(xr, w13p, buf.offsets, swiglu_limit=c.swiglu_limit, row_scales=rs, scales_given=True, out=h)
+    l1()
+    row["t_router"] = timer(route)[0]
+    row["t_permute"] = timer(lambda: permute_rows(x, buf))[0]
+    row["t_l1"] = timer(l1)[0]
+    row["t_l2"] = timer(lambda: grouped_gemm_nvfp4(h, w2p, buf.offsets, out=rows))[0]
+    row["t_combine"] = timer(lambda: combine_tokens(rows, buf, out))[0]
+    del bufs, buf, h, rows
     for key, fp8 in (("bf16", False), ("fp8", True)):
-        tm = _TorchMoE(bf_layer, fp8)
+        tm = TorchMoE(layer, fp8)
         g, e = timer(lambda: tm(x)); row[f"{key}_us"] = g or e
         del tm; torch.cuda.empty_cache()
     E1, H, I = cfg.num_experts + 1, cfg.hidden, cfg.inter

@@ -5,13 +5,17 @@
 # %% ../nbs/04_routing.ipynb #6647e87a
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from . import runtime as rt
+
 # %% auto #0
-__all__ = ['Routing', 'route_topk', 'random_topk', 'group_sizes', 'ref_combine', 'check_offsets', 'ref_dsv4_router',
-           'dsv4_router']
+__all__ = ['MOE_CU', 'ROUTE_CHUNK', 'LOGITS_KERNEL_MAX_T', 'Routing', 'route_topk', 'random_topk', 'group_sizes', 'ref_combine',
+           'check_offsets', 'ref_dsv4_router', 'check_hash_table', 'dsv4_router', 'dsv4_router_torch', 'RouteBuffers',
+           'route_buffers', 'router_logits', 'route_rows', 'permute_rows', 'combine_tokens', 'check_bad']
 
 # %% ../nbs/04_routing.ipynb #efa2b32c
 class Routing(NamedTuple):
@@ -132,6 +136,19 @@ def ref_dsv4_router(x: torch.Tensor,           # (T, hidden) activations (bf16 o
     w = s.gather(1, ids)
     return w / w.sum(1, keepdim=True) * routed_scaling_factor, ids
 
+def check_hash_table(tid2eid: torch.Tensor, E: int, what: str = "dsv4_router") -> torch.Tensor:
+    """A hash-routing table's ids lie in [0, E) and no row repeats an expert (read on the host once per table, then
+    remembered by identity, data pointer and shape)."""
+    key = (tid2eid.data_ptr(), tuple(tid2eid.shape), E)
+    if _CHECKED_TABLES.get(id(tid2eid)) != key:
+        lo, hi = int(tid2eid.min()), int(tid2eid.max())
+        if lo < 0 or hi >= E: raise ValueError(f"{what}: tid2eid holds expert ids in [{lo}, {hi}], outside [0, {E})")
+        srt = tid2eid.sort(1).values
+        dup = (srt[:, 1:] == srt[:, :-1]).any(1)
+        if bool(dup.any()): raise ValueError(f"{what}: tid2eid row {int(dup.nonzero()[0])} repeats an expert")
+        _CHECKED_TABLES[id(tid2eid)] = key
+    return tid2eid
+
 def dsv4_router(x: torch.Tensor,               # bf16 (T, hidden)
                 w_gate: torch.Tensor,          # bf16 (E, hidden)
                 bias: torch.Tensor | None = None,  # fp32 (E,)
@@ -141,24 +158,192 @@ def dsv4_router(x: torch.Tensor,               # bf16 (T, hidden)
                 tid2eid: torch.Tensor | None = None,
                 input_ids: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_weights fp32 (T, k), topk_ids int32 (T, k))
-    """The DSV4 gate as the model runs it: fp32 logits and scores on x's device, top-k of `s + bias` with ties to the
-    lower expert id, weights from the unbiased scores normalized and times `routed_scaling_factor`; or hash routing
-    through `tid2eid[input_ids]` (DSV4's first layers). Expert ids out of range in `tid2eid` raise (checked on the host
-    once per table, not per call)."""
+    """The DSV4 gate as the model runs it: fp32 logits and scores, top-k of `s + bias` with ties to the lower expert
+    id, weights from the unbiased scores normalized and times `routed_scaling_factor`; or hash routing through
+    `tid2eid[input_ids]` (DSV4's first layers). On a GPU two launches (`router_logits`, the `route_rows` kernel), on
+    the CPU torch ops. Expert ids out of range or repeated in `tid2eid` raise (checked on the host once per table); a
+    token id outside the table gives that token NaN weights on the GPU (an IndexError on the CPU)."""
     what = "dsv4_router"
     E = _router_inputs(x, w_gate, bias, top_k, tid2eid, input_ids, what)
+    if tid2eid is not None: check_hash_table(tid2eid, E, what)
+    if x.is_cuda and x.dtype == w_gate.dtype == torch.bfloat16 and x.shape[1] % 1024 == 0 and top_k <= 31 and E <= 1023:
+        return _dsv4_router_cuda(x, w_gate, bias, top_k, routed_scaling_factor, tid2eid, input_ids)
+    return dsv4_router_torch(x, w_gate, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
+                             tid2eid=tid2eid, input_ids=input_ids)
+
+def dsv4_router_torch(x, w_gate, bias=None, *, top_k: int = 6, routed_scaling_factor: float = 1.5, tid2eid=None, input_ids=None):
+    "`dsv4_router` in fp32 torch ops on any device (the CPU path, and the torch layer the benchmark compares with)."
     logits = x.float() @ w_gate.float().T
     s = torch.nn.functional.softplus(logits).sqrt()
-    if tid2eid is not None:
-        key = (tid2eid.data_ptr(), tuple(tid2eid.shape), E)
-        if _CHECKED_TABLES.get(id(tid2eid)) != key:
-            lo, hi = int(tid2eid.min()), int(tid2eid.max())
-            if lo < 0 or hi >= E: raise ValueError(f"{what}: tid2eid holds expert ids in [{lo}, {hi}], outside [0, {E})")
-            _CHECKED_TABLES[id(tid2eid)] = key
-        ids = tid2eid[input_ids.long()].long()
-    else:
-        ids = _select(s if bias is None else s + bias.float(), top_k)
+    if tid2eid is not None: ids = tid2eid[input_ids.long()].long()
+    else: ids = _select(s if bias is None else s + bias.float(), top_k)
     w = s.gather(1, ids)
     return w / w.sum(1, keepdim=True) * routed_scaling_factor, ids.to(torch.int32)
 
 _CHECKED_TABLES = {}
+
+# %% ../nbs/04_routing.ipynb #00c916f1
+MOE_CU = "moe_route.cu"
+ROUTE_CHUNK = 64               # tokens per moe_route CTA (kChunk in moe_route.cu: one 64-bit mask word per expert)
+LOGITS_KERNEL_MAX_T = 32       # router_logits: the kernel up to this many tokens, one cuBLAS bf16 GEMM (fp32 out) above
+
+@dataclass
+class RouteBuffers:
+    "Every device buffer of the routing of up to `capacity` tokens (`route_buffers`): with it nothing is allocated."
+    capacity: int
+    num_experts: int                # E routed experts (expert E is the shared one)
+    top_k: int
+    hidden: int
+    logits: torch.Tensor            # fp32 (capacity, E)
+    topk_weights: torch.Tensor      # fp32 (capacity, k)
+    topk_ids: torch.Tensor          # int32 (capacity, k)
+    rank: torch.Tensor              # int32 (capacity, k + 1): row of (t, j) among its expert's rows of t's chunk
+    chunk_counts: torch.Tensor      # int32 (chunks, E + 1)
+    chunk_base: torch.Tensor        # int32 (chunks, E + 1)
+    offsets: torch.Tensor           # int32 (E + 1,): cumulative end offsets of the expert-major rows
+    ticket: torch.Tensor            # int32 (1,): the last-CTA counter (0 between launches)
+    bad: torch.Tensor               # int32 (1,): tokens with a bad token id or given routing (counted, never reset)
+    inv: torch.Tensor               # int32 (capacity, k + 1): row of (t, j); slot k is the shared expert
+    rows: torch.Tensor              # bf16 (capacity * (k + 1), hidden): expert-major activations
+    row_scales: torch.Tensor        # fp32 (capacity * (k + 1), 2): per row (gs_a, routing weight) for the L1
+
+def route_buffers(capacity: int, num_experts: int, top_k: int, hidden: int, device="cuda",
+                  with_rows: bool = True,   # False: no rows / row_scales / inv (the router alone)
+                 ) -> RouteBuffers:
+    "Allocate the routing buffers for up to `capacity` tokens (zeroed counters)."
+    if capacity < 1: raise ValueError(f"route_buffers: capacity must be >= 1, got {capacity}")
+    if not 1 <= top_k <= min(31, num_experts): raise ValueError(f"route_buffers: need 1 <= top_k <= min(31, E), got {top_k}")
+    if not 1 <= num_experts <= 1023: raise ValueError(f"route_buffers: the kernels take 1 <= E <= 1023 routed experts, got {num_experts}")
+    if hidden % 1024: raise ValueError(f"route_buffers: hidden must be a multiple of 1024, got {hidden}")
+    dev, E1, k1 = torch.device(device), num_experts + 1, top_k + 1
+    nch = -(-capacity // ROUTE_CHUNK)
+    z = lambda *s, dt=torch.int32: torch.zeros(*s, dtype=dt, device=dev)
+    return RouteBuffers(capacity, num_experts, top_k, hidden, z(capacity, num_experts, dt=torch.float32),
+                        z(capacity, top_k, dt=torch.float32), z(capacity, top_k), z(capacity, k1), z(nch, E1), z(nch, E1),
+                        z(E1), z(1), z(1), z(capacity if with_rows else 0, k1),
+                        z(capacity * k1 if with_rows else 0, hidden, dt=torch.bfloat16),
+                        z(capacity * k1 if with_rows else 0, 2, dt=torch.float32))
+
+def _defines(buf: RouteBuffers) -> dict: return dict(HID=buf.hidden, TOPK=buf.top_k, NE=buf.num_experts)
+
+def router_logits(x: torch.Tensor,         # bf16 (T, hidden)
+                  w_gate: torch.Tensor,    # bf16 (E, hidden)
+                  out: torch.Tensor | None = None,  # fp32 (T, E)
+                 ) -> torch.Tensor:        # fp32 (T, E)
+    """The gate's fp32 logits `x w_gate^T` (bf16 products are exact in fp32; sums in fp32). On a GPU: our kernel up to
+    `LOGITS_KERNEL_MAX_T` tokens (weights read once, fixed summation order), above it one cuBLAS bf16 GEMM with fp32
+    output; on the CPU `x.float() @ w_gate.float().T`."""
+    T, E = x.shape[0], w_gate.shape[0]
+    if not x.is_cuda:
+        y = x.float() @ w_gate.float().T
+        return y if out is None else out.copy_(y)
+    if out is None: out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T == 0: return out
+    if T <= LOGITS_KERNEL_MAX_T and x.shape[1] % 1024 == 0 and x.dtype == w_gate.dtype == torch.bfloat16:
+        rt.check_tensor(x, "router_logits", "x", (torch.bfloat16,)); rt.check_tensor(w_gate, "router_logits", "w_gate", (torch.bfloat16,))
+        rt.launch(MOE_CU, "moe_router_logits", (-(-E // 2),), (128,), (rt.ptr(x), rt.ptr(w_gate), rt.i32(T), rt.i32(E), rt.ptr(out)),
+                  defines=dict(HID=x.shape[1]))
+    elif x.dtype == w_gate.dtype == torch.bfloat16:
+        torch.mm(x, w_gate.T, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(x.float(), w_gate.float().T, out=out)
+    return out
+
+def route_rows(buf: RouteBuffers,
+               T: int,                                  # tokens in this call (<= capacity): the launch shape
+               logits: torch.Tensor | None,             # fp32 (T, E) (None with `given`)
+               bias: torch.Tensor | None = None,        # fp32 (E,)
+               *,
+               routed_scaling_factor: float = 1.5,
+               tid2eid: torch.Tensor | None = None,     # int32 (vocab, k): hash routing
+               input_ids: torch.Tensor | None = None,   # int64 (T,)
+               given: tuple | None = None,              # (weights fp32 (T, k), ids int32 (T, k)): a given routing
+               n_tokens: torch.Tensor | None = None,    # int64 () on the device: the real tokens (<= T), the rest padding
+              ) -> RouteBuffers:
+    """One launch: top-k of `sqrt(softplus(logits)) + bias` (ties to the lower id), hash routing or a given routing;
+    the shared expert (id E, weight 1) appended to every token; every (token, slot)'s expert-major row, in token
+    order within each expert (the permutation `route_topk` gives), and `buf.offsets` (E + 1,), all on the device with
+    no host sync. Bad token ids or given ids (out of range, repeated in a row) make that token's output NaN and count
+    in `buf.bad` (`check_bad` reads it)."""
+    what, E, k = "route_rows", buf.num_experts, buf.top_k
+    if not 0 <= T <= buf.capacity: raise ValueError(f"{what}: {T} tokens > the buffers' capacity {buf.capacity}")
+    dev = buf.offsets.device
+    def arg(t, name, dt, shape):
+        if t is None: return 0
+        rt.check_tensor(t, what, name, (dt,), dev, align=4)
+        if tuple(t.shape) != shape: raise ValueError(f"{what}: {name} must be {shape}, got {tuple(t.shape)}")
+        return rt.ptr(t)
+    gw = gi = 0
+    if given is not None:
+        gw, gi = arg(given[0], "topk_weights", torch.float32, (T, k)), arg(given[1], "topk_ids", torch.int32, (T, k))
+    else:
+        arg(logits, "logits", torch.float32, (T, E))
+    if tid2eid is not None:
+        if input_ids is None: raise ValueError(f"{what}: hash routing (tid2eid) needs input_ids")
+        arg(tid2eid, "tid2eid", torch.int32, (tid2eid.shape[0], k)); arg(input_ids, "input_ids", torch.int64, (T,))
+    n_arg = 0 if n_tokens is None else arg(n_tokens, "n_tokens", torch.int64, ())
+    if T == 0:
+        buf.offsets.zero_(); return buf
+    rt.launch(MOE_CU, "moe_route", (-(-T // ROUTE_CHUNK),), (256,),
+              (0 if logits is None or given is not None else rt.ptr(logits), arg(bias, "bias", torch.float32, (E,)),
+               0 if tid2eid is None else rt.ptr(tid2eid), 0 if tid2eid is None else rt.ptr(input_ids),
+               rt.i64(0 if tid2eid is None else tid2eid.shape[0]), gi, gw, n_arg, rt.i32(T), rt.f32(routed_scaling_factor),
+               rt.ptr(buf.topk_weights), rt.ptr(buf.topk_ids), rt.ptr(buf.rank), rt.ptr(buf.chunk_counts),
+               rt.ptr(buf.chunk_base), rt.ptr(buf.offsets), rt.ptr(buf.ticket), rt.ptr(buf.bad)), defines=_defines(buf))
+    return buf
+
+def permute_rows(x: torch.Tensor,                       # bf16 (T, hidden)
+                 buf: RouteBuffers,                     # after `route_rows` for these T tokens
+                 a1_scales: torch.Tensor | None = None, # fp32 (E + 1,): W4A4, each expert's static global scale of x
+                 n_tokens: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]: # (rows bf16 (T(k+1), hidden), row_scales fp32 (T(k+1), 2))
+    """x to expert-major rows (a view of `buf.rows`) with the L1's per-row (gs_a, p) and `buf.inv`. W4A4: every row
+    quantized to NVFP4 with its expert's static scale (bit-exact `ref_quantize_nvfp4(x[t], a1[e])`) and stored decoded
+    without the global scale (code * block scale, exact in bf16); gs_a = a1[e] is applied in the GEMM's epilogue."""
+    what, T = "permute_rows", x.shape[0]
+    rt.check_tensor(x, what, "x", (torch.bfloat16,), buf.rows.device, dim=2)
+    if x.shape[1] != buf.hidden or T > buf.capacity: raise ValueError(f"{what}: x must be (T <= {buf.capacity}, {buf.hidden}), got {tuple(x.shape)}")
+    if a1_scales is not None:
+        rt.check_tensor(a1_scales, what, "a1_scales", (torch.float32,), buf.rows.device, align=4)
+        if tuple(a1_scales.shape) != (buf.num_experts + 1,): raise ValueError(f"{what}: a1_scales must be ({buf.num_experts + 1},), got {tuple(a1_scales.shape)}")
+    R = T * (buf.top_k + 1)
+    if T:
+        rt.launch(MOE_CU, "moe_permute", (T,), (256,),
+                  (rt.ptr(x), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(buf.topk_ids), rt.ptr(buf.topk_weights),
+                   rt.ptr(buf.rank), rt.ptr(buf.chunk_base), rt.i32(buf.num_experts + 1), 0 if a1_scales is None else rt.ptr(a1_scales),
+                   rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv)), defines=_defines(buf))
+    return buf.rows[:R], buf.row_scales[:R]
+
+def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hidden): expert-major outputs, weights applied
+                   buf: RouteBuffers,                   # the routing that made them
+                   out: torch.Tensor,                   # bf16 (T, hidden)
+                   n_tokens: torch.Tensor | None = None,
+                  ) -> torch.Tensor:
+    "out[t] = the sum of token t's k + 1 rows in fp32 in slot order (the shared expert last), rounded to bf16 once."
+    what, T = "combine_tokens", out.shape[0]
+    rt.check_tensor(out, what, "out", (torch.bfloat16,), buf.rows.device, dim=2)
+    rt.check_tensor(rows, what, "rows", (torch.bfloat16,), buf.rows.device, dim=2)
+    if out.shape[1] != buf.hidden or rows.shape[1] != buf.hidden or T > buf.capacity or rows.shape[0] < T * (buf.top_k + 1):
+        raise ValueError(f"{what}: rows {tuple(rows.shape)} / out {tuple(out.shape)} do not fit T <= {buf.capacity} tokens of {buf.hidden}")
+    if T:
+        rt.launch(MOE_CU, "moe_combine", (T,), (256,), (rt.ptr(rows), rt.ptr(buf.inv), 0 if n_tokens is None else rt.ptr(n_tokens),
+                                                      rt.i32(T), rt.ptr(out)), defines=_defines(buf))
+    return out
+
+def check_bad(buf: RouteBuffers, what: str = "route_rows"):
+    "Raise if any token so far had a bad token id or given routing (reads `buf.bad`: a host sync)."
+    n = int(buf.bad.item())
+    if n:
+        buf.bad.zero_()
+        raise ValueError(f"{what}: {n} token(s) had a token id outside the hash table or expert ids out of range or repeated "
+                         "(their outputs are NaN)")
+
+def _dsv4_router_cuda(x, w_gate, bias, top_k, scale, tid2eid, input_ids):
+    "dsv4_router on the GPU: the logits, then the route kernel (its row bookkeeping unused here)."
+    T, E = x.shape[0], w_gate.shape[0]
+    buf = route_buffers(max(T, 1), E, top_k, x.shape[1], x.device, with_rows=False)
+    logits = router_logits(x.contiguous(), w_gate.contiguous(), out=buf.logits[:T])
+    if tid2eid is not None: tid2eid, input_ids = tid2eid.to(torch.int32).contiguous(), input_ids.to(torch.int64).contiguous()
+    route_rows(buf, T, logits, None if bias is None else bias.float().contiguous(), routed_scaling_factor=scale,
+               tid2eid=tid2eid, input_ids=input_ids)
+    return buf.topk_weights[:T], buf.topk_ids[:T]

@@ -202,6 +202,7 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
                               out=None,                                  # bf16 (R, I), or an NVFP4Tensor (R, I) with global_scale (R,)
                               workspace: torch.Tensor | None = None,     # bf16 (R, H): W4A4's decoded activations (act_decode "pre")
                               row_scales: torch.Tensor | None = None,    # fp32 (R, 2): the kernel's per-row (gs_a, p), no allocation
+                              scales_given: bool = False,                # row_scales already holds (gs_a, p) (the MoE permute wrote it)
                               act_decode: str = "pre",                   # W4A4 input: "pre", "kernel" (H % 256 == 0) or "auto"
                               config=None,                               # a gemm_sm90.GemmConfig; default pick_config
                               check: bool = False,                       # validate offsets and out_scale on the host (a sync)
@@ -211,7 +212,8 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
     epilogue (no (R, 2I) tensor), h as bf16 or, with `out_dtype="nvfp4"`, quantized in the epilogue with each expert's
     static global scale (bit-exact `ref_quantize_nvfp4(h, out_scale[e])` of the kernel's fp32 h; the result carries the
     scale per row). Rows are expert-major; a non-finite gate or up gives NaN in that element of h (for NVFP4, a NaN
-    block scale). With `out=`, `row_scales=` (and `workspace=` for W4A4 with `act_decode="pre"`) nothing is allocated."""
+    block scale). With `out=`, `row_scales=` (and `workspace=` for W4A4 with `act_decode="pre"`) nothing is allocated.
+    With `scales_given=True` the kernel reads `row_scales` as given (bf16 activations, no `route_weight`): one launch."""
     what = "grouped_gemm_swiglu_nvfp4"
     from dsv4_nvfp4 import gemm_sm90 as S90
     L = check_swiglu_limit(swiglu_limit)
@@ -234,13 +236,18 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
         out = out_tensor(out, what, "out", (R, I), (torch.bfloat16,), dev)
     ab, gs, sf_a = gemm_operands(what, a, w13, workspace, act_decode)     # checks (weights once); W4A4 "pre": the decode pass
     if R == 0: return out
-    gs_rows = cached_ones((R,), dev) if gs is None else gs.reshape(-1).expand(R) if gs.numel() == 1 else gs.reshape(R)
-    if route_weight is None: p = cached_ones((R,), dev)
+    if scales_given:
+        if row_scales is None or gs is not None or route_weight is not None:
+            raise ValueError(f"{what}: scales_given=True takes bf16 activations and row_scales (R, 2), no route_weight")
+        row_scales = out_tensor(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)
     else:
-        p = check_tensor(route_weight, what, "route_weight", (torch.float32,), dev, align=4)
-        if tuple(p.shape) != (R,): raise ValueError(f"{what}: route_weight must be ({R},), got {tuple(p.shape)}")
-    row_scales = out_tensor(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)
-    torch.stack([gs_rows, p], 1, out=row_scales)          # the kernel's per-row (gs_a, p): one small copy kernel
+        gs_rows = cached_ones((R,), dev) if gs is None else gs.reshape(-1).expand(R) if gs.numel() == 1 else gs.reshape(R)
+        if route_weight is None: p = cached_ones((R,), dev)
+        else:
+            p = check_tensor(route_weight, what, "route_weight", (torch.float32,), dev, align=4)
+            if tuple(p.shape) != (R,): raise ValueError(f"{what}: route_weight must be ({R},), got {tuple(p.shape)}")
+        row_scales = out_tensor(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)
+        torch.stack([gs_rows, p], 1, out=row_scales)          # the kernel's per-row (gs_a, p): one small copy kernel
     if config is not None:
         ok, why = S90.GroupedGemmSm90.can_implement(config, E, K)
         if not ok: raise ValueError(f"{what}: {why}")

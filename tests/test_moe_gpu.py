@@ -46,3 +46,54 @@ def test_captured_layer_replays_new_inputs_and_routing_like_eager(act):
         assert torch.equal(got, layer(x)), f"T={T}: replay differs from eager"
     with pytest.raises(ValueError, match="capacity"):
         cap(torch.zeros(33, CFG.hidden, dtype=torch.bfloat16, device=DEV))
+
+
+@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+def test_flash_layer_accuracy(act, capsys):
+    "The DSV4-Flash shape (256 + 1 experts): vs ref_moe <= 5e-3; cosine vs the unquantized layer reported (W4A16 >= 0.99)."
+    layer = M.DSV4MoE.flash(seed=0, act=act, device=DEV).to(DEV)
+    x = torch.randn(8, M.FLASH.hidden, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    y = layer(x.to(DEV)).cpu()
+    want = M.ref_moe(x, layer)
+    rel = ((y.double() - want).norm() / want.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(y.double().flatten(), M.ref_moe_bf16(x, layer).flatten(), 0).item()
+    with capsys.disabled(): print(f"\nFlash {act}: rel vs ref_moe {rel:.3e}, cosine vs ref_moe_bf16 {cos:.5f}")
+    assert rel <= 5e-3
+    if act == "w4a16": assert cos >= 0.99
+    assert torch.equal(layer(x.to(DEV)).cpu(), y), "run-to-run bit-identical"
+
+
+@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+def test_nan_token_is_confined(act):
+    layer = M.DSV4MoE.synthetic(CFG, seed=6, act=act, device=DEV).to(DEV)
+    x = torch.randn(70, CFG.hidden, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEV)
+    y = layer(x).cpu()
+    xn = x.clone(); xn[65, 100] = float("nan")                           # in the second 64-token chunk
+    yn = layer(xn).cpu()
+    assert yn[65].isnan().all()
+    keep = [t for t in range(70) if t != 65]
+    assert torch.equal(yn[keep], y[keep])
+
+
+def test_given_routing_and_bad_ids():
+    layer = M.DSV4MoE.synthetic(CFG, seed=8, device=DEV).to(DEV)
+    x = torch.randn(5, CFG.hidden, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    w, ids = layer.route(x.to(DEV))
+    assert torch.equal(layer.forward_routed(x.to(DEV), w, ids), layer(x.to(DEV)))
+    bad = ids.clone(); bad[2, 1] = CFG.num_experts
+    with pytest.raises(ValueError, match="1 token"):
+        layer.forward_routed(x.to(DEV), w, bad)
+    y = layer.forward_routed(x.to(DEV), w, bad, check=False).cpu()
+    assert y[2].isnan().all() and not y[[0, 1, 3, 4]].isnan().any()
+    next(iter(layer._eager.values()))[0].bad.zero_()
+
+
+def test_bad_input():
+    layer = M.DSV4MoE.synthetic(CFG, seed=8, device=DEV).to(DEV)
+    with pytest.raises(ValueError, match="bf16"):
+        layer(torch.zeros(3, CFG.hidden, device=DEV))
+    with pytest.raises(ValueError, match="hidden"):
+        layer(torch.zeros(3, 100, dtype=torch.bfloat16, device=DEV))
+    cap = layer.capture(4)
+    with pytest.raises(ValueError, match="capacity 4"):
+        cap(torch.zeros(5, CFG.hidden, dtype=torch.bfloat16, device=DEV))

@@ -1,0 +1,390 @@
+// moe_route.cu -- the DSV4 MoE layer's small kernels around the two grouped GEMMs (nbs/04_routing.ipynb):
+//
+//   moe_router_logits  logits = x . w_gate^T in fp32                            (T, E)
+//   moe_route          sqrt(softplus) scores, top-k of score + bias (or the hash table, or a given routing), the
+//                      normalized and scaled weights, and the expert-major row of every (token, slot): per-chunk counts, then the
+//                      last CTA to finish scans them into expert_offsets and per-chunk bases
+//   moe_permute        x -> expert-major rows (bf16, or for W4A4 quantized to NVFP4 with the expert's static global
+//                      scale and written decoded: code * block scale, exact in bf16), the GEMM's per-row (gs_a, p),
+//                      and inv (T, k + 1): the row of every (token, slot)
+//   moe_combine        out[t] = sum over slots j = 0 .. k of rows[inv[t, j]] in fp32 in slot order, then bf16
+//
+// Every launch has a fixed shape: a token count T_cap and, optionally, a device scalar n (<= T_cap) of real tokens;
+// tokens t >= n are not routed (no rows, no output). Nothing synchronizes with the host, so the chain is CUDA-graph
+// capturable and replays with new inputs and new routing.
+//
+// Determinism: every sum has a fixed order (the logits' butterfly, the weights' j = 0..k-1, the combine's slots) and
+// the rows of an expert are in token order (rank = tokens of the chunk before t that chose e, from a bitmask; then
+// per-chunk bases from one scan), so the permutation, the offsets and the output are identical run to run. It is the
+// same permutation as `route_topk`'s stable sort (tests compare them).
+//
+// Compile-time constants (the launcher passes them as defines):
+//   HID   hidden size, a multiple of 1024 (moe_router_logits, moe_permute, moe_combine)
+//   TOPK  routed experts per token (moe_route, moe_permute, moe_combine)
+//   NE    routed experts E (moe_route); NE + 1 (the shared expert) <= 1024
+#include "nvfp4_common.cuh"
+
+using namespace nvfp4;
+typedef __nv_bfloat16 bf16;
+typedef unsigned long long u64;
+
+#ifndef HID
+#define HID 4096
+#endif
+#ifndef TOPK
+#define TOPK 6
+#endif
+#ifndef NE
+#define NE 256
+#endif
+
+constexpr int kChunk = 64;          // tokens per moe_route CTA (one 64-bit mask word per expert)
+constexpr int kRouteThreads = 256;  // 8 warps, 8 tokens each
+constexpr int kNE1 = NE + 1;        // routed experts + the shared one (expert id NE)
+constexpr int kNPL = (NE + 31) / 32;  // experts held per lane in the top-k
+
+static_assert(HID % 1024 == 0, "HID must be a multiple of 1024");
+static_assert(NE >= 1 && kNE1 <= 1024, "1 <= NE and NE + 1 <= 1024");
+static_assert(TOPK >= 1 && TOPK < 32 && TOPK <= NE, "1 <= TOPK <= min(31, NE)");
+
+__device__ __forceinline__ int n_real(const i64* n_ptr, int T) {
+    if (n_ptr == nullptr) return T;
+    const i64 n = *n_ptr;
+    return n < 0 ? 0 : (n > T ? T : (int)n);
+}
+
+__device__ __forceinline__ void bf16x8_to_float(uint4 q, float (&v)[8]) {
+    bf16x2_to_float2(q.x, v[0], v[1]); bf16x2_to_float2(q.y, v[2], v[3]);
+    bf16x2_to_float2(q.z, v[4], v[5]); bf16x2_to_float2(q.w, v[6], v[7]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Router logits for small T: CTA b owns experts kG*b .. kG*b + kG - 1 and keeps their weights in registers (read from
+// HBM once); its 4 warps split K in 16-byte chunks (chunk c = i*128 + warp*32 + lane), each token's partial dot is a
+// warp butterfly, the 4 partials are added in warp order. bf16 products are exact in fp32, so this is an fp32 dot
+// product in a fixed order (a cuBLAS fp32 GEMM sums in another order: same precision, different last bits).
+constexpr int kLogitWarps = 4, kG = 2, kTokTile = 64;
+constexpr int kChunksPerLane = HID / 8 / (kLogitWarps * 32);
+
+extern "C" __global__ void __launch_bounds__(kLogitWarps * 32)
+moe_router_logits(const bf16* __restrict__ x,       // (T, HID)
+                  const bf16* __restrict__ w,       // (E, HID)
+                  int T, int E,
+                  float* __restrict__ logits) {     // (T, E)
+    __shared__ float part[kLogitWarps][kG][kTokTile];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e0 = blockIdx.x * kG;
+    uint4 wr[kG][kChunksPerLane];
+#pragma unroll
+    for (int g = 0; g < kG; ++g)
+#pragma unroll
+        for (int i = 0; i < kChunksPerLane; ++i)
+            wr[g][i] = (e0 + g < E) ? reinterpret_cast<const uint4*>(w + (i64)(e0 + g) * HID)[i * 128 + warp * 32 + lane]
+                                    : make_uint4(0u, 0u, 0u, 0u);
+    for (int t0 = 0; t0 < T; t0 += kTokTile) {
+        const int nt = min(kTokTile, T - t0);
+        for (int tt = 0; tt < nt; ++tt) {
+            const uint4* xr = reinterpret_cast<const uint4*>(x + (i64)(t0 + tt) * HID);
+            float acc[kG];
+#pragma unroll
+            for (int g = 0; g < kG; ++g) acc[g] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < kChunksPerLane; ++i) {
+                float xv[8];
+                bf16x8_to_float(xr[i * 128 + warp * 32 + lane], xv);
+#pragma unroll
+                for (int g = 0; g < kG; ++g) {
+                    float wv[8];
+                    bf16x8_to_float(wr[g][i], wv);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) acc[g] = __fmaf_rn(xv[k], wv[k], acc[g]);
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < kG; ++g) {
+                const float s = warp_sum(acc[g]);
+                if (lane == 0) part[warp][g][tt] = s;
+            }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < kG * nt; i += blockDim.x) {
+            const int g = i / nt, tt = i - g * nt;
+            if (e0 + g < E) {
+                float s = part[0][g][tt];
+#pragma unroll
+                for (int q = 1; q < kLogitWarps; ++q) s = __fadd_rn(s, part[q][g][tt]);
+                logits[(i64)(t0 + tt) * E + e0 + g] = s;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Top-k with a total order: the key's bits made monotone as an unsigned integer (NaN lowest), the expert id
+// complemented below it, so the 64-bit max picks the largest key and, among equal keys, the lower expert id, and
+// every lane of the butterfly gets the same winner.
+__device__ __forceinline__ u64 order_key(float v, int e) {
+    const u32 b = __float_as_uint(v);
+    const u32 o = (v != v) ? 0u : ((b & 0x80000000u) ? ~b : (b | 0x80000000u));
+    return ((u64)o << 32) | (u64)(0xffffffffu - (u32)e);
+}
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+// DSV4's score: sqrt(softplus(l)) with torch's softplus (threshold 20: l > 20 -> l), IEEE sqrt.
+__device__ __forceinline__ float dsv4_score(float l) {
+    const float sp = l > 20.0f ? l : log1pf(expf(l));
+    return __fsqrt_rn(sp);
+}
+
+extern "C" __global__ void __launch_bounds__(kRouteThreads)
+moe_route(const float* __restrict__ logits,      // (T, E) fp32
+          const float* __restrict__ bias,        // (E,) or nullptr
+          const int* __restrict__ tid2eid,       // (vocab, TOPK) or nullptr: hash routing
+          const i64* __restrict__ input_ids,     // (T,) with tid2eid
+          i64 vocab,
+          const int* __restrict__ given_ids,     // (T, TOPK) or nullptr: a given routing (ids and weights as given)
+          const float* __restrict__ given_w,     // (T, TOPK) with given_ids
+          const i64* __restrict__ n_ptr,         // real tokens (device scalar) or nullptr (= T)
+          int T, float scale,                    // routed_scaling_factor
+          float* __restrict__ topk_w,            // (T, TOPK) fp32
+          int* __restrict__ topk_ids,            // (T, TOPK) int32
+          int* __restrict__ rank,                // (T, TOPK + 1): row of (t, j) within its expert's rows of this chunk
+          int* __restrict__ chunk_counts,        // (n_chunks, NE + 1)
+          int* __restrict__ chunk_base,          // (n_chunks, NE + 1): first row of expert e for this chunk
+          int* __restrict__ offsets,             // (NE + 1,) cumulative end offsets
+          u32* __restrict__ ticket,              // one counter, 0 between launches (the last CTA resets it)
+          int* __restrict__ bad) {               // counts tokens with a bad input_id / given or table ids (or nullptr)
+    __shared__ u64 mask[kNE1];
+    __shared__ int tot[kNE1];
+    __shared__ int wsum[kRouteThreads / 32];
+    __shared__ int last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int chunk = blockIdx.x, n = n_real(n_ptr, T);
+    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) mask[e] = 0ull;
+    __syncthreads();
+
+    constexpr int kTokPerWarp = kChunk / (kRouteThreads / 32);
+#pragma unroll 1
+    for (int q = 0; q < kTokPerWarp; ++q) {
+        const int lt = warp + q * (kRouteThreads / 32), t = chunk * kChunk + lt;
+        if (t >= n) break;
+        const float* lrow = logits + (i64)t * NE;
+        int id = -1;            // lane j < TOPK: the id of slot j
+        float sv = 0.0f;        // and its unbiased score
+        if (tid2eid == nullptr && given_ids == nullptr) {
+            float key[kNPL], s[kNPL];
+#pragma unroll
+            for (int i = 0; i < kNPL; ++i) {
+                const int e = lane + 32 * i;
+                s[i] = e < NE ? dsv4_score(lrow[e]) : 0.0f;
+                key[i] = e < NE ? (bias ? __fadd_rn(s[i], bias[e]) : s[i]) : 0.0f;
+            }
+            u32 taken = 0u;
+#pragma unroll
+            for (int i = 0; i < kNPL; ++i) if (lane + 32 * i >= NE) taken |= 1u << i;
+            for (int j = 0; j < TOPK; ++j) {
+                u64 best = 0ull; float bs = 0.0f;
+#pragma unroll
+                for (int i = 0; i < kNPL; ++i) {
+                    const u64 k = order_key(key[i], lane + 32 * i);
+                    if (!((taken >> i) & 1u) && k > best) { best = k; bs = s[i]; }
+                }
+                const u64 win = warp_max_u64(best);
+                const int e = (int)(0xffffffffu - (u32)win);
+                const float se = __shfl_sync(0xffffffffu, bs, e & 31);
+                if ((e & 31) == lane) taken |= 1u << (e >> 5);
+                if (lane == j) { id = e; sv = se; }
+            }
+        } else {
+            // Hash or given ids: a token id outside [0, vocab), an expert id outside [0, NE) or a repeated expert
+            // makes the whole token bad: counted, routed to experts 0..TOPK-1 with NaN weights (its output is NaN).
+            bool ok = true;
+            i64 tok = 0;
+            if (given_ids == nullptr) { tok = input_ids[t]; ok = tok >= 0 && tok < vocab; }
+            if (lane < TOPK && ok) id = given_ids ? given_ids[(i64)t * TOPK + lane] : tid2eid[tok * TOPK + lane];
+            const bool in = lane >= TOPK || (id >= 0 && id < NE);
+            const u32 same = __match_any_sync(0xffffffffu, lane < TOPK ? id : -1 - lane);
+            ok = __all_sync(0xffffffffu, ok && in && (lane >= TOPK || __popc(same) == 1));
+            if (!ok && lane == 0 && bad != nullptr) atomicAdd(bad, 1);
+            if (lane < TOPK) {
+                if (!ok) { id = lane; sv = __int_as_float(0x7fffffff); }
+                else sv = given_ids ? given_w[(i64)t * TOPK + lane] : dsv4_score(lrow[id]);
+            }
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < TOPK; ++j) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, sv, j));
+        if (lane < TOPK) {
+            topk_w[(i64)t * TOPK + lane] = given_ids ? sv : __fmul_rn(__fdiv_rn(sv, sum), scale);
+            topk_ids[(i64)t * TOPK + lane] = id;
+        }
+        if (lane <= TOPK) atomicOr(&mask[lane < TOPK ? id : NE], 1ull << lt);
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int q = 0; q < kTokPerWarp; ++q) {
+        const int lt = warp + q * (kRouteThreads / 32), t = chunk * kChunk + lt;
+        if (t >= n) break;
+        if (lane <= TOPK) {      // this lane wrote topk_ids[t, lane] above (its own write: visible to it)
+            const int e = lane < TOPK ? topk_ids[(i64)t * TOPK + lane] : NE;
+            rank[(i64)t * (TOPK + 1) + lane] = __popcll(mask[e] & ((1ull << lt) - 1ull));
+        }
+    }
+    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) chunk_counts[(i64)chunk * kNE1 + e] = __popcll(mask[e]);
+
+    // The last CTA to get here scans the counts (the threadfence reduction pattern).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int nch = gridDim.x;
+    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) {
+        int s = 0;
+        for (int c = 0; c < nch; ++c) s += __ldcg(chunk_counts + (i64)c * kNE1 + e);
+        tot[e] = s;
+    }
+    __syncthreads();
+    // exclusive scan of tot over kNE1 <= 1024 entries: 4 consecutive per thread, then a block scan of the sums
+    constexpr int kPer = (kNE1 + kRouteThreads - 1) / kRouteThreads;
+    int v[kPer], run = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+        const int e = threadIdx.x * kPer + i;
+        v[i] = e < kNE1 ? tot[e] : 0;
+        run += v[i];
+    }
+    int inc = run;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += y;
+    }
+    if (lane == 31) wsum[warp] = inc;
+    __syncthreads();
+    int before = inc - run;
+    for (int q = 0; q < warp; ++q) before += wsum[q];
+    __syncthreads();                               // everyone has read tot: overwrite it with the exclusive starts
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+        const int e = threadIdx.x * kPer + i;
+        if (e < kNE1) { tot[e] = before; offsets[e] = before + v[i]; }
+        before += v[i];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) {
+        int b = tot[e];
+        for (int c = 0; c < nch; ++c) {
+            chunk_base[(i64)c * kNE1 + e] = b;
+            b += __ldcg(chunk_counts + (i64)c * kNE1 + e);
+        }
+    }
+    if (threadIdx.x == 0) *ticket = 0u;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Permute: CTA t copies token t's row to its TOPK + 1 expert-major rows. W4A4 (a1 != nullptr): each 16-block is
+// quantized with slot j's expert's static global scale a1[e] exactly as nvfp4_quantize.cu does, and written decoded
+// (code * block scale: at most 6 significant bits, exact in bf16); the GEMM applies a1[e] per row (row_scales).
+constexpr int kPermThreads = 256;
+
+extern "C" __global__ void __launch_bounds__(kPermThreads)
+moe_permute(const bf16* __restrict__ x,          // (T, HID)
+            const i64* __restrict__ n_ptr, int T,
+            const int* __restrict__ topk_ids,    // (T, TOPK)
+            const float* __restrict__ topk_w,    // (T, TOPK)
+            const int* __restrict__ rank,        // (T, TOPK + 1)
+            const int* __restrict__ chunk_base,  // (n_chunks, ne1)
+            int ne1,                             // E + 1
+            const float* __restrict__ a1,        // (E + 1,) static global scales of x (W4A4) or nullptr (W4A16)
+            bf16* __restrict__ xr,               // (R, HID) expert-major rows
+            float* __restrict__ row_scales,      // (R, 2): (gs_a, p) per row
+            int* __restrict__ inv) {             // (T, TOPK + 1)
+    __shared__ int pos[TOPK + 1];
+    __shared__ float gsa[TOPK + 1];
+    const int t = blockIdx.x;
+    if (t >= n_real(n_ptr, T)) return;
+    if (threadIdx.x <= TOPK) {
+        const int j = threadIdx.x;
+        const int e = j < TOPK ? topk_ids[(i64)t * TOPK + j] : ne1 - 1;
+        const int p = chunk_base[(i64)(t / kChunk) * ne1 + e] + rank[(i64)t * (TOPK + 1) + j];
+        const float g = a1 ? a1[e] : 1.0f;
+        pos[j] = p; gsa[j] = g;
+        inv[(i64)t * (TOPK + 1) + j] = p;
+        row_scales[(i64)p * 2] = g;
+        row_scales[(i64)p * 2 + 1] = j < TOPK ? topk_w[(i64)t * TOPK + j] : 1.0f;
+    }
+    __syncthreads();
+    const bf16* src = x + (i64)t * HID;
+    if (a1 == nullptr) {
+        const uint4* s4 = reinterpret_cast<const uint4*>(src);
+        for (int c = threadIdx.x; c < HID / 8; c += blockDim.x) {
+            const uint4 v = s4[c];
+#pragma unroll
+            for (int j = 0; j <= TOPK; ++j) reinterpret_cast<uint4*>(xr + (i64)pos[j] * HID)[c] = v;
+        }
+        return;
+    }
+    for (int b = threadIdx.x; b < HID / 16; b += blockDim.x) {
+        float v[16];
+        const u32 amax = load16_amax<bf16>(src + b * 16, v);
+#pragma unroll 1
+        for (int j = 0; j <= TOPK; ++j) {
+            u32 lo, hi;
+            const u32 sb = quantize_block16(v, amax, gsa[j], lo, hi);
+            const float s = e4m3_to_float(sb);
+            u32 o[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const u32 w = k < 4 ? lo : hi, sh = 8 * (k & 3);
+                const float a = __fmul_rn(e2m1_to_float((w >> sh) & 15u), s);
+                const float c = __fmul_rn(e2m1_to_float((w >> (sh + 4)) & 15u), s);
+                const __nv_bfloat162 h2 = __floats2bfloat162_rn(a, c);
+                o[k] = *reinterpret_cast<const u32*>(&h2);
+            }
+            uint4* dst = reinterpret_cast<uint4*>(xr + (i64)pos[j] * HID + b * 16);
+            dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+            dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine: out[t] = bf16( (((rows[inv[t,0]] + rows[inv[t,1]]) + ...) + rows[inv[t,TOPK]]) ) in fp32, slot order (the
+// shared expert last): bit-identical to the torch reference `combine_rows`.
+extern "C" __global__ void __launch_bounds__(256)
+moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights already applied
+            const int* __restrict__ inv,        // (T, TOPK + 1)
+            const i64* __restrict__ n_ptr, int T,
+            bf16* __restrict__ out) {           // (T, HID)
+    __shared__ int pos[TOPK + 1];
+    const int t = blockIdx.x;
+    if (t >= n_real(n_ptr, T)) return;
+    if (threadIdx.x <= TOPK) pos[threadIdx.x] = inv[(i64)t * (TOPK + 1) + threadIdx.x];
+    __syncthreads();
+    for (int c = threadIdx.x; c < HID / 8; c += blockDim.x) {
+        float acc[8];
+        bf16x8_to_float(reinterpret_cast<const uint4*>(rows + (i64)pos[0] * HID)[c], acc);
+#pragma unroll
+        for (int j = 1; j <= TOPK; ++j) {
+            float v[8];
+            bf16x8_to_float(reinterpret_cast<const uint4*>(rows + (i64)pos[j] * HID)[c], v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+        }
+        u32 o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const __nv_bfloat162 h2 = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
+            o[k] = *reinterpret_cast<const u32*>(&h2);
+        }
+        reinterpret_cast<uint4*>(out + (i64)t * HID)[c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}

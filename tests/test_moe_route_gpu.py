@@ -1,0 +1,143 @@
+"""GPU: the MoE layer's route / permute / combine kernels (kernels_cu/moe_route.cu) against the torch references:
+router ids equal to the float64 router (weights to 1e-6), ties to the lower id, the permutation equal to route_topk's
+stable sort, W4A4 rows bit-exact with ref_quantize_nvfp4, the combine bit-identical to the fp32 torch sum, padding,
+bad ids counted and confined to their token."""
+import pytest
+import torch
+
+from dsv4_nvfp4 import routing as R
+from dsv4_nvfp4.quant import ref_quantize_nvfp4
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+def gate(E, H, T, seed, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, H, generator=g) * H ** -0.5).to(torch.bfloat16)
+    b = torch.randn(E, generator=g) * 0.05 if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("E,H", [(256, 4096), (384, 7168), (48, 7168)])
+@pytest.mark.parametrize("T", [1, 5, 32, 33, 300])
+def test_router_matches_float64(E, H, T):
+    x, w, b = gate(E, H, T, seed=E + T)
+    wt, ids = R.dsv4_router(x.to(DEV), w.to(DEV), b.to(DEV), top_k=6, routed_scaling_factor=2.5)
+    w64, i64 = R.ref_dsv4_router(x, w, b, top_k=6, routed_scaling_factor=2.5)
+    assert ids.dtype == torch.int32 and wt.dtype == torch.float32
+    assert torch.equal(ids.cpu().long(), i64)
+    assert ((wt.cpu().double() - w64).abs() / w64).max().item() < 1e-6
+
+
+def test_router_logits_kernel_and_cublas_agree():
+    x, w, _ = gate(256, 4096, 32, seed=3)
+    k = R.router_logits(x.to(DEV), w.to(DEV))                             # T = 32: our kernel
+    c = torch.mm(x.to(DEV), w.to(DEV).T, out_dtype=torch.float32)         # cuBLAS, another summation order
+    ref = x.double() @ w.double().T
+    assert (k.cpu().double() - ref).abs().max() < 1e-5 and (c.cpu().double() - ref).abs().max() < 1e-5
+    assert torch.equal(R.router_logits(x.to(DEV), w.to(DEV)), k), "fixed order: run-to-run identical"
+
+
+def test_ties_go_to_the_lower_id_and_no_bias():
+    E, T, k = 64, 4, 6
+    buf = R.route_buffers(T, E, k, 1024, DEV, with_rows=False)
+    logits = torch.zeros(T, E, device=DEV)                                # every score equal
+    logits[1, 40] = logits[1, 50] = 3.0                                   # two tied winners, then the rest tied
+    logits[2] = torch.linspace(-1, 1, E, device=DEV)                      # strictly increasing: the last six
+    R.route_rows(buf, T, logits, None, routed_scaling_factor=1.0)
+    got = buf.topk_ids[:T].cpu().tolist()
+    assert got[0] == [0, 1, 2, 3, 4, 5] and got[3] == [0, 1, 2, 3, 4, 5]
+    assert got[1] == [40, 50, 0, 1, 2, 3]
+    assert got[2] == [63, 62, 61, 60, 59, 58]
+    assert torch.allclose(buf.topk_weights[0].cpu(), torch.full((k,), 1 / k))
+
+
+def test_hash_routing_matches_reference():
+    E, H, T, V = 256, 4096, 70, 1000
+    x, w, _ = gate(E, H, T, seed=7, bias=False)
+    tid = torch.rand(V, E, generator=torch.Generator().manual_seed(1)).topk(6, 1).indices.to(torch.int32)
+    ii = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(2))
+    wt, ids = R.dsv4_router(x.to(DEV), w.to(DEV), None, tid2eid=tid.to(DEV), input_ids=ii.to(DEV))
+    w64, i64 = R.ref_dsv4_router(x, w, None, tid2eid=tid, input_ids=ii)
+    assert torch.equal(ids.cpu().long(), i64)
+    assert ((wt.cpu().double() - w64).abs() / w64).max().item() < 1e-6
+
+
+def routed(E, H, T, k=6, seed=0, cap=None, n=None, a1=None):
+    "Route T tokens on the GPU with the kernels; also the torch reference routing of the same ids."
+    x, w, b = gate(E, H, T, seed)
+    buf = R.route_buffers(cap or T, E, k, H, DEV)
+    xd = x.to(DEV)
+    nt = None if n is None else torch.tensor(n, device=DEV)
+    R.route_rows(buf, T, R.router_logits(xd, w.to(DEV), out=buf.logits[:T]), b.to(DEV), n_tokens=nt)
+    rows, rs = R.permute_rows(xd, buf, a1, n_tokens=nt)
+    return x, xd, buf, rows, rs, nt
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+def test_permutation_is_route_topks_stable_sort(T):
+    E, H, k = 256, 4096, 6
+    x, xd, buf, rows, rs, _ = routed(E, H, T, seed=T)
+    ids = buf.topk_ids[:T].cpu().long()
+    ids1 = torch.cat([ids, torch.full((T, 1), E)], 1)
+    rt = R.route_topk(ids1, E + 1)
+    assert torch.equal(buf.offsets.cpu(), rt.expert_offsets)
+    assert torch.equal(buf.inv[:T].cpu().long(), rt.inv)
+    assert torch.equal(rows.cpu(), x[rt.token])
+    w1 = torch.cat([buf.topk_weights[:T].cpu(), torch.ones(T, 1)], 1).reshape(-1)[rt.perm]
+    assert torch.equal(rs[:, 1].cpu(), w1) and torch.equal(rs[:, 0].cpu(), torch.ones(T * (k + 1)))
+
+
+def test_w4a4_rows_are_the_reference_quantization_decoded():
+    E, H, k, T = 48, 7168, 6, 40
+    a1 = (torch.rand(E + 1, generator=torch.Generator().manual_seed(3)) * 2e-3 + 5e-4)   # some blocks saturate
+    x, xd, buf, rows, rs, _ = routed(E, H, T, seed=9, a1=a1.to(DEV))
+    ids1 = torch.cat([buf.topk_ids[:T].cpu().long(), torch.full((T, 1), E)], 1)
+    rt = R.route_topk(ids1, E + 1)
+    expert = torch.repeat_interleave(torch.arange(E + 1), R.group_sizes(rt.expert_offsets))
+    q = ref_quantize_nvfp4(x[rt.token].float(), a1[expert])
+    from dsv4_nvfp4.formats import e2m1_decode
+    want = (e2m1_decode(q.codes()).float().view(-1, H // 16, 16) * q.scale.float()[..., None]).reshape(-1, H)
+    assert torch.equal(rows.cpu().float(), want), "code * block scale, exact in bf16"
+    assert torch.equal(rs[:, 0].cpu(), a1[expert])
+
+
+def test_combine_is_the_fixed_order_fp32_sum():
+    E, H, k, T = 256, 4096, 6, 77
+    x, xd, buf, rows, rs, _ = routed(E, H, T, seed=4)
+    y_rows = torch.randn(T * (k + 1), H, device=DEV).to(torch.bfloat16)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=DEV)
+    R.combine_tokens(y_rows, buf, out)
+    g = y_rows[buf.inv[:T].long()]
+    acc = g[:, 0].float()
+    for j in range(1, k + 1): acc += g[:, j].float()
+    assert torch.equal(out, acc.to(torch.bfloat16))
+
+
+def test_padding_is_not_routed():
+    E, H, k, T, n = 256, 4096, 6, 130, 70
+    x, xd, buf, rows, rs, nt = routed(E, H, T, seed=5, n=n)
+    assert buf.offsets[-1].item() == n * (k + 1)
+    buf3 = R.route_buffers(n, E, k, H, DEV)
+    _, w, b = gate(E, H, T, 5)                                            # the same gate: route the first n alone
+    R.route_rows(buf3, n, R.router_logits(xd[:n], w.to(DEV)), b.to(DEV))
+    R.permute_rows(xd[:n], buf3)
+    assert torch.equal(buf.offsets, buf3.offsets) and torch.equal(buf.inv[:n], buf3.inv[:n])
+    assert torch.equal(rows[: n * (k + 1)], buf3.rows[: n * (k + 1)])
+
+
+def test_bad_given_ids_are_counted_and_confined():
+    E, H, k, T = 16, 1024, 3, 6
+    buf = R.route_buffers(T, E, k, H, DEV)
+    ids = torch.tensor([[0, 1, 2], [3, 16, 4], [5, 5, 6], [7, 8, 9], [-1, 2, 3], [10, 11, 12]], dtype=torch.int32, device=DEV)
+    w = torch.full((T, k), 0.5, device=DEV)
+    R.route_rows(buf, T, None, given=(w, ids))
+    with pytest.raises(ValueError, match="3 token"):
+        R.check_bad(buf)
+    R.check_bad(buf)                                                      # cleared after the report
+    tw = buf.topk_weights[:T].cpu()
+    assert tw[[1, 2, 4]].isnan().all() and not tw[[0, 3, 5]].isnan().any()
+    assert torch.equal(buf.topk_ids[[0, 3, 5]].cpu(), ids[[0, 3, 5]].cpu())
+    assert buf.offsets[-1].item() == T * (k + 1)                          # every token still has k + 1 distinct rows
