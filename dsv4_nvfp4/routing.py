@@ -229,21 +229,27 @@ def _defines(buf: RouteBuffers) -> dict: return dict(HID=buf.hidden, TOPK=buf.to
 def router_logits(x: torch.Tensor,         # bf16 (T, hidden)
                   w_gate: torch.Tensor,    # bf16 (E, hidden)
                   out: torch.Tensor | None = None,  # fp32 (T, E)
+                  impl: str = "auto",      # "kernel", "cublas" (bf16 GEMM, fp32 out), "sgemm" (fp32 GEMM), "auto"
                  ) -> torch.Tensor:        # fp32 (T, E)
-    """The gate's fp32 logits `x w_gate^T` (bf16 products are exact in fp32; sums in fp32). On a GPU: our kernel up to
-    `LOGITS_KERNEL_MAX_T` tokens (weights read once, fixed summation order), above it one cuBLAS bf16 GEMM with fp32
-    output; on the CPU `x.float() @ w_gate.float().T`."""
+    """The gate's fp32 logits `x w_gate^T` (bf16 products are exact in fp32; sums in fp32). On a GPU ("auto"): our
+    kernel up to `LOGITS_KERNEL_MAX_T` tokens (gate rows read once per CTA, a fixed summation order), one cuBLAS bf16
+    GEMM with fp32 output above; on the CPU `x.float() @ w_gate.float().T`."""
     T, E = x.shape[0], w_gate.shape[0]
+    if impl not in ("auto", "kernel", "cublas", "sgemm"): raise ValueError(f"router_logits: impl must be auto/kernel/cublas/sgemm, got {impl!r}")
     if not x.is_cuda:
         y = x.float() @ w_gate.float().T
         return y if out is None else out.copy_(y)
     if out is None: out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T == 0: return out
-    if T <= LOGITS_KERNEL_MAX_T and x.shape[1] % 1024 == 0 and x.dtype == w_gate.dtype == torch.bfloat16:
+    bf = x.dtype == w_gate.dtype == torch.bfloat16
+    if impl == "auto": impl = "kernel" if T <= LOGITS_KERNEL_MAX_T and bf and x.shape[1] % 1024 == 0 else "cublas" if bf else "sgemm"
+    if impl == "kernel":
         rt.check_tensor(x, "router_logits", "x", (torch.bfloat16,)); rt.check_tensor(w_gate, "router_logits", "w_gate", (torch.bfloat16,))
-        rt.launch(MOE_CU, "moe_router_logits", (-(-E // 2),), (128,), (rt.ptr(x), rt.ptr(w_gate), rt.i32(T), rt.i32(E), rt.ptr(out)),
+        if x.shape[1] % 1024: raise ValueError(f"router_logits: the kernel takes hidden % 1024 == 0, got {x.shape[1]}")
+        rt.check_tensor(out, "router_logits", "out", (torch.float32,), x.device, align=4)
+        rt.launch(MOE_CU, "moe_router_logits", (-(-E // 2), -(-T // 64)), (128,), (rt.ptr(x), rt.ptr(w_gate), rt.i32(T), rt.i32(E), rt.ptr(out)),
                   defines=dict(HID=x.shape[1]))
-    elif x.dtype == w_gate.dtype == torch.bfloat16:
+    elif impl == "cublas":
         torch.mm(x, w_gate.T, out_dtype=torch.float32, out=out)
     else:
         torch.mm(x.float(), w_gate.float().T, out=out)

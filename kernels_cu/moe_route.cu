@@ -59,8 +59,8 @@ __device__ __forceinline__ void bf16x8_to_float(uint4 q, float (&v)[8]) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Router logits for small T: CTA b owns experts kG*b .. kG*b + kG - 1 and keeps their weights in registers (read from
-// HBM once); its 4 warps split K in 16-byte chunks (chunk c = i*128 + warp*32 + lane), each token's partial dot is a
+// Router logits for small T: CTA (b, y) owns experts kG*b .. kG*b + kG - 1 and tokens tiles y, y + grid.y, ... and keeps
+// the experts' weights in registers (read from HBM once per CTA); its 4 warps split K in 16-byte chunks (chunk c = i*128 + warp*32 + lane), each token's partial dot is a
 // warp butterfly, the 4 partials are added in warp order. bf16 products are exact in fp32, so this is an fp32 dot
 // product in a fixed order (a cuBLAS fp32 GEMM sums in another order: same precision, different last bits).
 constexpr int kLogitWarps = 4, kG = 2, kTokTile = 64;
@@ -80,7 +80,7 @@ moe_router_logits(const bf16* __restrict__ x,       // (T, HID)
         for (int i = 0; i < kChunksPerLane; ++i)
             wr[g][i] = (e0 + g < E) ? reinterpret_cast<const uint4*>(w + (i64)(e0 + g) * HID)[i * 128 + warp * 32 + lane]
                                     : make_uint4(0u, 0u, 0u, 0u);
-    for (int t0 = 0; t0 < T; t0 += kTokTile) {
+    for (int t0 = blockIdx.y * kTokTile; t0 < T; t0 += gridDim.y * kTokTile) {   // grid.y splits the tokens
         const int nt = min(kTokTile, T - t0);
         for (int tt = 0; tt < nt; ++tt) {
             const uint4* xr = reinterpret_cast<const uint4*>(x + (i64)(t0 + tt) * HID);

@@ -31,13 +31,15 @@ def test_router_matches_float64(E, H, T):
     assert ((wt.cpu().double() - w64).abs() / w64).max().item() < 1e-6
 
 
-def test_router_logits_kernel_and_cublas_agree():
-    x, w, _ = gate(256, 4096, 32, seed=3)
-    k = R.router_logits(x.to(DEV), w.to(DEV))                             # T = 32: our kernel
-    c = torch.mm(x.to(DEV), w.to(DEV).T, out_dtype=torch.float32)         # cuBLAS, another summation order
+@pytest.mark.parametrize("T", [1, 32, 200])
+def test_router_logits_kernel_and_cublas_agree(T):
+    x, w, _ = gate(256, 4096, T, seed=3)
     ref = x.double() @ w.double().T
-    assert (k.cpu().double() - ref).abs().max() < 1e-5 and (c.cpu().double() - ref).abs().max() < 1e-5
-    assert torch.equal(R.router_logits(x.to(DEV), w.to(DEV)), k), "fixed order: run-to-run identical"
+    for impl in ("kernel", "cublas", "sgemm"):
+        got = R.router_logits(x.to(DEV), w.to(DEV), impl=impl)
+        assert (got.cpu().double() - ref).abs().max() < 1e-5, impl
+    k = R.router_logits(x.to(DEV), w.to(DEV), impl="kernel")
+    assert torch.equal(R.router_logits(x.to(DEV), w.to(DEV), impl="kernel"), k), "fixed order: run-to-run identical"
 
 
 def test_ties_go_to_the_lower_id_and_no_bias():
@@ -62,7 +64,14 @@ def test_hash_routing_matches_reference():
     wt, ids = R.dsv4_router(x.to(DEV), w.to(DEV), None, tid2eid=tid.to(DEV), input_ids=ii.to(DEV))
     w64, i64 = R.ref_dsv4_router(x, w, None, tid2eid=tid, input_ids=ii)
     assert torch.equal(ids.cpu().long(), i64)
-    assert ((wt.cpu().double() - w64).abs() / w64).max().item() < 1e-6
+    # Hashed experts are random, so some have negative logits, where d(log w)/d(logit) -> 1/2 (softplus ~ exp): the
+    # weights inherit the fp32 logits' relative error (~1e-6; test_router_logits_* bounds it). From the same fp32
+    # logits, the kernel's scores and normalization match float64 to 1e-6:
+    lg = R.router_logits(x.to(DEV), w.to(DEV)).cpu().double()
+    s = torch.sqrt(torch.nn.functional.softplus(lg)).gather(1, i64)
+    wl = s / s.sum(1, keepdim=True) * 1.5
+    assert ((wt.cpu().double() - wl).abs() / wl).max().item() < 1e-6
+    assert ((wt.cpu().double() - w64).abs() / w64).max().item() < 1e-5
 
 
 def routed(E, H, T, k=6, seed=0, cap=None, n=None, a1=None):
