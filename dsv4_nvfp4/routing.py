@@ -13,9 +13,10 @@ import torch
 from . import runtime as rt
 
 # %% auto #0
-__all__ = ['MOE_CU', 'ROUTE_CHUNK', 'LOGITS_KERNEL_MAX_T', 'Routing', 'route_topk', 'random_topk', 'group_sizes', 'ref_combine',
-           'check_offsets', 'ref_dsv4_router', 'check_hash_table', 'dsv4_router', 'dsv4_router_torch', 'RouteBuffers',
-           'route_buffers', 'router_logits', 'route_rows', 'permute_rows', 'combine_tokens', 'check_bad']
+__all__ = ['MOE_CU', 'ROUTE_CHUNK_SMALL', 'ROUTE_CHUNK', 'ROUTE_SMALL_T', 'LOGITS_KERNEL_MAX_T', 'Routing', 'route_topk',
+           'random_topk', 'group_sizes', 'ref_combine', 'check_offsets', 'ref_dsv4_router', 'check_hash_table',
+           'dsv4_router', 'dsv4_router_torch', 'route_chunk', 'RouteBuffers', 'route_buffers', 'router_logits',
+           'route_rows', 'permute_rows', 'combine_tokens', 'check_bad']
 
 # %% ../nbs/04_routing.ipynb #efa2b32c
 class Routing(NamedTuple):
@@ -184,8 +185,14 @@ _CHECKED_TABLES = {}
 
 # %% ../nbs/04_routing.ipynb #00c916f1
 MOE_CU = "moe_route.cu"
-ROUTE_CHUNK = 64               # tokens per moe_route CTA (kChunk in moe_route.cu: one 64-bit mask word per expert)
-LOGITS_KERNEL_MAX_T = 32       # router_logits: the kernel up to this many tokens, one cuBLAS bf16 GEMM (fp32 out) above
+ROUTE_CHUNK_SMALL, ROUTE_CHUNK = 16, 64   # tokens per moe_route CTA: 16 up to ROUTE_SMALL_T tokens (more CTAs, 2 tokens
+ROUTE_SMALL_T = 2048                      # per warp), 64 above (fewer chunks for the last CTA's scan); <= 64 (one mask word)
+
+def route_chunk(T: int) -> int:
+    "Tokens per moe_route CTA for a launch of T tokens."
+    return ROUTE_CHUNK_SMALL if T <= ROUTE_SMALL_T else ROUTE_CHUNK
+LOGITS_KERNEL_MAX_T = 4        # router_logits: the kernel up to this many tokens, one cuBLAS bf16 GEMM (fp32 out) above
+                               # (H200, L2 flushed, graph-replayed: kernel 6.3 vs cuBLAS 9.5 us at T = 1, 11.1 vs 10.4 at T = 8)
 
 @dataclass
 class RouteBuffers:
@@ -216,7 +223,7 @@ def route_buffers(capacity: int, num_experts: int, top_k: int, hidden: int, devi
     if not 1 <= num_experts <= 1023: raise ValueError(f"route_buffers: the kernels take 1 <= E <= 1023 routed experts, got {num_experts}")
     if hidden % 1024: raise ValueError(f"route_buffers: hidden must be a multiple of 1024, got {hidden}")
     dev, E1, k1 = torch.device(device), num_experts + 1, top_k + 1
-    nch = -(-capacity // ROUTE_CHUNK)
+    nch = -(-capacity // ROUTE_CHUNK_SMALL)
     z = lambda *s, dt=torch.int32: torch.zeros(*s, dtype=dt, device=dev)
     return RouteBuffers(capacity, num_experts, top_k, hidden, z(capacity, num_experts, dt=torch.float32),
                         z(capacity, top_k, dt=torch.float32), z(capacity, top_k), z(capacity, k1), z(nch, E1), z(nch, E1),
@@ -290,11 +297,12 @@ def route_rows(buf: RouteBuffers,
     n_arg = 0 if n_tokens is None else arg(n_tokens, "n_tokens", torch.int64, ())
     if T == 0:
         buf.offsets.zero_(); return buf
-    rt.launch(MOE_CU, "moe_route", (-(-T // ROUTE_CHUNK),), (256,),
+    ch = route_chunk(T)
+    rt.launch(MOE_CU, "moe_route", (-(-T // ch),), (256,),
               (0 if logits is None or given is not None else rt.ptr(logits), arg(bias, "bias", torch.float32, (E,)),
                0 if tid2eid is None else rt.ptr(tid2eid), 0 if tid2eid is None else rt.ptr(input_ids),
                rt.i64(0 if tid2eid is None else tid2eid.shape[0]), gi, gw, n_arg, rt.i32(T), rt.f32(routed_scaling_factor),
-               rt.ptr(buf.topk_weights), rt.ptr(buf.topk_ids), rt.ptr(buf.rank), rt.ptr(buf.chunk_counts),
+               rt.i32(ch), rt.ptr(buf.topk_weights), rt.ptr(buf.topk_ids), rt.ptr(buf.rank), rt.ptr(buf.chunk_counts),
                rt.ptr(buf.chunk_base), rt.ptr(buf.offsets), rt.ptr(buf.ticket), rt.ptr(buf.bad)), defines=_defines(buf))
     return buf
 
@@ -316,7 +324,7 @@ def permute_rows(x: torch.Tensor,                       # bf16 (T, hidden)
     if T:
         rt.launch(MOE_CU, "moe_permute", (T,), (256,),
                   (rt.ptr(x), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(buf.topk_ids), rt.ptr(buf.topk_weights),
-                   rt.ptr(buf.rank), rt.ptr(buf.chunk_base), rt.i32(buf.num_experts + 1), 0 if a1_scales is None else rt.ptr(a1_scales),
+                   rt.ptr(buf.rank), rt.ptr(buf.chunk_base), rt.i32(buf.num_experts + 1), rt.i32(route_chunk(T)), 0 if a1_scales is None else rt.ptr(a1_scales),
                    rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv)), defines=_defines(buf))
     return buf.rows[:R], buf.row_scales[:R]
 

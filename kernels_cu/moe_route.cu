@@ -38,7 +38,7 @@ typedef unsigned long long u64;
 #define NE 256
 #endif
 
-constexpr int kChunk = 64;          // tokens per moe_route CTA (one 64-bit mask word per expert)
+constexpr int kMaxChunk = 64;       // tokens per moe_route CTA: 16 or 64 (launcher's choice), one 64-bit mask word per expert
 constexpr int kRouteThreads = 256;  // 8 warps, 8 tokens each
 constexpr int kNE1 = NE + 1;        // routed experts + the shared one (expert id NE)
 constexpr int kNPL = (NE + 31) / 32;  // experts held per lane in the top-k
@@ -152,6 +152,7 @@ moe_route(const float* __restrict__ logits,      // (T, E) fp32
           const float* __restrict__ given_w,     // (T, TOPK) with given_ids
           const i64* __restrict__ n_ptr,         // real tokens (device scalar) or nullptr (= T)
           int T, float scale,                    // routed_scaling_factor
+          int chunk,                             // tokens per CTA (<= 64, a multiple of 8)
           float* __restrict__ topk_w,            // (T, TOPK) fp32
           int* __restrict__ topk_ids,            // (T, TOPK) int32
           int* __restrict__ rank,                // (T, TOPK + 1): row of (t, j) within its expert's rows of this chunk
@@ -165,14 +166,14 @@ moe_route(const float* __restrict__ logits,      // (T, E) fp32
     __shared__ int wsum[kRouteThreads / 32];
     __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int chunk = blockIdx.x, n = n_real(n_ptr, T);
+    const int n = n_real(n_ptr, T);
     for (int e = threadIdx.x; e < kNE1; e += blockDim.x) mask[e] = 0ull;
     __syncthreads();
 
-    constexpr int kTokPerWarp = kChunk / (kRouteThreads / 32);
+    const int tpw = chunk / (kRouteThreads / 32), c0 = blockIdx.x * chunk;
 #pragma unroll 1
-    for (int q = 0; q < kTokPerWarp; ++q) {
-        const int lt = warp + q * (kRouteThreads / 32), t = chunk * kChunk + lt;
+    for (int q = 0; q < tpw; ++q) {
+        const int lt = warp + q * (kRouteThreads / 32), t = c0 + lt;
         if (t >= n) break;
         const float* lrow = logits + (i64)t * NE;
         int id = -1;            // lane j < TOPK: the id of slot j
@@ -228,15 +229,15 @@ moe_route(const float* __restrict__ logits,      // (T, E) fp32
     }
     __syncthreads();
 #pragma unroll 1
-    for (int q = 0; q < kTokPerWarp; ++q) {
-        const int lt = warp + q * (kRouteThreads / 32), t = chunk * kChunk + lt;
+    for (int q = 0; q < tpw; ++q) {
+        const int lt = warp + q * (kRouteThreads / 32), t = c0 + lt;
         if (t >= n) break;
         if (lane <= TOPK) {      // this lane wrote topk_ids[t, lane] above (its own write: visible to it)
             const int e = lane < TOPK ? topk_ids[(i64)t * TOPK + lane] : NE;
             rank[(i64)t * (TOPK + 1) + lane] = __popcll(mask[e] & ((1ull << lt) - 1ull));
         }
     }
-    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) chunk_counts[(i64)chunk * kNE1 + e] = __popcll(mask[e]);
+    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) chunk_counts[(i64)blockIdx.x * kNE1 + e] = __popcll(mask[e]);
 
     // The last CTA to get here scans the counts (the threadfence reduction pattern).
     __threadfence();
@@ -303,6 +304,7 @@ moe_permute(const bf16* __restrict__ x,          // (T, HID)
             const int* __restrict__ rank,        // (T, TOPK + 1)
             const int* __restrict__ chunk_base,  // (n_chunks, ne1)
             int ne1,                             // E + 1
+            int chunk,                           // moe_route's tokens per CTA
             const float* __restrict__ a1,        // (E + 1,) static global scales of x (W4A4) or nullptr (W4A16)
             bf16* __restrict__ xr,               // (R, HID) expert-major rows
             float* __restrict__ row_scales,      // (R, 2): (gs_a, p) per row
@@ -314,7 +316,7 @@ moe_permute(const bf16* __restrict__ x,          // (T, HID)
     if (threadIdx.x <= TOPK) {
         const int j = threadIdx.x;
         const int e = j < TOPK ? topk_ids[(i64)t * TOPK + j] : ne1 - 1;
-        const int p = chunk_base[(i64)(t / kChunk) * ne1 + e] + rank[(i64)t * (TOPK + 1) + j];
+        const int p = chunk_base[(i64)(t / chunk) * ne1 + e] + rank[(i64)t * (TOPK + 1) + j];
         const float g = a1 ? a1[e] : 1.0f;
         pos[j] = p; gsa[j] = g;
         inv[(i64)t * (TOPK + 1) + j] = p;
