@@ -66,7 +66,7 @@ def demo_synthetic(seed: int = 0, tokens: int = 256, device: str = "cpu") -> lis
     lines += [f"matmul: relative Frobenius error of nvfp4(A) @ nvfp4(W)^T vs float64 A @ W^T: {rel:.4f}"]
     if torch.cuda.is_available():
         lines += demo_gpu(w, a)
-        lines += demo_moe(seed)
+        lines += demo_moe(seed, log=lambda s: print(s, file=sys.stderr, flush=True))
     lines += [f"total time {time.perf_counter() - t0:.2f} s"]
     return lines
 
@@ -97,7 +97,7 @@ def demo_gpu(w: torch.Tensor, a: torch.Tensor) -> list[str]:
                  f"eager {e:.1f} us")
     return lines
 
-def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 8) -> list[str]:
+def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 4, log=None) -> list[str]:
     """The synthetic DSV4-Flash MoE layer (256 routed + 1 shared expert) on the GPU, W4A16 and W4A4: accuracy against
     the float64 reference on the same NVFP4 weights (`ref_moe`) and against the unquantized layer (`ref_moe_bf16`,
     cosine), and the captured layer's time against the same layer in torch bf16, at a few batch sizes."""
@@ -106,8 +106,9 @@ def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 8) -> li
     dev, timer = torch.device("cuda"), Timer()
     t0 = time.perf_counter()
     lay = DSV4MoE.flash(seed, device=dev).to(dev)
-    lay4 = DSV4MoE.flash(seed, act="w4a4", device=dev).to(dev)
-    lines = [f"DSV4-Flash MoE layer ({FLASH.num_experts} + 1 experts, hidden {FLASH.hidden}, I {FLASH.inter}, top-{FLASH.top_k}), "
+    lay4 = DSV4MoE.flash(seed, act="w4a4", device=dev, calib_tokens=16).to(dev)   # a small calibration: a quick demo
+    lines = _Lines(log)
+    lines += [f"DSV4-Flash MoE layer ({FLASH.num_experts} + 1 experts, hidden {FLASH.hidden}, I {FLASH.inter}, top-{FLASH.top_k}), "
              f"synthetic heavy-tailed weights, seed {seed}, built in {time.perf_counter() - t0:.1f} s"]
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(accuracy_tokens, FLASH.hidden, generator=g).to(torch.bfloat16)
@@ -132,7 +133,17 @@ def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 8) -> li
         lines.append(f"  T={T:4d}: ours W4A16 {us['W4A16']:8.1f} us, W4A4 {us['W4A4']:8.1f} us; torch bf16 layer {tb:8.1f} us "
                      f"({tb / us['W4A16']:.2f}x / {tb / us['W4A4']:.2f}x)")
     del tm; torch.cuda.empty_cache()
-    return lines
+    return list(lines)
+
+class _Lines(list):
+    "A list of report lines that also passes each new line to `log` (progress on a slow machine)."
+    def __init__(self, log=None): super().__init__(); self.log = log
+    def append(self, s):
+        super().append(s)
+        if self.log: self.log(s)
+    def __iadd__(self, more):
+        for s in more: self.append(s)
+        return self
 
 # %% ../nbs/09_cli.ipynb #493e04db
 def demo_checkpoint(path) -> list[str]:
