@@ -107,9 +107,12 @@ def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 4, log=N
     t0 = time.perf_counter()
     lay = DSV4MoE.flash(seed, device=dev).to(dev)
     lay4 = DSV4MoE.flash(seed, act="w4a4", device=dev, calib_tokens=16).to(dev)   # a small calibration: a quick demo
-    lines = _Lines(log)
-    lines += [f"DSV4-Flash MoE layer ({FLASH.num_experts} + 1 experts, hidden {FLASH.hidden}, I {FLASH.inter}, top-{FLASH.top_k}), "
-             f"synthetic heavy-tailed weights, seed {seed}, built in {time.perf_counter() - t0:.1f} s"]
+    lines = []
+    def add(s):                                      # progress as it goes: the whole demo takes minutes
+        lines.append(s)
+        if log: log(s)
+    add(f"DSV4-Flash MoE layer ({FLASH.num_experts} + 1 experts, hidden {FLASH.hidden}, I {FLASH.inter}, top-{FLASH.top_k}), "
+             f"synthetic heavy-tailed weights, seed {seed}, built in {time.perf_counter() - t0:.1f} s")
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(accuracy_tokens, FLASH.hidden, generator=g).to(torch.bfloat16)
     bf = ref_moe_bf16(x, lay)
@@ -118,7 +121,7 @@ def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 4, log=N
         y = l(x.to(dev)).cpu()
         want = ref_moe(x, l)
         rel = ((y.double() - want).norm() / want.norm()).item()
-        lines.append(f"  {name}: {accuracy_tokens} tokens, relative error vs the float64 layer on the same NVFP4 weights "
+        add(f"  {name}: {accuracy_tokens} tokens, relative error vs the float64 layer on the same NVFP4 weights "
                      f"{rel:.2e}; cosine vs the unquantized layer {cos(y, bf):.5f} (float64 NVFP4 layer: {cos(want, bf):.5f})")
     tm = TorchMoE(lay, fp8=False)
     for T in tokens:
@@ -130,20 +133,10 @@ def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 4, log=N
             del cap
         tb, te = timer(lambda: tm(xt))
         tb = tb or te
-        lines.append(f"  T={T:4d}: ours W4A16 {us['W4A16']:8.1f} us, W4A4 {us['W4A4']:8.1f} us; torch bf16 layer {tb:8.1f} us "
+        add(f"  T={T:4d}: ours W4A16 {us['W4A16']:8.1f} us, W4A4 {us['W4A4']:8.1f} us; torch bf16 layer {tb:8.1f} us "
                      f"({tb / us['W4A16']:.2f}x / {tb / us['W4A4']:.2f}x)")
     del tm; torch.cuda.empty_cache()
-    return list(lines)
-
-class _Lines(list):
-    "A list of report lines that also passes each new line to `log` (progress on a slow machine)."
-    def __init__(self, log=None): super().__init__(); self.log = log
-    def append(self, s):
-        super().append(s)
-        if self.log: self.log(s)
-    def __iadd__(self, more):
-        for s in more: self.append(s)
-        return self
+    return lines
 
 # %% ../nbs/09_cli.ipynb #493e04db
 def demo_checkpoint(path) -> list[str]:

@@ -14,7 +14,7 @@ import torch
 from .checkpoint import ModelOptNVFP4, load_modelopt_nvfp4
 from .grouped_gemm import act_decode_in_kernel, grouped_gemm_nvfp4, prepare_weights
 from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
-from .routing import (Routing, check_bad, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes, permute_rows,
+from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes, permute_rows,
                                 ref_dsv4_router, route_buffers, route_rows, route_topk, router_logits)
 from .swiglu import (calibrate_input_scales, check_swiglu_limit, deinterleave_l1, grouped_gemm_swiglu_nvfp4,
                                interleave_experts, ref_expert_mlp, ref_swiglu)
@@ -111,12 +111,12 @@ class DSV4MoE(torch.nn.Module):
         return dsv4_router(x, self.gate_weight, self.gate_bias, top_k=c.top_k, routed_scaling_factor=c.routed_scaling_factor,
                            tid2eid=self.tid2eid, input_ids=input_ids)
 
-    def _check_x(self, x, input_ids, what="DSV4MoE"):
+    def _check_x(self, x, input_ids, what="DSV4MoE", need_ids=True):
         c = self.cfg
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != c.hidden:
             raise ValueError(f"{what}: x must be bf16 (T, hidden = {c.hidden}), got "
                              f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        if self.tid2eid is not None and input_ids is None: raise ValueError(f"{what}: this layer routes by token id: pass input_ids")
+        if need_ids and self.tid2eid is not None and input_ids is None: raise ValueError(f"{what}: this layer routes by token id: pass input_ids")
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         self._check_x(x, input_ids)
@@ -133,14 +133,10 @@ class DSV4MoE(torch.nn.Module):
         shared expert is added as always. Ids out of [0, E) or repeated in a row raise (CPU; on the GPU with `check`:
         without it, such a token's output is NaN and the others are computed)."""
         what, c = "DSV4MoE.forward_routed", self.cfg
-        self._check_x(x, None if self.tid2eid is None else 0, what)
+        self._check_x(x, None, what, need_ids=False)
         _check_given(topk_weights, topk_ids, x.shape[0], c, what)
         if not x.is_cuda:
-            ids = topk_ids.long()
-            if ids.numel() and (ids.min() < 0 or ids.max() >= c.num_experts):
-                raise ValueError(f"{what}: expert ids must lie in [0, {c.num_experts}), got [{int(ids.min())}, {int(ids.max())}]")
-            srt = ids.sort(1).values
-            if bool((srt[:, 1:] == srt[:, :-1]).any()): raise ValueError(f"{what}: a token's expert ids repeat")
+            check_expert_ids(topk_ids, c.num_experts, what)
             return ref_moe(x, self, routing=(topk_weights, topk_ids)).to(torch.bfloat16)
         given = (topk_weights.to(device=x.device, dtype=torch.float32).contiguous(), topk_ids.to(device=x.device, dtype=torch.int32).contiguous())
         y = self._forward_device(x.contiguous(), given=given)

@@ -14,9 +14,9 @@ from . import runtime as rt
 
 # %% auto #0
 __all__ = ['MOE_CU', 'ROUTE_CHUNK_SMALL', 'ROUTE_CHUNK', 'ROUTE_SMALL_T', 'LOGITS_KERNEL_MAX_T', 'Routing', 'route_topk',
-           'random_topk', 'group_sizes', 'ref_combine', 'check_offsets', 'ref_dsv4_router', 'check_hash_table',
-           'dsv4_router', 'dsv4_router_torch', 'route_chunk', 'RouteBuffers', 'route_buffers', 'router_logits',
-           'route_rows', 'permute_rows', 'combine_tokens', 'check_bad']
+           'random_topk', 'group_sizes', 'ref_combine', 'check_offsets', 'ref_dsv4_router', 'check_expert_ids',
+           'check_hash_table', 'dsv4_router', 'dsv4_router_torch', 'route_chunk', 'RouteBuffers', 'route_buffers',
+           'router_logits', 'route_rows', 'permute_rows', 'combine_tokens', 'check_bad']
 
 # %% ../nbs/04_routing.ipynb #efa2b32c
 class Routing(NamedTuple):
@@ -137,16 +137,21 @@ def ref_dsv4_router(x: torch.Tensor,           # (T, hidden) activations (bf16 o
     w = s.gather(1, ids)
     return w / w.sum(1, keepdim=True) * routed_scaling_factor, ids
 
+def check_expert_ids(ids: torch.Tensor, E: int, what: str, name: str = "topk_ids") -> torch.Tensor:
+    "Rows of expert ids (..., k) lie in [0, E) and no row repeats an expert (reads them: a host sync on a GPU)."
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= E: raise ValueError(f"{what}: {name} holds expert ids in [{lo}, {hi}], outside [0, {E})")
+        srt = ids.reshape(-1, ids.shape[-1]).sort(1).values
+        dup = (srt[:, 1:] == srt[:, :-1]).any(1)
+        if bool(dup.any()): raise ValueError(f"{what}: {name} row {int(dup.nonzero()[0])} repeats an expert")
+    return ids
+
 def check_hash_table(tid2eid: torch.Tensor, E: int, what: str = "dsv4_router") -> torch.Tensor:
-    """A hash-routing table's ids lie in [0, E) and no row repeats an expert (read on the host once per table, then
-    remembered by identity, data pointer and shape)."""
+    """`check_expert_ids` for a hash-routing table, once per table (remembered by identity, data pointer and shape)."""
     key = (tid2eid.data_ptr(), tuple(tid2eid.shape), E)
     if _CHECKED_TABLES.get(id(tid2eid)) != key:
-        lo, hi = int(tid2eid.min()), int(tid2eid.max())
-        if lo < 0 or hi >= E: raise ValueError(f"{what}: tid2eid holds expert ids in [{lo}, {hi}], outside [0, {E})")
-        srt = tid2eid.sort(1).values
-        dup = (srt[:, 1:] == srt[:, :-1]).any(1)
-        if bool(dup.any()): raise ValueError(f"{what}: tid2eid row {int(dup.nonzero()[0])} repeats an expert")
+        check_expert_ids(tid2eid, E, what, "tid2eid")
         _CHECKED_TABLES[id(tid2eid)] = key
     return tid2eid
 
