@@ -14,8 +14,9 @@ import torch
 from .checkpoint import ModelOptNVFP4, load_modelopt_nvfp4
 from .grouped_gemm import act_decode_in_kernel, grouped_gemm_nvfp4, prepare_weights
 from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
-from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes, permute_rows,
-                                ref_dsv4_router, route_buffers, route_rows, route_topk, router_logits)
+from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes,
+                                local_groups, permute_rows, ref_dsv4_router, route_buffers, route_permute_fused, route_rows, route_topk,
+                                router_logits, ROUTE_FUSED_MAX_T)
 from .swiglu import (calibrate_input_scales, check_swiglu_limit, deinterleave_l1, grouped_gemm_swiglu_nvfp4,
                                interleave_experts, ref_expert_mlp, ref_swiglu)
 
@@ -41,13 +42,25 @@ PRO = MoEConfig(7168, 3072, 384, 6, 2.5)
 def route_with_shared(ids: torch.Tensor,        # int (T, k): router ids
                       w: torch.Tensor,          # fp32 (T, k): router weights
                       num_experts: int,         # E routed experts
+                      experts=None,             # a local layer's routed experts (increasing global ids); None: all
+                      shared: bool = True,      # whether the layer holds the shared expert
                      ) -> tuple[Routing, torch.Tensor]:  # (routing, fp32 weight of each row)
-    """Append the shared expert (id E, weight 1) to every token's top-k and route: the `Routing` over E + 1 experts
-    and each expert-major row's weight (the reference's bookkeeping; the GPU path does this in `route_rows`)."""
+    """Append the shared expert (id E, weight 1) to every token's top-k and route: the `Routing` over the layer's
+    groups (E + 1 experts for a whole layer) and each expert-major row's weight (the reference's bookkeeping; the GPU
+    path does this in `route_rows`). For a local layer (`local_groups`) only the slots of its own groups get rows;
+    `inv` is -1 for the others."""
     T = ids.shape[0]
     ids1 = torch.cat([ids.long(), torch.full((T, 1), num_experts, dtype=torch.long, device=ids.device)], 1)
     w1 = torch.cat([w.float(), torch.ones(T, 1, dtype=torch.float32, device=w.device)], 1)
-    rt = route_topk(ids1, num_experts + 1, validate=False)            # ids in range by construction
+    g2l, G, sg = local_groups(num_experts, experts, shared, "route_with_shared")
+    if g2l is None:
+        rt = route_topk(ids1, num_experts + 1, validate=False)        # ids in range by construction
+        return rt, w1.reshape(-1)[rt.perm]
+    table = torch.cat([g2l.long(), torch.tensor([sg])]).to(ids.device)
+    gid = table[ids1]
+    full = route_topk(torch.where(gid < 0, G, gid), G + 1, validate=False)   # slots held elsewhere: a last group, dropped
+    R = int(full.expert_offsets[G - 1])
+    rt = Routing(full.perm[:R], full.token[:R], torch.where(full.inv < R, full.inv, -1), full.expert_offsets[:G])
     return rt, w1.reshape(-1)[rt.perm]
 
 def _check_given(w, ids, T, cfg, what):
@@ -63,8 +76,12 @@ L2_ACT_DECODE = "pre"   # W4A4's NVFP4 h into W2: a decode pass, then the bf16 G
 class DSV4MoE(torch.nn.Module):
     """One DSV4 MoE layer on NVFP4 weights: the router (bf16 gate weight, fp32 bias or a hash table), E routed experts
     and the shared expert stacked as expert E: `w13` (E + 1, 2I, H) gate/up interleaved by 8, `w2` (E + 1, H, I).
+    An expert-parallel slice holds only `experts` (increasing global ids) and, if `shared`, the shared expert: its
+    `w13` / `w2` / scales have one entry per held expert in that order (G of them), it still routes over all E
+    experts, and its forward is its share of the layer (the held experts' weighted rows, summed in slot order): the
+    slices of a partition of the experts add up to the layer. `layer.local(experts)` cuts one from a whole layer.
     `forward(x (T, H) bf16, input_ids=None) -> (T, H) bf16`: on a CUDA device six launches (router logits, route,
-    permute, L1, L2, combine; weights prepared on first use), on the CPU the float64 reference rounded to bf16.
+    permute, L1, L2, combine; the first three are one launch for up to 4 tokens; weights prepared on first use), on the CPU the float64 reference rounded to bf16.
     `act="w4a4"` quantizes x with each expert's static scale `a1_scales` and h with `a2_scales` (the checkpoint's
     `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate)."""
 
@@ -76,20 +93,24 @@ class DSV4MoE(torch.nn.Module):
                  tid2eid: torch.Tensor | None = None,     # int (vocab, top_k): hash routing
                  *,
                  act: str = "w4a16",                # "w4a16" or "w4a4"
-                 a1_scales: torch.Tensor | None = None,   # W4A4: fp32 (E + 1,) static global scales of x (w1/w3 input_scale)
-                 a2_scales: torch.Tensor | None = None,   # W4A4: fp32 (E + 1,) static global scales of h (w2 input_scale)
+                 a1_scales: torch.Tensor | None = None,   # W4A4: fp32 (G,) static global scales of x (w1/w3 input_scale)
+                 a2_scales: torch.Tensor | None = None,   # W4A4: fp32 (G,) static global scales of h (w2 input_scale)
+                 experts=None,                      # an expert-parallel slice: the routed experts held (global ids, increasing)
+                 shared: bool = True,               # ... and whether it holds the shared expert
                 ):
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden, cfg.inter
-        if tuple(w13.shape) != (E + 1, 2 * I, H): raise ValueError(f"DSV4MoE: w13 must be (E + 1, 2I, H) = {(E + 1, 2 * I, H)}, got {tuple(w13.shape)}")
-        if tuple(w2.shape) != (E + 1, H, I): raise ValueError(f"DSV4MoE: w2 must be (E + 1, H, I) = {(E + 1, H, I)}, got {tuple(w2.shape)}")
+        g2l, G, _ = local_groups(E, experts, shared, "DSV4MoE")
+        held = "E + 1" if g2l is None else "G"
+        if tuple(w13.shape) != (G, 2 * I, H): raise ValueError(f"DSV4MoE: w13 must be ({held}, 2I, H) = {(G, 2 * I, H)}, got {tuple(w13.shape)}")
+        if tuple(w2.shape) != (G, H, I): raise ValueError(f"DSV4MoE: w2 must be ({held}, H, I) = {(G, H, I)}, got {tuple(w2.shape)}")
         if tuple(gate_weight.shape) != (E, H): raise ValueError(f"DSV4MoE: gate_weight must be (E, H) = {(E, H)}, got {tuple(gate_weight.shape)}")
         if gate_bias is not None and tuple(gate_bias.shape) != (E,): raise ValueError(f"DSV4MoE: gate_bias must be ({E},), got {tuple(gate_bias.shape)}")
         if act not in ("w4a16", "w4a4"): raise ValueError(f"DSV4MoE: act must be 'w4a16' or 'w4a4', got {act!r}")
         if act == "w4a4":
             for name, s in (("a1_scales", a1_scales), ("a2_scales", a2_scales)):
-                if s is None or tuple(s.shape) != (E + 1,):
-                    raise ValueError(f"DSV4MoE: act='w4a4' needs {name} (E + 1,) = ({E + 1},): the static input scale of every expert")
+                if s is None or tuple(s.shape) != (G,):
+                    raise ValueError(f"DSV4MoE: act='w4a4' needs {name} ({held},) = ({G},): the static input scale of every expert")
                 s = s.detach().float().cpu()
                 if not (torch.isfinite(s).all() and (s >= GS_MIN).all()):
                     raise ValueError(f"DSV4MoE: {name} must be finite and >= 2^-110 (got min {s.min().item()})")
@@ -97,6 +118,8 @@ class DSV4MoE(torch.nn.Module):
         if tid2eid is not None: check_hash_table(tid2eid, E, "DSV4MoE")
         check_swiglu_limit(cfg.swiglu_limit)
         self.cfg, self.w13, self.w2, self.act = cfg, w13, w2, act
+        self.experts = None if g2l is None else (g2l >= 0).nonzero().flatten()   # int64, increasing
+        self.shared, self.num_groups = bool(shared), G
         self.register_buffer("gate_weight", gate_weight.to(torch.bfloat16).contiguous())
         self.register_buffer("gate_bias", None if gate_bias is None else gate_bias.float().contiguous())
         self.register_buffer("tid2eid", None if tid2eid is None else tid2eid.to(torch.int32).contiguous())
@@ -160,10 +183,30 @@ class DSV4MoE(torch.nn.Module):
         else:
             h = NVFP4Tensor(e(R, I // 2, dt=torch.uint8), e(R, I // 16, dt=torch.float8_e4m3fn), e(R, dt=torch.float32), (R, I))
             h_dec = None if act_decode_in_kernel(L2_ACT_DECODE, I, "DSV4MoE") else e(R, I)
-        return route_buffers(capacity, c.num_experts, c.top_k, c.hidden, dev), h, h_dec, e(R, c.hidden)
+        return (route_buffers(capacity, c.num_experts, c.top_k, c.hidden, dev, experts=self.experts, shared=self.shared),
+                h, h_dec, e(R, c.hidden))
+
+    def local(self, experts, shared: bool = True) -> "DSV4MoE":
+        """The expert-parallel slice of this layer that holds `experts` (increasing global ids, all held here) and, if
+        `shared`, the shared expert: the same router, those experts' weights and scales (views, no copy)."""
+        g2l, G, _ = local_groups(self.cfg.num_experts, self.experts, self.shared, "DSV4MoE.local")
+        ex = torch.as_tensor(experts).reshape(-1)
+        local_groups(self.cfg.num_experts, ex, shared, "DSV4MoE.local")                 # checks the list
+        ex = ex.long()
+        idx = ex if g2l is None else g2l.long()[ex]
+        if (idx < 0).any(): raise ValueError(f"DSV4MoE.local: experts {ex[idx < 0].tolist()} are not held by this layer")
+        if shared and not self.shared: raise ValueError("DSV4MoE.local: this layer does not hold the shared expert")
+        idx = torch.cat([idx, torch.tensor([G - 1])]) if shared else idx
+        take = lambda w: NVFP4Experts(w.data[idx], w.scale[idx], w.global_scale[idx], (len(idx),) + tuple(w.shape[1:]))
+        pick = lambda s: None if s is None else s[idx.to(s.device)]
+        out = DSV4MoE(self.cfg, take(self.w13), take(self.w2), self.gate_weight, self.gate_bias, self.tid2eid, act=self.act,
+                      a1_scales=pick(self.a1_scales), a2_scales=pick(self.a2_scales), experts=ex, shared=shared)
+        if self.bf16_weights is not None: out.bf16_weights = tuple(w[idx] for w in self.bf16_weights)
+        return out
 
     def _forward_device(self, x, input_ids=None, n_tokens=None, out=None, bufs=None, given=None):
-        """The forward on the device, eager or as the body of the captured graph: six launches, no host sync, fixed
+        """The forward on the device, eager or as the body of the captured graph: six launches (four up to
+        `ROUTE_FUSED_MAX_T` tokens, where the logits, route and permute are one), no host sync, fixed
         shapes. With `n_tokens` (an int64 device scalar) x is a padded buffer whose rows from `n_tokens` on are
         padding (not routed: no rows, no output). Eager calls reuse per-device buffers, grown when T needs it (so
         one layer's eager forwards must not run concurrently on two streams)."""
@@ -175,11 +218,16 @@ class DSV4MoE(torch.nn.Module):
         buf = bufs[0]
         if out is None: out = torch.empty(T, c.hidden, dtype=torch.bfloat16, device=dev)
         if T == 0: return out
-        logits = None if given is not None else router_logits(x, self.gate_weight, out=buf.logits[:T])
-        route_rows(buf, T, logits, self.gate_bias, routed_scaling_factor=c.routed_scaling_factor,
-                   tid2eid=self.tid2eid if given is None else None, input_ids=input_ids if given is None else None,
-                   given=given, n_tokens=n_tokens)
-        xr, rs = permute_rows(x, buf, self.a1_scales if self.act == "w4a4" else None, n_tokens)
+        a1 = self.a1_scales if self.act == "w4a4" else None
+        if given is None and T <= ROUTE_FUSED_MAX_T:          # decode: logits, route and permute in one launch
+            xr, rs = route_permute_fused(x, self.gate_weight, buf, self.gate_bias, routed_scaling_factor=c.routed_scaling_factor,
+                                         tid2eid=self.tid2eid, input_ids=input_ids, a1_scales=a1, n_tokens=n_tokens)
+        else:
+            logits = None if given is not None else router_logits(x, self.gate_weight, out=buf.logits[:T])
+            route_rows(buf, T, logits, self.gate_bias, routed_scaling_factor=c.routed_scaling_factor,
+                       tid2eid=self.tid2eid if given is None else None, input_ids=input_ids if given is None else None,
+                       given=given, n_tokens=n_tokens)
+            xr, rs = permute_rows(x, buf, a1, n_tokens)
         rows = self._experts(xr, rs, buf.offsets, bufs)
         return combine_tokens(rows, buf, out, n_tokens)
 
@@ -212,17 +260,20 @@ def ref_moe(x: torch.Tensor,            # (T, H) activations (bf16)
     """The layer in float64 on its own NVFP4 weights: the float64 router (or the given routing, weights rounded to
     fp32 as the kernels get them), then every token through its k experts and the shared one (`ref_expert_mlp`, the
     routing weight multiplied into h before W2). W4A4 as the layer runs it: each row of x quantized with its
-    expert's static scale `a1_scales[e]`, h with `a2_scales[e]`."""
+    expert's static scale `a1_scales[e]`, h with `a2_scales[e]`. An expert-parallel slice: its share (the slots of
+    the experts it holds)."""
     c = layer.cfg
     w, ids = _ref_route(x, layer, input_ids) if routing is None else (routing[0].cpu().float(), routing[1].cpu().long())
-    rt, p = route_with_shared(ids, w, c.num_experts)
+    rt, p = route_with_shared(ids, w, c.num_experts, layer.experts, layer.shared)
+    if rt.token.numel() == 0: return torch.zeros(x.shape[0], c.hidden, dtype=torch.float64)
     xr = x.cpu()[rt.token]
     if layer.act == "w4a4":
-        expert = torch.repeat_interleave(torch.arange(c.num_experts + 1), group_sizes(rt.expert_offsets))
-        xr = ref_quantize_nvfp4(xr.float(), layer.a1_scales.cpu()[expert])
+        group = torch.repeat_interleave(torch.arange(layer.num_groups), group_sizes(rt.expert_offsets))
+        xr = ref_quantize_nvfp4(xr.float(), layer.a1_scales.cpu()[group])
     rows = ref_expert_mlp(xr, layer.w13, layer.w2, rt.expert_offsets, act=layer.act, swiglu_limit=c.swiglu_limit,
                           route_weight=p, a2_scales=None if layer.a2_scales is None else layer.a2_scales.cpu())
-    return rows[rt.inv].sum(1)
+    held = (rt.inv >= 0)[..., None]
+    return torch.where(held, rows[rt.inv.clamp(min=0)], 0.0).sum(1)
 
 def ref_moe_bf16(x: torch.Tensor,       # (T, H)
                  layer: DSV4MoE,        # a layer that kept its unquantized weights (`DSV4MoE.synthetic`)
@@ -233,7 +284,7 @@ def ref_moe_bf16(x: torch.Tensor,       # (T, H)
     c = layer.cfg
     w1, w3, w2 = (t.double() for t in layer.bf16_weights)
     w, ids = _ref_route(x, layer, input_ids)
-    rt, p = route_with_shared(ids, w, c.num_experts)        # the same rows and (fp32) weights the kernels get
+    rt, p = route_with_shared(ids, w, c.num_experts, layer.experts, layer.shared)   # the rows and (fp32) weights the kernels get
     xd = x.cpu().double()
     y = torch.zeros_like(xd)
     start = 0
@@ -290,8 +341,10 @@ def _synthetic(cls, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", h
     layer.bf16_weights = bf
     return layer
 
-def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16", prefix: str = "layers.{layer}.ffn"):
-    "A DSV4MoE from a ModelOpt NVFP4 file (or a dict like `load_modelopt_nvfp4`'s result plus the gate's raw tensors)."
+def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16", prefix: str = "layers.{layer}.ffn",
+                   experts=None, shared: bool = True):
+    """A DSV4MoE from a ModelOpt NVFP4 file (or a dict like `load_modelopt_nvfp4`'s result plus the gate's raw tensors);
+    with `experts` (and `shared`) the expert-parallel slice holding those experts: the others are not needed."""
     p = prefix.format(layer=layer)
     raw = {}
     if isinstance(src, (str, Path)):
@@ -315,7 +368,9 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
         if tuple(t.weight.shape) != shape:
             raise ValueError(f"DSV4MoE.from_modelopt: {name} is {tuple(t.weight.shape)}, expected {shape}")
         return t
-    names = [f"{p}.experts.{e}" for e in range(E)] + [f"{p}.shared_experts"]
+    g2l, _, _ = local_groups(E, experts, shared, "DSV4MoE.from_modelopt")
+    held = range(E) if g2l is None else (g2l >= 0).nonzero().flatten().tolist()
+    names = [f"{p}.experts.{e}" for e in held] + ([f"{p}.shared_experts"] if shared else [])
     w1 = [get(f"{n}.w1", (I, H)).weight for n in names]
     w3 = [get(f"{n}.w3", (I, H)).weight for n in names]
     l2 = [get(f"{n}.w2", (H, I)) for n in names]
@@ -334,7 +389,7 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
         a1 = torch.maximum(scales("w1", "the static scale of x"), scales("w3", "the static scale of x"))   # one x feeds both
         a2 = scales("w2", "the static scale of h")
     return cls(cfg, w13, stack_experts([t.weight for t in l2]), gate, None if bias is None else bias.float(), tid,
-               act=act, a1_scales=a1, a2_scales=a2)
+               act=act, a1_scales=a1, a2_scales=a2, experts=experts, shared=shared)
 
 def _flash(cls, seed: int = 0, act: str = "w4a16", **kw):
     "A synthetic DSV4-Flash layer (256 + 1 experts, H 4096, I 2048); `device='cuda'` builds it in seconds."
@@ -397,6 +452,7 @@ MOE_PROBLEMS = ([("Flash", MoEConfig(4096, 2048, 256, 6, 1.5), T) for T in (1, 8
 class TorchMoE:
     "The same layer in torch (bf16 `_grouped_mm`, or fp8 `_scaled_grouped_mm` rowwise) for the benchmark baselines."
     def __init__(self, layer: DSV4MoE, fp8: bool):
+        if layer.experts is not None: raise ValueError("TorchMoE: the baseline is of a whole layer, not an expert-parallel slice")
         w1, w3, w2 = (t.to(layer.gate_weight.device) for t in layer.bf16_weights)
         self.layer, self.fp8 = layer, fp8
         w13 = torch.cat([w1, w3], 1)                                    # (E + 1, 2I, H): gate rows, then up rows
@@ -444,15 +500,20 @@ def _bench_moe_problem(timer, name, cfg, T, layers):
     c, bufs = cfg, layer.buffers(T, dev)
     buf, w13p, w2p = bufs[0], *layer.prepared(dev)
     out = torch.empty(T, c.hidden, dtype=torch.bfloat16, device=dev)
-    route = lambda: route_rows(buf, T, router_logits(x, layer.gate_weight, out=buf.logits[:T]), layer.gate_bias,
-                               routed_scaling_factor=c.routed_scaling_factor)
-    route(); xr, rs = permute_rows(x, buf)
+    fused = T <= ROUTE_FUSED_MAX_T                                   # the layer's logits + route + permute: one launch
+    if fused:
+        route = lambda: route_permute_fused(x, layer.gate_weight, buf, layer.gate_bias, routed_scaling_factor=c.routed_scaling_factor)
+        xr, rs = route()
+    else:
+        route = lambda: route_rows(buf, T, router_logits(x, layer.gate_weight, out=buf.logits[:T]), layer.gate_bias,
+                                   routed_scaling_factor=c.routed_scaling_factor)
+        route(); xr, rs = permute_rows(x, buf)
     R = xr.shape[0]
     h, rows = bufs[1][:R], bufs[3][:R]
     l1 = lambda: grouped_gemm_swiglu_nvfp4(xr, w13p, buf.offsets, swiglu_limit=c.swiglu_limit, row_scales=rs, scales_given=True, out=h)
     l1()
     row["t_router"] = timer(route)[0]
-    row["t_permute"] = timer(lambda: permute_rows(x, buf))[0]
+    row["t_permute"] = None if fused else timer(lambda: permute_rows(x, buf))[0]
     row["t_l1"] = timer(l1)[0]
     row["t_l2"] = timer(lambda: grouped_gemm_nvfp4(h, w2p, buf.offsets, out=rows))[0]
     row["t_combine"] = timer(lambda: combine_tokens(rows, buf, out))[0]
@@ -487,7 +548,8 @@ def moe_table(res: dict) -> str:
     cols = ["problem", "tokens", "ours W4A16", "ours W4A4", "torch bf16", "torch fp8", "x bf16", "x fp8", "router", "permute",
             "L1", "L2", "combine", "outside the GEMMs"]
     body = [(r["problem"], r["tokens"], f"{r['w4a16_us']:.1f}", f"{r['w4a4_us']:.1f}", f"{r['bf16_us']:.1f}", f"{r['fp8_us']:.1f}",
-             f"{r['x_bf16']:.2f}", f"{r['x_fp8']:.2f}", f"{r['t_router']:.1f}", f"{r['t_permute']:.1f}", f"{r['t_l1']:.1f}",
+             f"{r['x_bf16']:.2f}", f"{r['x_fp8']:.2f}", f"{r['t_router']:.1f}",
+             "(in router)" if r["t_permute"] is None else f"{r['t_permute']:.1f}", f"{r['t_l1']:.1f}",
              f"{r['t_l2']:.1f}", f"{r['t_combine']:.1f}", f"{r['outside_pct']:.0f}%") for r in res["rows"]]
     b = res["rows"][0]["bytes"] if res["rows"] else None
     tail = "" if b is None else f"\n\nWeight bytes of one {res['rows'][0]['problem']} layer: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in b.items())

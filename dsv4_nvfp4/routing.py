@@ -13,10 +13,11 @@ import torch
 from . import runtime as rt
 
 # %% auto #0
-__all__ = ['MOE_CU', 'ROUTE_CHUNK_SMALL', 'ROUTE_CHUNK', 'ROUTE_SMALL_T', 'LOGITS_KERNEL_MAX_T', 'Routing', 'route_topk',
-           'random_topk', 'group_sizes', 'ref_combine', 'check_offsets', 'ref_dsv4_router', 'check_expert_ids',
-           'check_hash_table', 'dsv4_router', 'dsv4_router_torch', 'route_chunk', 'RouteBuffers', 'route_buffers',
-           'router_logits', 'route_rows', 'permute_rows', 'combine_tokens', 'check_bad']
+__all__ = ['MOE_CU', 'ROUTE_CHUNK_SMALL', 'ROUTE_CHUNK', 'ROUTE_SMALL_T', 'LOGITS_KERNEL_MAX_T', 'ROUTE_FUSED_MAX_T', 'Routing',
+           'route_topk', 'random_topk', 'group_sizes', 'ref_combine', 'check_offsets', 'ref_dsv4_router',
+           'check_expert_ids', 'check_hash_table', 'dsv4_router', 'dsv4_router_torch', 'route_chunk', 'RouteBuffers',
+           'local_groups', 'route_buffers', 'router_logits', 'route_rows', 'permute_rows', 'combine_tokens',
+           'route_permute_fused', 'check_bad']
 
 # %% ../nbs/04_routing.ipynb #efa2b32c
 class Routing(NamedTuple):
@@ -198,6 +199,8 @@ def route_chunk(T: int) -> int:
     return ROUTE_CHUNK_SMALL if T <= ROUTE_SMALL_T else ROUTE_CHUNK
 LOGITS_KERNEL_MAX_T = 4        # router_logits: the kernel up to this many tokens, one cuBLAS bf16 GEMM (fp32 out) above
                                # (H200, L2 flushed, graph-replayed: kernel 6.3 vs cuBLAS 9.5 us at T = 1, 11.1 vs 10.4 at T = 8)
+ROUTE_FUSED_MAX_T = 4          # the layer's logits + route + permute in one launch (`route_permute_fused`) up to this
+                               # many tokens (the kernel takes <= 4: one warp per token in the last CTA)
 
 @dataclass
 class RouteBuffers:
@@ -206,33 +209,63 @@ class RouteBuffers:
     num_experts: int                # E routed experts (expert E is the shared one)
     top_k: int
     hidden: int
+    groups: int                     # G: the experts this layer holds (E + 1 for a whole layer)
+    g2l: torch.Tensor | None        # int32 (E,): group of each routed expert, -1 when held elsewhere (None: group = expert)
+    shared_group: int               # the shared expert's group (G - 1), -1 when held elsewhere
     logits: torch.Tensor            # fp32 (capacity, E)
     topk_weights: torch.Tensor      # fp32 (capacity, k)
     topk_ids: torch.Tensor          # int32 (capacity, k)
-    rank: torch.Tensor              # int32 (capacity, k + 1): row of (t, j) among its expert's rows of t's chunk
-    chunk_counts: torch.Tensor      # int32 (chunks, E + 1)
-    chunk_base: torch.Tensor        # int32 (chunks, E + 1)
-    offsets: torch.Tensor           # int32 (E + 1,): cumulative end offsets of the expert-major rows
+    rank: torch.Tensor              # int32 (capacity, k + 1): row of (t, j) among its group's rows of t's chunk (-1: not here)
+    chunk_counts: torch.Tensor      # int32 (chunks, G)
+    chunk_base: torch.Tensor        # int32 (chunks, G)
+    offsets: torch.Tensor           # int32 (G,): cumulative end offsets of the expert-major rows
     ticket: torch.Tensor            # int32 (1,): the last-CTA counter (0 between launches)
     bad: torch.Tensor               # int32 (1,): tokens with a bad token id or given routing (counted, never reset)
-    inv: torch.Tensor               # int32 (capacity, k + 1): row of (t, j); slot k is the shared expert
+    inv: torch.Tensor               # int32 (capacity, k + 1): row of (t, j), -1 when not here; slot k is the shared expert
     rows: torch.Tensor              # bf16 (capacity * (k + 1), hidden): expert-major activations
     row_scales: torch.Tensor        # fp32 (capacity * (k + 1), 2): per row (gs_a, routing weight) for the L1
 
+def local_groups(num_experts: int,
+                 experts=None,            # the routed experts this layer holds (global ids, increasing); None: all
+                 shared: bool = True,     # whether it holds the shared expert
+                 what: str = "route_buffers",
+                ) -> tuple[torch.Tensor | None, int, int]:  # (g2l int32 (E,) or None, groups G, shared group or -1)
+    """The groups of a layer that holds some experts (an expert-parallel slice): local experts in increasing global id,
+    then the shared expert. `g2l[e]` is expert e's group, -1 for an expert held elsewhere."""
+    if experts is None:
+        if not shared: raise ValueError(f"{what}: a layer without the shared expert must list its routed experts")
+        return None, num_experts + 1, num_experts
+    ex = torch.as_tensor(experts).reshape(-1)
+    if ex.numel() == 0: ex = ex.long()
+    if ex.dtype not in _INT_DTYPES: raise TypeError(f"{what}: experts must be integer expert ids, got {ex.dtype}")
+    ex = ex.long().cpu()
+    if ex.numel() and (ex.min() < 0 or ex.max() >= num_experts):
+        raise ValueError(f"{what}: experts must be in [0, {num_experts}), got {ex.min().item()} .. {ex.max().item()}")
+    if ex.numel() > 1 and not bool((ex[1:] > ex[:-1]).all()): raise ValueError(f"{what}: experts must be increasing (no repeats)")
+    L = ex.numel()
+    if L + shared == 0: raise ValueError(f"{what}: the layer holds no expert")
+    g2l = torch.full((num_experts,), -1, dtype=torch.int32)
+    g2l[ex] = torch.arange(L, dtype=torch.int32)
+    return g2l, L + int(shared), L if shared else -1
+
 def route_buffers(capacity: int, num_experts: int, top_k: int, hidden: int, device="cuda",
                   with_rows: bool = True,   # False: no rows / row_scales / inv (the router alone)
+                  experts=None,             # the routed experts held here (global ids, increasing); None: all
+                  shared: bool = True,      # the shared expert held here
                  ) -> RouteBuffers:
-    "Allocate the routing buffers for up to `capacity` tokens (zeroed counters)."
+    "Allocate the routing buffers for up to `capacity` tokens (zeroed counters) of a layer holding `experts` (+ shared)."
     if capacity < 1: raise ValueError(f"route_buffers: capacity must be >= 1, got {capacity}")
     if not 1 <= top_k <= min(31, num_experts): raise ValueError(f"route_buffers: need 1 <= top_k <= min(31, E), got {top_k}")
     if not 1 <= num_experts <= 1023: raise ValueError(f"route_buffers: the kernels take 1 <= E <= 1023 routed experts, got {num_experts}")
     if hidden % 1024: raise ValueError(f"route_buffers: hidden must be a multiple of 1024, got {hidden}")
-    dev, E1, k1 = torch.device(device), num_experts + 1, top_k + 1
+    g2l, G, sg = local_groups(num_experts, experts, shared)
+    dev, k1 = torch.device(device), top_k + 1
     nch = -(-capacity // ROUTE_CHUNK_SMALL)
     z = lambda *s, dt=torch.int32: torch.zeros(*s, dtype=dt, device=dev)
-    return RouteBuffers(capacity, num_experts, top_k, hidden, z(capacity, num_experts, dt=torch.float32),
-                        z(capacity, top_k, dt=torch.float32), z(capacity, top_k), z(capacity, k1), z(nch, E1), z(nch, E1),
-                        z(E1), z(1), z(1), z(capacity if with_rows else 0, k1),
+    return RouteBuffers(capacity, num_experts, top_k, hidden, G, None if g2l is None else g2l.to(dev), sg,
+                        z(capacity, num_experts, dt=torch.float32),
+                        z(capacity, top_k, dt=torch.float32), z(capacity, top_k), z(capacity, k1), z(nch, G), z(nch, G),
+                        z(G), z(1), z(1), z(capacity if with_rows else 0, k1),
                         z(capacity * k1 if with_rows else 0, hidden, dt=torch.bfloat16),
                         z(capacity * k1 if with_rows else 0, 2, dt=torch.float32))
 
@@ -280,8 +313,8 @@ def route_rows(buf: RouteBuffers,
               ) -> RouteBuffers:
     """One launch: top-k of `sqrt(softplus(logits)) + bias` (ties to the lower id), hash routing or a given routing;
     the shared expert (id E, weight 1) appended to every token; every (token, slot)'s expert-major row, in token
-    order within each expert (the permutation `route_topk` gives), and `buf.offsets` (E + 1,), all on the device with
-    no host sync. Bad token ids or given ids (out of range, repeated in a row) make that token's output NaN and count
+    order within each expert (the permutation `route_topk` gives), and `buf.offsets` (G,), all on the device with
+    no host sync. Buffers of a local layer (`route_buffers(experts=...)`) give rows to its own experts' slots only. Bad token ids or given ids (out of range, repeated in a row) make that token's output NaN and count
     in `buf.bad` (`check_bad` reads it)."""
     what, E, k = "route_rows", buf.num_experts, buf.top_k
     if not 0 <= T <= buf.capacity: raise ValueError(f"{what}: {T} tokens > the buffers' capacity {buf.capacity}")
@@ -307,13 +340,14 @@ def route_rows(buf: RouteBuffers,
               (0 if logits is None or given is not None else rt.ptr(logits), arg(bias, "bias", torch.float32, (E,)),
                0 if tid2eid is None else rt.ptr(tid2eid), 0 if tid2eid is None else rt.ptr(input_ids),
                rt.i64(0 if tid2eid is None else tid2eid.shape[0]), gi, gw, n_arg, rt.i32(T), rt.f32(routed_scaling_factor),
-               rt.i32(ch), rt.ptr(buf.topk_weights), rt.ptr(buf.topk_ids), rt.ptr(buf.rank), rt.ptr(buf.chunk_counts),
+               rt.i32(ch), 0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups), rt.i32(buf.shared_group),
+               rt.ptr(buf.topk_weights), rt.ptr(buf.topk_ids), rt.ptr(buf.rank), rt.ptr(buf.chunk_counts),
                rt.ptr(buf.chunk_base), rt.ptr(buf.offsets), rt.ptr(buf.ticket), rt.ptr(buf.bad)), defines=_defines(buf))
     return buf
 
 def permute_rows(x: torch.Tensor,                       # bf16 (T, hidden)
                  buf: RouteBuffers,                     # after `route_rows` for these T tokens
-                 a1_scales: torch.Tensor | None = None, # fp32 (E + 1,): W4A4, each expert's static global scale of x
+                 a1_scales: torch.Tensor | None = None, # fp32 (G,): W4A4, each group's static global scale of x
                  n_tokens: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]: # (rows bf16 (T(k+1), hidden), row_scales fp32 (T(k+1), 2))
     """x to expert-major rows (a view of `buf.rows`) with the L1's per-row (gs_a, p) and `buf.inv`. W4A4: every row
@@ -324,12 +358,13 @@ def permute_rows(x: torch.Tensor,                       # bf16 (T, hidden)
     if x.shape[1] != buf.hidden or T > buf.capacity: raise ValueError(f"{what}: x must be (T <= {buf.capacity}, {buf.hidden}), got {tuple(x.shape)}")
     if a1_scales is not None:
         rt.check_tensor(a1_scales, what, "a1_scales", (torch.float32,), buf.rows.device, align=4)
-        if tuple(a1_scales.shape) != (buf.num_experts + 1,): raise ValueError(f"{what}: a1_scales must be ({buf.num_experts + 1},), got {tuple(a1_scales.shape)}")
+        if tuple(a1_scales.shape) != (buf.groups,): raise ValueError(f"{what}: a1_scales must be ({buf.groups},), got {tuple(a1_scales.shape)}")
     R = T * (buf.top_k + 1)
     if T:
         rt.launch(MOE_CU, "moe_permute", (T,), (256,),
                   (rt.ptr(x), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(buf.topk_ids), rt.ptr(buf.topk_weights),
-                   rt.ptr(buf.rank), rt.ptr(buf.chunk_base), rt.i32(buf.num_experts + 1), rt.i32(route_chunk(T)), 0 if a1_scales is None else rt.ptr(a1_scales),
+                   rt.ptr(buf.rank), rt.ptr(buf.chunk_base), 0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups),
+                   rt.i32(buf.shared_group), rt.i32(route_chunk(T)), 0 if a1_scales is None else rt.ptr(a1_scales),
                    rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv)), defines=_defines(buf))
     return buf.rows[:R], buf.row_scales[:R]
 
@@ -338,7 +373,8 @@ def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hid
                    out: torch.Tensor,                   # bf16 (T, hidden)
                    n_tokens: torch.Tensor | None = None,
                   ) -> torch.Tensor:
-    "out[t] = the sum of token t's k + 1 rows in fp32 in slot order (the shared expert last), rounded to bf16 once."
+    """out[t] = the sum of token t's k + 1 rows in fp32 in slot order (the shared expert last), rounded to bf16 once
+    (a local layer's buffers: the rows it holds; a token with none gets zeros)."""
     what, T = "combine_tokens", out.shape[0]
     rt.check_tensor(out, what, "out", (torch.bfloat16,), buf.rows.device, dim=2)
     rt.check_tensor(rows, what, "rows", (torch.bfloat16,), buf.rows.device, dim=2)
@@ -348,6 +384,48 @@ def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hid
         rt.launch(MOE_CU, "moe_combine", (T,), (256,), (rt.ptr(rows), rt.ptr(buf.inv), 0 if n_tokens is None else rt.ptr(n_tokens),
                                                       rt.i32(T), rt.ptr(out)), defines=_defines(buf))
     return out
+
+def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
+                        w_gate: torch.Tensor,            # bf16 (E, hidden)
+                        buf: RouteBuffers,
+                        bias: torch.Tensor | None = None,
+                        *,
+                        routed_scaling_factor: float = 1.5,
+                        tid2eid: torch.Tensor | None = None,
+                        input_ids: torch.Tensor | None = None,
+                        a1_scales: torch.Tensor | None = None,
+                        n_tokens: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:  # (rows, row_scales) as `permute_rows`
+    """`router_logits` + `route_rows` + `permute_rows` for a decode step (T <= 4 tokens) in one launch
+    (`moe_route_small`): every CTA computes two experts' logits, the last to finish routes, scans and writes the rows.
+    The same arithmetic in the same order as the three launches, so the same bits in `buf` (logits, weights, ids,
+    offsets, inv, rows, row_scales; `rank` and the chunk counts are not written)."""
+    what, T, E, k = "route_permute_fused", x.shape[0], buf.num_experts, buf.top_k
+    dev = buf.offsets.device
+    rt.check_tensor(x, what, "x", (torch.bfloat16,), dev, dim=2)
+    rt.check_tensor(w_gate, what, "w_gate", (torch.bfloat16,), dev, dim=2)
+    if not 1 <= T <= min(4, buf.capacity) or x.shape[1] != buf.hidden or tuple(w_gate.shape) != (E, buf.hidden):
+        raise ValueError(f"{what}: x must be (1 <= T <= 4 and <= capacity {buf.capacity}, {buf.hidden}) and w_gate ({E}, {buf.hidden}), "
+                         f"got {tuple(x.shape)} / {tuple(w_gate.shape)}")
+    def arg(t, name, dt, shape):
+        if t is None: return 0
+        rt.check_tensor(t, what, name, (dt,), dev, align=4)
+        if tuple(t.shape) != shape: raise ValueError(f"{what}: {name} must be {shape}, got {tuple(t.shape)}")
+        return rt.ptr(t)
+    if tid2eid is not None:
+        if input_ids is None: raise ValueError(f"{what}: hash routing (tid2eid) needs input_ids")
+        arg(tid2eid, "tid2eid", torch.int32, (tid2eid.shape[0], k)); arg(input_ids, "input_ids", torch.int64, (T,))
+    if buf.rows.shape[0] < T * (k + 1): raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
+    rt.launch(MOE_CU, "moe_route_small", (-(-E // 2),), (128,),
+              (rt.ptr(x), rt.ptr(w_gate), arg(n_tokens, "n_tokens", torch.int64, ()), rt.i32(T), arg(bias, "bias", torch.float32, (E,)),
+               0 if tid2eid is None else rt.ptr(tid2eid), 0 if tid2eid is None else rt.ptr(input_ids),
+               rt.i64(0 if tid2eid is None else tid2eid.shape[0]), rt.f32(routed_scaling_factor),
+               0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups), rt.i32(buf.shared_group),
+               arg(a1_scales, "a1_scales", torch.float32, (buf.groups,)), rt.ptr(buf.logits), rt.ptr(buf.topk_weights),
+               rt.ptr(buf.topk_ids), rt.ptr(buf.offsets), rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv),
+               rt.ptr(buf.ticket), rt.ptr(buf.bad)), defines=_defines(buf))
+    R = T * (k + 1)
+    return buf.rows[:R], buf.row_scales[:R]
 
 def check_bad(buf: RouteBuffers, what: str = "route_rows"):
     "Raise if any token so far had a bad token id or given routing (reads `buf.bad`: a host sync)."

@@ -8,6 +8,13 @@
 //                      scale and written decoded: code * block scale, exact in bf16), the GEMM's per-row (gs_a, p),
 //                      and inv (T, k + 1): the row of every (token, slot)
 //   moe_combine        out[t] = sum over slots j = 0 .. k of rows[inv[t, j]] in fp32 in slot order, then bf16
+//   moe_route_small    a decode step (<= 4 tokens): moe_router_logits + moe_route + moe_permute in one launch, the same
+//                      device functions in the same order (the same bits)
+//
+// Local experts (an expert-parallel slice): with a table g2l (NE,) mapping each routed expert to its group on this
+// layer (-1: held elsewhere) and the shared expert's group sg (-1: held elsewhere), only the (token, slot)s of the
+// layer's own G groups get rows (expert-major by group, offsets (G,)); the others get row -1 and the combine skips
+// them. Without g2l the groups are the experts: G = NE + 1, sg = NE.
 //
 // Every launch has a fixed shape: a token count T_cap and, optionally, a device scalar n (<= T_cap) of real tokens;
 // tokens t >= n are not routed (no rows, no output). Nothing synchronizes with the host, so the chain is CUDA-graph
@@ -38,8 +45,7 @@ typedef unsigned long long u64;
 #define NE 256
 #endif
 
-constexpr int kMaxChunk = 64;       // tokens per moe_route CTA: 16 or 64 (launcher's choice), one 64-bit mask word per expert
-constexpr int kRouteThreads = 256;  // 8 warps, 8 tokens each
+constexpr int kRouteThreads = 256;  // 8 warps; a CTA routes a chunk of <= 64 tokens (one 64-bit mask word per expert)
 constexpr int kNE1 = NE + 1;        // routed experts + the shared one (expert id NE)
 constexpr int kNPL = (NE + 31) / 32;  // experts held per lane in the top-k
 
@@ -66,12 +72,8 @@ __device__ __forceinline__ void bf16x8_to_float(uint4 q, float (&v)[8]) {
 constexpr int kLogitWarps = 4, kG = 2, kTokTile = 64;
 constexpr int kChunksPerLane = HID / 8 / (kLogitWarps * 32);
 
-extern "C" __global__ void __launch_bounds__(kLogitWarps * 32)
-moe_router_logits(const bf16* __restrict__ x,       // (T, HID)
-                  const bf16* __restrict__ w,       // (E, HID)
-                  int T, int E,
-                  float* __restrict__ logits) {     // (T, E)
-    __shared__ float part[kLogitWarps][kG][kTokTile];
+__device__ __forceinline__ void router_logits_cta(const bf16* __restrict__ x, const bf16* __restrict__ w, int T, int E,
+                                                  float* __restrict__ logits, float (*part)[kG][kTokTile]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e0 = blockIdx.x * kG;
     uint4 wr[kG][kChunksPerLane];
 #pragma unroll
@@ -119,6 +121,15 @@ moe_router_logits(const bf16* __restrict__ x,       // (T, HID)
     }
 }
 
+extern "C" __global__ void __launch_bounds__(kLogitWarps * 32)
+moe_router_logits(const bf16* __restrict__ x,       // (T, HID)
+                  const bf16* __restrict__ w,       // (E, HID)
+                  int T, int E,
+                  float* __restrict__ logits) {     // (T, E)
+    __shared__ float part[kLogitWarps][kG][kTokTile];
+    router_logits_cta(x, w, T, E, logits, part);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Top-k with a total order: the key's bits made monotone as an unsigned integer (NaN lowest), the expert id
 // complemented below it, so the 64-bit max picks the largest key and, among equal keys, the lower expert id, and
@@ -142,124 +153,89 @@ __device__ __forceinline__ float dsv4_score(float l) {
     return __fsqrt_rn(sp);
 }
 
-extern "C" __global__ void __launch_bounds__(kRouteThreads)
-moe_route(const float* __restrict__ logits,      // (T, E) fp32
-          const float* __restrict__ bias,        // (E,) or nullptr
-          const int* __restrict__ tid2eid,       // (vocab, TOPK) or nullptr: hash routing
-          const i64* __restrict__ input_ids,     // (T,) with tid2eid
-          i64 vocab,
-          const int* __restrict__ given_ids,     // (T, TOPK) or nullptr: a given routing (ids and weights as given)
-          const float* __restrict__ given_w,     // (T, TOPK) with given_ids
-          const i64* __restrict__ n_ptr,         // real tokens (device scalar) or nullptr (= T)
-          int T, float scale,                    // routed_scaling_factor
-          int chunk,                             // tokens per CTA (<= 64, a multiple of 8)
-          float* __restrict__ topk_w,            // (T, TOPK) fp32
-          int* __restrict__ topk_ids,            // (T, TOPK) int32
-          int* __restrict__ rank,                // (T, TOPK + 1): row of (t, j) within its expert's rows of this chunk
-          int* __restrict__ chunk_counts,        // (n_chunks, NE + 1)
-          int* __restrict__ chunk_base,          // (n_chunks, NE + 1): first row of expert e for this chunk
-          int* __restrict__ offsets,             // (NE + 1,) cumulative end offsets
-          u32* __restrict__ ticket,              // one counter, 0 between launches (the last CTA resets it)
-          int* __restrict__ bad) {               // counts tokens with a bad input_id / given or table ids (or nullptr)
-    __shared__ u64 mask[kNE1];
-    __shared__ int tot[kNE1];
-    __shared__ int wsum[kRouteThreads / 32];
-    __shared__ int last;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n = n_real(n_ptr, T);
-    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) mask[e] = 0ull;
-    __syncthreads();
-
-    const int tpw = chunk / (kRouteThreads / 32), c0 = blockIdx.x * chunk;
-#pragma unroll 1
-    for (int q = 0; q < tpw; ++q) {
-        const int lt = warp + q * (kRouteThreads / 32), t = c0 + lt;
-        if (t >= n) break;
-        const float* lrow = logits + (i64)t * NE;
-        int id = -1;            // lane j < TOPK: the id of slot j
-        float sv = 0.0f;        // and its unbiased score
-        if (tid2eid == nullptr && given_ids == nullptr) {
-            float key[kNPL], s[kNPL];
+// One warp routes token t (chunk-local index lt): top-k of score + bias (or the hash table, or the given routing),
+// the normalized scaled weights into topk_w / topk_ids, and bit lt of the mask of every group it visits (shared memory).
+// The logits are read through L2 (__ldcg): in moe_route_small other CTAs of the same launch wrote them.
+__device__ __forceinline__ void route_token(int t, int lt, int lane,
+                                            const float* __restrict__ logits, const float* __restrict__ bias,
+                                            const int* __restrict__ tid2eid, const i64* __restrict__ input_ids, i64 vocab,
+                                            const int* __restrict__ given_ids, const float* __restrict__ given_w,
+                                            float scale, const int* __restrict__ g2l, int sg,
+                                            float* __restrict__ topk_w, int* __restrict__ topk_ids, u64* mask,
+                                            int* __restrict__ bad) {
+    const float* lrow = logits + (i64)t * NE;
+    int id = -1;            // lane j < TOPK: the id of slot j
+    float sv = 0.0f;        // and its unbiased score
+    if (tid2eid == nullptr && given_ids == nullptr) {
+        float key[kNPL], s[kNPL];
+#pragma unroll
+        for (int i = 0; i < kNPL; ++i) {
+            const int e = lane + 32 * i;
+            s[i] = e < NE ? dsv4_score(__ldcg(lrow + e)) : 0.0f;
+            key[i] = e < NE ? (bias ? __fadd_rn(s[i], bias[e]) : s[i]) : 0.0f;
+        }
+        u32 taken = 0u;
+#pragma unroll
+        for (int i = 0; i < kNPL; ++i) if (lane + 32 * i >= NE) taken |= 1u << i;
+        for (int j = 0; j < TOPK; ++j) {
+            u64 best = 0ull; float bs = 0.0f;
 #pragma unroll
             for (int i = 0; i < kNPL; ++i) {
-                const int e = lane + 32 * i;
-                s[i] = e < NE ? dsv4_score(lrow[e]) : 0.0f;
-                key[i] = e < NE ? (bias ? __fadd_rn(s[i], bias[e]) : s[i]) : 0.0f;
+                const u64 k = order_key(key[i], lane + 32 * i);
+                if (!((taken >> i) & 1u) && k > best) { best = k; bs = s[i]; }
             }
-            u32 taken = 0u;
-#pragma unroll
-            for (int i = 0; i < kNPL; ++i) if (lane + 32 * i >= NE) taken |= 1u << i;
-            for (int j = 0; j < TOPK; ++j) {
-                u64 best = 0ull; float bs = 0.0f;
-#pragma unroll
-                for (int i = 0; i < kNPL; ++i) {
-                    const u64 k = order_key(key[i], lane + 32 * i);
-                    if (!((taken >> i) & 1u) && k > best) { best = k; bs = s[i]; }
-                }
-                const u64 win = warp_max_u64(best);
-                const int e = (int)(0xffffffffu - (u32)win);
-                const float se = __shfl_sync(0xffffffffu, bs, e & 31);
-                if ((e & 31) == lane) taken |= 1u << (e >> 5);
-                if (lane == j) { id = e; sv = se; }
-            }
-        } else {
-            // Hash or given ids: a token id outside [0, vocab), an expert id outside [0, NE) or a repeated expert
-            // makes the whole token bad: counted, routed to experts 0..TOPK-1 with NaN weights (its output is NaN).
-            bool ok = true;
-            i64 tok = 0;
-            if (given_ids == nullptr) { tok = input_ids[t]; ok = tok >= 0 && tok < vocab; }
-            if (lane < TOPK && ok) id = given_ids ? given_ids[(i64)t * TOPK + lane] : tid2eid[tok * TOPK + lane];
-            const bool in = lane >= TOPK || (id >= 0 && id < NE);
-            const u32 same = __match_any_sync(0xffffffffu, lane < TOPK ? id : -1 - lane);
-            ok = __all_sync(0xffffffffu, ok && in && (lane >= TOPK || __popc(same) == 1));
-            if (!ok && lane == 0 && bad != nullptr) atomicAdd(bad, 1);
-            if (lane < TOPK) {
-                if (!ok) { id = lane; sv = __int_as_float(0x7fffffff); }
-                else sv = given_ids ? given_w[(i64)t * TOPK + lane] : dsv4_score(lrow[id]);
-            }
+            const u64 win = warp_max_u64(best);
+            const int e = (int)(0xffffffffu - (u32)win);
+            const float se = __shfl_sync(0xffffffffu, bs, e & 31);
+            if ((e & 31) == lane) taken |= 1u << (e >> 5);
+            if (lane == j) { id = e; sv = se; }
         }
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < TOPK; ++j) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, sv, j));
+    } else {
+        // Hash or given ids: a token id outside [0, vocab), an expert id outside [0, NE) or a repeated expert
+        // makes the whole token bad: counted, routed to experts 0..TOPK-1 with NaN weights (its output is NaN).
+        bool ok = true;
+        i64 tok = 0;
+        if (given_ids == nullptr) { tok = input_ids[t]; ok = tok >= 0 && tok < vocab; }
+        if (lane < TOPK && ok) id = given_ids ? given_ids[(i64)t * TOPK + lane] : tid2eid[tok * TOPK + lane];
+        const bool in = lane >= TOPK || (id >= 0 && id < NE);
+        const u32 same = __match_any_sync(0xffffffffu, lane < TOPK ? id : -1 - lane);
+        ok = __all_sync(0xffffffffu, ok && in && (lane >= TOPK || __popc(same) == 1));
+        if (!ok && lane == 0 && bad != nullptr) atomicAdd(bad, 1);
         if (lane < TOPK) {
-            topk_w[(i64)t * TOPK + lane] = given_ids ? sv : __fmul_rn(__fdiv_rn(sv, sum), scale);
-            topk_ids[(i64)t * TOPK + lane] = id;
-        }
-        if (lane <= TOPK) atomicOr(&mask[lane < TOPK ? id : NE], 1ull << lt);
-    }
-    __syncthreads();
-#pragma unroll 1
-    for (int q = 0; q < tpw; ++q) {
-        const int lt = warp + q * (kRouteThreads / 32), t = c0 + lt;
-        if (t >= n) break;
-        if (lane <= TOPK) {      // this lane wrote topk_ids[t, lane] above (its own write: visible to it)
-            const int e = lane < TOPK ? topk_ids[(i64)t * TOPK + lane] : NE;
-            rank[(i64)t * (TOPK + 1) + lane] = __popcll(mask[e] & ((1ull << lt) - 1ull));
+            if (!ok) { id = lane; sv = __int_as_float(0x7fffffff); }
+            else sv = given_ids ? given_w[(i64)t * TOPK + lane] : dsv4_score(__ldcg(lrow + id));
         }
     }
-    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) chunk_counts[(i64)blockIdx.x * kNE1 + e] = __popcll(mask[e]);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < TOPK; ++j) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, sv, j));
+    if (lane < TOPK) {
+        topk_w[(i64)t * TOPK + lane] = given_ids ? sv : __fmul_rn(__fdiv_rn(sv, sum), scale);
+        topk_ids[(i64)t * TOPK + lane] = id;
+    }
+    if (lane <= TOPK) {
+        const int g = lane < TOPK ? (g2l ? g2l[id] : id) : sg;
+        if (g >= 0) atomicOr(&mask[g], 1ull << lt);
+    }
+}
 
-    // The last CTA to get here scans the counts (the threadfence reduction pattern).
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int nch = gridDim.x;
-    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) {
-        int s = 0;
-        for (int c = 0; c < nch; ++c) s += __ldcg(chunk_counts + (i64)c * kNE1 + e);
-        tot[e] = s;
-    }
-    __syncthreads();
-    // exclusive scan of tot over kNE1 <= 1024 entries: 4 consecutive per thread, then a block scan of the sums
-    constexpr int kPer = (kNE1 + kRouteThreads - 1) / kRouteThreads;
+// The group of slot j of token t (its own write of topk_ids, or one made visible by a barrier), -1: not here.
+__device__ __forceinline__ int slot_group(int t, int j, const int* __restrict__ topk_ids, const int* __restrict__ g2l, int sg) {
+    if (j == TOPK) return sg;
+    const int e = topk_ids[(i64)t * TOPK + j];
+    return g2l ? g2l[e] : e;
+}
+
+// tot[0 .. ng) (shared) -> exclusive starts in place, offsets = inclusive ends. Every thread of the CTA calls it.
+template <int kThreads>
+__device__ __forceinline__ void scan_groups(int* tot, int* wsum, int ng, int* __restrict__ offsets) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int kPer = (kNE1 + kThreads - 1) / kThreads;     // consecutive entries per thread, then a block scan
     int v[kPer], run = 0;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
         const int e = threadIdx.x * kPer + i;
-        v[i] = e < kNE1 ? tot[e] : 0;
+        v[i] = e < ng ? tot[e] : 0;
         run += v[i];
     }
     int inc = run;
@@ -276,61 +252,99 @@ moe_route(const float* __restrict__ logits,      // (T, E) fp32
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
         const int e = threadIdx.x * kPer + i;
-        if (e < kNE1) { tot[e] = before; offsets[e] = before + v[i]; }
+        if (e < ng) { tot[e] = before; offsets[e] = before + v[i]; }
         before += v[i];
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) {
+}
+
+extern "C" __global__ void __launch_bounds__(kRouteThreads)
+moe_route(const float* __restrict__ logits,      // (T, E) fp32
+          const float* __restrict__ bias,        // (E,) or nullptr
+          const int* __restrict__ tid2eid,       // (vocab, TOPK) or nullptr: hash routing
+          const i64* __restrict__ input_ids,     // (T,) with tid2eid
+          i64 vocab,
+          const int* __restrict__ given_ids,     // (T, TOPK) or nullptr: a given routing (ids and weights as given)
+          const float* __restrict__ given_w,     // (T, TOPK) with given_ids
+          const i64* __restrict__ n_ptr,         // real tokens (device scalar) or nullptr (= T)
+          int T, float scale,                    // routed_scaling_factor
+          int chunk,                             // tokens per CTA (<= 64, a multiple of 8)
+          const int* __restrict__ g2l,           // (NE,): group of each routed expert on this layer, -1 elsewhere; nullptr: identity
+          int ng, int sg,                        // groups G (<= NE + 1) and the shared expert's group (-1: not here)
+          float* __restrict__ topk_w,            // (T, TOPK) fp32
+          int* __restrict__ topk_ids,            // (T, TOPK) int32
+          int* __restrict__ rank,                // (T, TOPK + 1): row of (t, j) within its group's rows of this chunk, -1: not here
+          int* __restrict__ chunk_counts,        // (n_chunks, G)
+          int* __restrict__ chunk_base,          // (n_chunks, G): first row of group g for this chunk
+          int* __restrict__ offsets,             // (G,) cumulative end offsets
+          u32* __restrict__ ticket,              // one counter, 0 between launches (the last CTA resets it)
+          int* __restrict__ bad) {               // counts tokens with a bad input_id / given or table ids (or nullptr)
+    __shared__ u64 mask[kNE1];
+    __shared__ int tot[kNE1];
+    __shared__ int wsum[kRouteThreads / 32];
+    __shared__ int last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = n_real(n_ptr, T);
+    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) mask[e] = 0ull;
+    __syncthreads();
+
+    const int tpw = chunk / (kRouteThreads / 32), c0 = blockIdx.x * chunk;
+#pragma unroll 1
+    for (int q = 0; q < tpw; ++q) {
+        const int lt = warp + q * (kRouteThreads / 32), t = c0 + lt;
+        if (t >= n) break;
+        route_token(t, lt, lane, logits, bias, tid2eid, input_ids, vocab, given_ids, given_w, scale, g2l, sg, topk_w, topk_ids, mask, bad);
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int q = 0; q < tpw; ++q) {
+        const int lt = warp + q * (kRouteThreads / 32), t = c0 + lt;
+        if (t >= n) break;
+        if (lane <= TOPK) {      // this lane wrote topk_ids[t, lane] above (its own write: visible to it)
+            const int g = slot_group(t, lane, topk_ids, g2l, sg);
+            rank[(i64)t * (TOPK + 1) + lane] = g >= 0 ? __popcll(mask[g] & ((1ull << lt) - 1ull)) : -1;
+        }
+    }
+    for (int e = threadIdx.x; e < ng; e += blockDim.x) chunk_counts[(i64)blockIdx.x * ng + e] = __popcll(mask[e]);
+
+    // The last CTA to get here scans the counts (the threadfence reduction pattern).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int nch = gridDim.x;
+    for (int e = threadIdx.x; e < ng; e += blockDim.x) {
+        int s = 0;
+        for (int c = 0; c < nch; ++c) s += __ldcg(chunk_counts + (i64)c * ng + e);
+        tot[e] = s;
+    }
+    __syncthreads();
+    scan_groups<kRouteThreads>(tot, wsum, ng, offsets);
+    for (int e = threadIdx.x; e < ng; e += blockDim.x) {
         int b = tot[e];
         for (int c = 0; c < nch; ++c) {
-            chunk_base[(i64)c * kNE1 + e] = b;
-            b += __ldcg(chunk_counts + (i64)c * kNE1 + e);
+            chunk_base[(i64)c * ng + e] = b;
+            b += __ldcg(chunk_counts + (i64)c * ng + e);
         }
     }
     if (threadIdx.x == 0) *ticket = 0u;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Permute: CTA t copies token t's row to its TOPK + 1 expert-major rows. W4A4 (a1 != nullptr): each 16-block is
-// quantized with slot j's expert's static global scale a1[e] exactly as nvfp4_quantize.cu does, and written decoded
-// (code * block scale: at most 6 significant bits, exact in bf16); the GEMM applies a1[e] per row (row_scales).
-constexpr int kPermThreads = 256;
-
-extern "C" __global__ void __launch_bounds__(kPermThreads)
-moe_permute(const bf16* __restrict__ x,          // (T, HID)
-            const i64* __restrict__ n_ptr, int T,
-            const int* __restrict__ topk_ids,    // (T, TOPK)
-            const float* __restrict__ topk_w,    // (T, TOPK)
-            const int* __restrict__ rank,        // (T, TOPK + 1)
-            const int* __restrict__ chunk_base,  // (n_chunks, ne1)
-            int ne1,                             // E + 1
-            int chunk,                           // moe_route's tokens per CTA
-            const float* __restrict__ a1,        // (E + 1,) static global scales of x (W4A4) or nullptr (W4A16)
-            bf16* __restrict__ xr,               // (R, HID) expert-major rows
-            float* __restrict__ row_scales,      // (R, 2): (gs_a, p) per row
-            int* __restrict__ inv) {             // (T, TOPK + 1)
-    __shared__ int pos[TOPK + 1];
-    __shared__ float gsa[TOPK + 1];
-    const int t = blockIdx.x;
-    if (t >= n_real(n_ptr, T)) return;
-    if (threadIdx.x <= TOPK) {
-        const int j = threadIdx.x;
-        const int e = j < TOPK ? topk_ids[(i64)t * TOPK + j] : ne1 - 1;
-        const int p = chunk_base[(i64)(t / chunk) * ne1 + e] + rank[(i64)t * (TOPK + 1) + j];
-        const float g = a1 ? a1[e] : 1.0f;
-        pos[j] = p; gsa[j] = g;
-        inv[(i64)t * (TOPK + 1) + j] = p;
-        row_scales[(i64)p * 2] = g;
-        row_scales[(i64)p * 2 + 1] = j < TOPK ? topk_w[(i64)t * TOPK + j] : 1.0f;
-    }
-    __syncthreads();
-    const bf16* src = x + (i64)t * HID;
-    if (a1 == nullptr) {
+// Permute: token t's row to its TOPK + 1 expert-major rows pos[j] (those of this layer's groups; -1: skipped), the
+// whole CTA striding over the row. W4A4 (a1 != nullptr): each 16-block is quantized with slot j's group's static
+// global scale gsa[j] exactly as nvfp4_quantize.cu does, and written decoded (code * block scale: at most 6
+// significant bits, exact in bf16); the GEMM applies the scale per row (row_scales).
+__device__ __forceinline__ void permute_token(const bf16* __restrict__ src, const int* pos, const float* gsa, bool w4a4,
+                                              bf16* __restrict__ xr) {
+    if (!w4a4) {
         const uint4* s4 = reinterpret_cast<const uint4*>(src);
         for (int c = threadIdx.x; c < HID / 8; c += blockDim.x) {
             const uint4 v = s4[c];
 #pragma unroll
-            for (int j = 0; j <= TOPK; ++j) reinterpret_cast<uint4*>(xr + (i64)pos[j] * HID)[c] = v;
+            for (int j = 0; j <= TOPK; ++j) if (pos[j] >= 0) reinterpret_cast<uint4*>(xr + (i64)pos[j] * HID)[c] = v;
         }
         return;
     }
@@ -339,6 +353,7 @@ moe_permute(const bf16* __restrict__ x,          // (T, HID)
         const u32 amax = load16_amax<bf16>(src + b * 16, v);
 #pragma unroll 1
         for (int j = 0; j <= TOPK; ++j) {
+            if (pos[j] < 0) continue;
             u32 lo, hi;
             const u32 sb = quantize_block16(v, amax, gsa[j], lo, hi);
             const float s = e4m3_to_float(sb);
@@ -358,9 +373,108 @@ moe_permute(const bf16* __restrict__ x,          // (T, HID)
     }
 }
 
+// Slot j of token t has row p (-1: not here): inv, and the L1's per-row (gs_a, p).
+__device__ __forceinline__ void place_slot(int t, int j, int g, int p, const float* __restrict__ topk_w,
+                                           const float* __restrict__ a1, int* pos, float* gsa,
+                                           float* __restrict__ row_scales, int* __restrict__ inv) {
+    const float s = a1 && g >= 0 ? a1[g] : 1.0f;
+    pos[j] = p; gsa[j] = s;
+    inv[(i64)t * (TOPK + 1) + j] = p;
+    if (p >= 0) {
+        row_scales[(i64)p * 2] = s;
+        row_scales[(i64)p * 2 + 1] = j < TOPK ? topk_w[(i64)t * TOPK + j] : 1.0f;
+    }
+}
+
+constexpr int kPermThreads = 256;
+
+extern "C" __global__ void __launch_bounds__(kPermThreads)
+moe_permute(const bf16* __restrict__ x,          // (T, HID)
+            const i64* __restrict__ n_ptr, int T,
+            const int* __restrict__ topk_ids,    // (T, TOPK)
+            const float* __restrict__ topk_w,    // (T, TOPK)
+            const int* __restrict__ rank,        // (T, TOPK + 1)
+            const int* __restrict__ chunk_base,  // (n_chunks, G)
+            const int* __restrict__ g2l,         // as moe_route's
+            int ng, int sg,
+            int chunk,                           // moe_route's tokens per CTA
+            const float* __restrict__ a1,        // (G,) static global scales of x (W4A4) or nullptr (W4A16)
+            bf16* __restrict__ xr,               // (R, HID) expert-major rows
+            float* __restrict__ row_scales,      // (R, 2): (gs_a, p) per row
+            int* __restrict__ inv) {             // (T, TOPK + 1): the row of (t, j), -1 when its expert is not here
+    __shared__ int pos[TOPK + 1];
+    __shared__ float gsa[TOPK + 1];
+    const int t = blockIdx.x;                    // one CTA per token
+    if (t >= n_real(n_ptr, T)) return;
+    if (threadIdx.x <= TOPK) {
+        const int j = threadIdx.x, g = slot_group(t, j, topk_ids, g2l, sg);
+        const int p = g >= 0 ? chunk_base[(i64)(t / chunk) * ng + g] + rank[(i64)t * (TOPK + 1) + j] : -1;
+        place_slot(t, j, g, p, topk_w, a1, pos, gsa, row_scales, inv);
+    }
+    __syncthreads();
+    permute_token(x + (i64)t * HID, pos, gsa, a1 != nullptr, xr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode (T <= kSmallMaxT tokens): logits, route, scan and permute in ONE launch (three fewer kernel boundaries on
+// the latency-bound path). Every CTA computes the logits of its kG experts (as moe_router_logits); the last CTA to
+// finish (ticket) routes the tokens (warp w: token w), scans the groups (one chunk) and writes the rows (as
+// moe_route + moe_permute). Same arithmetic in the same order as the three kernels: the same bits.
+constexpr int kSmallMaxT = kLogitWarps;
+
+extern "C" __global__ void __launch_bounds__(kLogitWarps * 32)
+moe_route_small(const bf16* __restrict__ x,          // (T, HID)
+                const bf16* __restrict__ w_gate,     // (NE, HID)
+                const i64* __restrict__ n_ptr, int T,   // T <= kSmallMaxT
+                const float* __restrict__ bias,
+                const int* __restrict__ tid2eid, const i64* __restrict__ input_ids, i64 vocab,
+                float scale,
+                const int* __restrict__ g2l, int ng, int sg,
+                const float* __restrict__ a1,        // (G,) W4A4 or nullptr
+                float* __restrict__ logits,          // (T, NE)
+                float* __restrict__ topk_w, int* __restrict__ topk_ids,
+                int* __restrict__ offsets,           // (G,)
+                bf16* __restrict__ xr, float* __restrict__ row_scales, int* __restrict__ inv,
+                u32* __restrict__ ticket, int* __restrict__ bad) {
+    __shared__ float part[kLogitWarps][kG][kTokTile];
+    __shared__ u64 mask[kNE1];
+    __shared__ int tot[kNE1];
+    __shared__ int wsum[kLogitWarps];
+    __shared__ int pos[kSmallMaxT][TOPK + 1];
+    __shared__ float gsa[kSmallMaxT][TOPK + 1];
+    __shared__ int last;
+    if (T > kSmallMaxT) __trap();                // the launcher never does this
+    router_logits_cta(x, w_gate, T, NE, logits, part);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = n_real(n_ptr, T);
+    for (int e = threadIdx.x; e < kNE1; e += blockDim.x) mask[e] = 0ull;
+    __syncthreads();
+    if (warp < n)
+        route_token(warp, warp, lane, logits, bias, tid2eid, input_ids, vocab, nullptr, nullptr, scale, g2l, sg, topk_w, topk_ids, mask, bad);
+    __syncthreads();                             // masks and topk_ids visible to the CTA
+    for (int e = threadIdx.x; e < ng; e += blockDim.x) tot[e] = __popcll(mask[e]);
+    __syncthreads();
+    scan_groups<kLogitWarps * 32>(tot, wsum, ng, offsets);
+    for (int i = threadIdx.x; i < n * (TOPK + 1); i += blockDim.x) {
+        const int t = i / (TOPK + 1), j = i - t * (TOPK + 1), g = slot_group(t, j, topk_ids, g2l, sg);
+        const int p = g >= 0 ? tot[g] + __popcll(mask[g] & ((1ull << t) - 1ull)) : -1;
+        place_slot(t, j, g, p, topk_w, a1, pos[t], gsa[t], row_scales, inv);
+    }
+    __syncthreads();
+    for (int t = 0; t < n; ++t) permute_token(x + (i64)t * HID, pos[t], gsa[t], a1 != nullptr, xr);
+    if (threadIdx.x == 0) *ticket = 0u;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Combine: out[t] = bf16( (((rows[inv[t,0]] + rows[inv[t,1]]) + ...) + rows[inv[t,TOPK]]) ) in fp32, slot order (the
-// shared expert last): bit-identical to the torch reference `combine_rows`.
+// shared expert last): bit-identical to the torch reference `combine_rows`. Slots with no row here (inv -1, a local
+// layer) are skipped; a token with none gets zeros.
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights already applied
             const int* __restrict__ inv,        // (T, TOPK + 1)
@@ -372,14 +486,24 @@ moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights alr
     if (threadIdx.x <= TOPK) pos[threadIdx.x] = inv[(i64)t * (TOPK + 1) + threadIdx.x];
     __syncthreads();
     for (int c = threadIdx.x; c < HID / 8; c += blockDim.x) {
+        uint4 q[TOPK + 1];                             // every load in flight before the first add
+#pragma unroll
+        for (int j = 0; j <= TOPK; ++j)
+            q[j] = pos[j] >= 0 ? reinterpret_cast<const uint4*>(rows + (i64)pos[j] * HID)[c] : make_uint4(0u, 0u, 0u, 0u);
         float acc[8];
-        bf16x8_to_float(reinterpret_cast<const uint4*>(rows + (i64)pos[0] * HID)[c], acc);
+        bool any = false;
 #pragma unroll
-        for (int j = 1; j <= TOPK; ++j) {
+        for (int j = 0; j <= TOPK; ++j) {
+            if (pos[j] < 0) continue;                  // uniform over the CTA
             float v[8];
-            bf16x8_to_float(reinterpret_cast<const uint4*>(rows + (i64)pos[j] * HID)[c], v);
+            bf16x8_to_float(q[j], v);
 #pragma unroll
-            for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+            for (int k = 0; k < 8; ++k) acc[k] = any ? __fadd_rn(acc[k], v[k]) : v[k];
+            any = true;
+        }
+        if (!any) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
         }
         u32 o[4];
 #pragma unroll

@@ -100,3 +100,46 @@ def test_bad_input():
     cap = layer.capture(4)
     with pytest.raises(ValueError, match="capacity 4"):
         cap(torch.zeros(5, CFG.hidden, dtype=torch.bfloat16, device=DEV))
+
+
+@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+def test_decode_launch_and_capture_equal_the_unfused_forward(act, monkeypatch):
+    "Up to ROUTE_FUSED_MAX_T tokens the logits, route and permute are one launch: the same output bits, eager and captured."
+    layer = M.DSV4MoE.synthetic(CFG, seed=12, act=act, device=DEV).to(DEV)
+    xs = [torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).to(DEV) for T in (1, 3, 4)]
+    fused = [layer(x).clone() for x in xs]
+    w, ids = layer.route(xs[1])
+    assert torch.equal(layer.forward_routed(xs[1], w, ids), fused[1])    # a given routing takes the three launches
+    cap = layer.capture(M.ROUTE_FUSED_MAX_T)
+    for x, y in zip(xs, fused): assert torch.equal(cap(x), y)
+    monkeypatch.setattr(M, "ROUTE_FUSED_MAX_T", 0)
+    for x, y in zip(xs, fused): assert torch.equal(layer(x), y)
+
+
+@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("T", [1, 37])
+def test_slices_compute_the_layers_own_rows(act, T):
+    "Expert-parallel slices: the same routing, the held slots' rows bit-identical to the whole layer's, each share vs its reference."
+    layer = M.DSV4MoE.synthetic(CFG, seed=13, act=act, device=DEV).to(DEV)
+    x = torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
+    xd = x.to(DEV)
+    y = layer(xd).cpu()
+    fb, _, _, frows = next(iter(layer._eager.values()))
+    ids, inv_full, rows_full = fb.topk_ids[:T].clone(), fb.inv[:T].clone(), frows.clone()
+    a = [0, 3, 4, 9, 15]
+    parts = (layer.local(a), layer.local([e for e in range(CFG.num_experts) if e not in a], shared=False))
+    total = torch.zeros(T, CFG.hidden, dtype=torch.float64)
+    for part in parts:
+        yp = part(xd).cpu()
+        buf, _, _, rows = next(iter(part._eager.values()))
+        assert torch.equal(buf.topk_ids[:T], ids)
+        held = buf.inv[:T] >= 0
+        want = torch.cat([torch.isin(ids, part.experts.to(DEV)), torch.full((T, 1), part.shared, device=DEV)], 1)
+        assert torch.equal(held, want)
+        assert torch.equal(rows[buf.inv[:T][held].long()], rows_full[inv_full[held].long()]), "the slice's rows are the layer's"
+        ref = M.ref_moe(x, part)
+        assert ((yp.double() - ref).norm() / ref.norm()).item() <= 5e-3
+        total += yp.double()
+    want = M.ref_moe(x, layer)
+    assert ((total - want).norm() / want.norm()).item() <= 5e-3                # the shares add up to the layer
+    assert ((total - y.double()).norm() / want.norm()).item() <= 5e-3

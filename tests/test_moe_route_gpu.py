@@ -150,3 +150,85 @@ def test_bad_given_ids_are_counted_and_confined():
     assert tw[[1, 2, 4]].isnan().all() and not tw[[0, 3, 5]].isnan().any()
     assert torch.equal(buf.topk_ids[[0, 3, 5]].cpu(), ids[[0, 3, 5]].cpu())
     assert buf.offsets[-1].item() == T * (k + 1)                          # every token still has k + 1 distinct rows
+
+
+def _snapshot(buf, T, k):
+    R_ = T * (k + 1)
+    return dict(logits=buf.logits[:T].clone(), w=buf.topk_weights[:T].clone(), ids=buf.topk_ids[:T].clone(),
+                offsets=buf.offsets.clone(), inv=buf.inv[:T].clone(), rs=buf.row_scales[:R_].clone())
+
+
+@pytest.mark.parametrize("E,H,a1", [(256, 4096, False), (256, 4096, True), (384, 7168, False), (48, 7168, True)])
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+def test_fused_decode_launch_equals_the_three_launches(E, H, a1, T):
+    "moe_route_small (logits + route + permute in one launch) writes the same bits as the three kernels."
+    k = 6
+    x, w, b = gate(E, H, T, seed=E + T)
+    xd, wd, bd = x.to(DEV), w.to(DEV), b.to(DEV)
+    s1 = (torch.rand(E + 1, generator=torch.Generator().manual_seed(T)) * 2e-3 + 5e-4).to(DEV) if a1 else None
+    ref = R.route_buffers(T, E, k, H, DEV)
+    R.route_rows(ref, T, R.router_logits(xd, wd, out=ref.logits[:T], impl="kernel"), bd, routed_scaling_factor=2.5)
+    rows_ref, _ = R.permute_rows(xd, ref, s1)
+    got = R.route_buffers(T, E, k, H, DEV)
+    for _ in range(2):                                                    # twice: the ticket was reset
+        rows, rs = R.route_permute_fused(xd, wd, got, bd, routed_scaling_factor=2.5, a1_scales=s1)
+        a, c = _snapshot(got, T, k), _snapshot(ref, T, k)
+        for key in a: assert torch.equal(a[key], c[key]), key
+        assert torch.equal(rows, rows_ref)
+    assert got.ticket.item() == 0
+
+
+def test_fused_decode_launch_hash_routing_padding_and_slices():
+    E, H, k, T, V = 256, 4096, 6, 4, 100
+    x, w, b = gate(E, H, T, seed=21)
+    xd, wd = x.to(DEV), w.to(DEV)
+    tid = torch.rand(V, E, generator=torch.Generator().manual_seed(5)).topk(k, 1).indices.to(torch.int32).to(DEV)
+    ii = torch.tensor([3, 99, 0, 150], device=DEV)                        # the last is outside the table: NaN, counted
+    nt = torch.tensor(3, device=DEV)                                      # 3 real tokens: the bad one is padding here
+    for experts, shared in ((None, True), ([5, 17, 100, 200, 255], True), (list(range(0, 256, 2)), False)):
+        ref = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
+        R.route_rows(ref, T, R.router_logits(xd, wd, out=ref.logits[:T], impl="kernel"), None, tid2eid=tid, input_ids=ii, n_tokens=nt)
+        R.permute_rows(xd, ref, n_tokens=nt)
+        got = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
+        R.route_permute_fused(xd, wd, got, None, tid2eid=tid, input_ids=ii, n_tokens=nt)
+        assert torch.equal(got.offsets, ref.offsets) and torch.equal(got.inv[:3], ref.inv[:3])
+        n_rows = got.offsets[-1].item()
+        assert torch.equal(got.rows[:n_rows], ref.rows[:n_rows]) and torch.equal(got.row_scales[:n_rows], ref.row_scales[:n_rows])
+        R.check_bad(got); R.check_bad(ref)                                # padding is never read: nothing counted
+    got = R.route_buffers(T, E, k, H, DEV)
+    R.route_permute_fused(xd, wd, got, None, tid2eid=tid, input_ids=ii)   # all four real: token 3 is bad
+    with pytest.raises(ValueError, match="1 token"):
+        R.check_bad(got)
+    assert got.topk_weights[3].isnan().all() and not got.topk_weights[:3].isnan().any()
+    with pytest.raises(ValueError, match="T <= 4"):
+        R.route_permute_fused(torch.zeros(5, H, dtype=torch.bfloat16, device=DEV), wd, R.route_buffers(8, E, k, H, DEV))
+
+
+@pytest.mark.parametrize("T", [1, 16, 17, 300])
+def test_a_slice_routes_only_its_experts(T):
+    "A local layer's buffers (route_buffers(experts=...)): its groups' rows in the reference order, -1 for the rest."
+    from dsv4_nvfp4.moe import route_with_shared
+    E, H, k = 256, 4096, 6
+    x, w, b = gate(E, H, T, seed=T + 50)
+    xd = x.to(DEV)
+    for experts, shared in (([3, 7, 64, 65, 66, 200], True), (list(range(128, 256)), False), (list(range(256)), True)):
+        buf = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
+        R.route_rows(buf, T, R.router_logits(xd, w.to(DEV), out=buf.logits[:T]), b.to(DEV))
+        rows, rs = R.permute_rows(xd, buf)
+        rt, p = route_with_shared(buf.topk_ids[:T].cpu(), buf.topk_weights[:T].cpu(), E, experts, shared)
+        assert torch.equal(buf.offsets.cpu(), rt.expert_offsets)
+        assert torch.equal(buf.inv[:T].cpu().long(), rt.inv)
+        n_rows = rt.token.numel()
+        assert torch.equal(rows[:n_rows].cpu(), x[rt.token]) and torch.equal(rs[:n_rows, 1].cpu(), p)
+        y_rows = torch.randn(T * (k + 1), H, device=DEV).to(torch.bfloat16)
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=DEV)
+        R.combine_tokens(y_rows, buf, out)
+        inv = rt.inv.to(DEV)
+        acc = torch.zeros(T, H, device=DEV)
+        first = torch.ones(T, dtype=torch.bool, device=DEV)
+        for j in range(k + 1):                                            # held slots only, in slot order
+            v = y_rows[inv[:, j].clamp(min=0)].float()
+            held = (inv[:, j] >= 0)[:, None]
+            acc = torch.where(held, torch.where(first[:, None], v, acc + v), acc)
+            first &= ~held[:, 0]
+        assert torch.equal(out, acc.to(torch.bfloat16))
