@@ -81,7 +81,8 @@ class DSV4MoE(torch.nn.Module):
     experts, and its forward is its share of the layer (the held experts' weighted rows, summed in slot order): the
     slices of a partition of the experts add up to the layer. `layer.local(experts)` cuts one from a whole layer.
     `forward(x (T, H) bf16, input_ids=None) -> (T, H) bf16`: on a CUDA device six launches (router logits, route,
-    permute, L1, L2, combine; the first three are one launch for up to 4 tokens; weights prepared on first use), on the CPU the float64 reference rounded to bf16.
+    permute, L1, L2, combine; the first three are one launch up to `ROUTE_FUSED_MAX_T` tokens; weights prepared on
+    first use), on the CPU the float64 reference rounded to bf16.
     `act="w4a4"` quantizes x with each expert's static scale `a1_scales` and h with `a2_scales` (the checkpoint's
     `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate)."""
 
@@ -188,7 +189,7 @@ class DSV4MoE(torch.nn.Module):
 
     def local(self, experts, shared: bool = True) -> "DSV4MoE":
         """The expert-parallel slice of this layer that holds `experts` (increasing global ids, all held here) and, if
-        `shared`, the shared expert: the same router, those experts' weights and scales (views, no copy)."""
+        `shared`, the shared expert: the same router (shared tensors), copies of those experts' weights and scales."""
         g2l, G, _ = local_groups(self.cfg.num_experts, self.experts, self.shared, "DSV4MoE.local")
         ex = torch.as_tensor(experts).reshape(-1)
         local_groups(self.cfg.num_experts, ex, shared, "DSV4MoE.local")                 # checks the list
