@@ -79,7 +79,8 @@ class DSV4MoE(torch.nn.Module):
     An expert-parallel slice holds only `experts` (increasing global ids) and, if `shared`, the shared expert: its
     `w13` / `w2` / scales have one entry per held expert in that order (G of them), it still routes over all E
     experts, and its forward is its share of the layer (the held experts' weighted rows, summed in slot order): the
-    slices of a partition of the experts add up to the layer. `layer.local(experts)` cuts one from a whole layer.
+    slices of a partition of the experts add up to the layer (up to each share's bf16 rounding). `layer.local(experts)`
+    cuts one from a whole layer.
     `forward(x (T, H) bf16, input_ids=None) -> (T, H) bf16`: on a CUDA device six launches (router logits, route,
     permute, L1, L2, combine; the first three are one launch up to `ROUTE_FUSED_MAX_T` tokens; weights prepared on
     first use), on the CPU the float64 reference rounded to bf16.
@@ -193,7 +194,7 @@ class DSV4MoE(torch.nn.Module):
         g2l, G, _ = local_groups(self.cfg.num_experts, self.experts, self.shared, "DSV4MoE.local")
         ex = torch.as_tensor(experts).reshape(-1)
         local_groups(self.cfg.num_experts, ex, shared, "DSV4MoE.local")                 # checks the list
-        ex = ex.long()
+        ex = ex.long().cpu()
         idx = ex if g2l is None else g2l.long()[ex]
         if (idx < 0).any(): raise ValueError(f"DSV4MoE.local: experts {ex[idx < 0].tolist()} are not held by this layer")
         if shared and not self.shared: raise ValueError("DSV4MoE.local: this layer does not hold the shared expert")

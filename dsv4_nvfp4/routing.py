@@ -200,7 +200,8 @@ def route_chunk(T: int) -> int:
 LOGITS_KERNEL_MAX_T = 4        # router_logits: the kernel up to this many tokens, one cuBLAS bf16 GEMM (fp32 out) above
                                # (H200, L2 flushed, graph-replayed: kernel 6.3 vs cuBLAS 9.5 us at T = 1, 11.1 vs 10.4 at T = 8)
 ROUTE_FUSED_MAX_T = 4          # the layer's logits + route + permute in one launch (`route_permute_fused`) up to this
-                               # many tokens (the kernel takes <= 4: one warp per token in the last CTA)
+                               # many tokens (the kernel takes <= 4: one warp per token in the last CTA); keep it
+                               # <= LOGITS_KERNEL_MAX_T, so both paths compute the logits with the same kernel (same bits)
 
 @dataclass
 class RouteBuffers:
@@ -224,6 +225,7 @@ class RouteBuffers:
     inv: torch.Tensor               # int32 (capacity, k + 1): row of (t, j), -1 when not here; slot k is the shared expert
     rows: torch.Tensor              # bf16 (capacity * (k + 1), hidden): expert-major activations
     row_scales: torch.Tensor        # fp32 (capacity * (k + 1), 2): per row (gs_a, routing weight) for the L1
+    routed_tokens: int = -1         # T of the last `route_rows` (-1: none yet, or `route_permute_fused`, which writes no ranks)
 
 def local_groups(num_experts: int,
                  experts=None,            # the routed experts this layer holds (global ids, increasing); None: all
@@ -312,10 +314,11 @@ def route_rows(buf: RouteBuffers,
                n_tokens: torch.Tensor | None = None,    # int64 () on the device: the real tokens (<= T), the rest padding
               ) -> RouteBuffers:
     """One launch: top-k of `sqrt(softplus(logits)) + bias` (ties to the lower id), hash routing or a given routing;
-    the shared expert (id E, weight 1) appended to every token; every (token, slot)'s expert-major row, in token
+    the shared expert (id E, weight 1) appended to every token (rows for it when the buffers' layer holds it); every
+    (token, slot)'s expert-major row, in token
     order within each expert (the permutation `route_topk` gives), and `buf.offsets` (G,), all on the device with
     no host sync. Buffers of a local layer (`route_buffers(experts=...)`) give rows to its own experts' slots only. Bad token ids or given ids (out of range, repeated in a row) make that token's output NaN and count
-    in `buf.bad` (`check_bad` reads it)."""
+    in `buf.bad` (`check_bad` reads it). On a slice, that NaN shows only where experts 0..k-1 are held: read the counter."""
     what, E, k = "route_rows", buf.num_experts, buf.top_k
     if not 0 <= T <= buf.capacity: raise ValueError(f"{what}: {T} tokens > the buffers' capacity {buf.capacity}")
     dev = buf.offsets.device
@@ -333,6 +336,7 @@ def route_rows(buf: RouteBuffers,
         if input_ids is None: raise ValueError(f"{what}: hash routing (tid2eid) needs input_ids")
         arg(tid2eid, "tid2eid", torch.int32, (tid2eid.shape[0], k)); arg(input_ids, "input_ids", torch.int64, (T,))
     n_arg = 0 if n_tokens is None else arg(n_tokens, "n_tokens", torch.int64, ())
+    buf.routed_tokens = T
     if T == 0:
         buf.offsets.zero_(); return buf
     ch = route_chunk(T)
@@ -350,12 +354,16 @@ def permute_rows(x: torch.Tensor,                       # bf16 (T, hidden)
                  a1_scales: torch.Tensor | None = None, # fp32 (G,): W4A4, each group's static global scale of x
                  n_tokens: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]: # (rows bf16 (T(k+1), hidden), row_scales fp32 (T(k+1), 2))
-    """x to expert-major rows (a view of `buf.rows`) with the L1's per-row (gs_a, p) and `buf.inv`. W4A4: every row
-    quantized to NVFP4 with its expert's static scale (bit-exact `ref_quantize_nvfp4(x[t], a1[e])`) and stored decoded
-    without the global scale (code * block scale, exact in bf16); gs_a = a1[e] is applied in the GEMM's epilogue."""
+    """x to expert-major rows (a view of `buf.rows`) with the L1's per-row (gs_a, p) and `buf.inv`, after `route_rows`
+    of the same T tokens. W4A4: every row quantized to NVFP4 with its group's static scale (bit-exact
+    `ref_quantize_nvfp4(x[t], a1[g])`) and stored decoded without the global scale (code * block scale, exact in
+    bf16); gs_a = a1[g] is applied in the GEMM's epilogue."""
     what, T = "permute_rows", x.shape[0]
     rt.check_tensor(x, what, "x", (torch.bfloat16,), buf.rows.device, dim=2)
     if x.shape[1] != buf.hidden or T > buf.capacity: raise ValueError(f"{what}: x must be (T <= {buf.capacity}, {buf.hidden}), got {tuple(x.shape)}")
+    if buf.routed_tokens != T: raise ValueError(f"{what}: route_rows(buf, {T}, ...) must come first (the buffers' last route_rows: "
+                                                + ("none)" if buf.routed_tokens < 0 else f"{buf.routed_tokens} tokens)"))
+    if buf.rows.shape[0] < T * (buf.top_k + 1): raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
     if a1_scales is not None:
         rt.check_tensor(a1_scales, what, "a1_scales", (torch.float32,), buf.rows.device, align=4)
         if tuple(a1_scales.shape) != (buf.groups,): raise ValueError(f"{what}: a1_scales must be ({buf.groups},), got {tuple(a1_scales.shape)}")
@@ -380,6 +388,7 @@ def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hid
     rt.check_tensor(rows, what, "rows", (torch.bfloat16,), buf.rows.device, dim=2)
     if out.shape[1] != buf.hidden or rows.shape[1] != buf.hidden or T > buf.capacity or rows.shape[0] < T * (buf.top_k + 1):
         raise ValueError(f"{what}: rows {tuple(rows.shape)} / out {tuple(out.shape)} do not fit T <= {buf.capacity} tokens of {buf.hidden}")
+    if buf.inv.shape[0] < T: raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
     if T:
         rt.launch(MOE_CU, "moe_combine", (T,), (256,), (rt.ptr(rows), rt.ptr(buf.inv), 0 if n_tokens is None else rt.ptr(n_tokens),
                                                       rt.i32(T), rt.ptr(out)), defines=_defines(buf))
@@ -416,6 +425,7 @@ def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
         if input_ids is None: raise ValueError(f"{what}: hash routing (tid2eid) needs input_ids")
         arg(tid2eid, "tid2eid", torch.int32, (tid2eid.shape[0], k)); arg(input_ids, "input_ids", torch.int64, (T,))
     if buf.rows.shape[0] < T * (k + 1): raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
+    buf.routed_tokens = -1                                # no ranks written: permute_rows must not follow
     rt.launch(MOE_CU, "moe_route_small", (-(-E // 2),), (128,),
               (rt.ptr(x), rt.ptr(w_gate), arg(n_tokens, "n_tokens", torch.int64, ()), rt.i32(T), arg(bias, "bias", torch.float32, (E,)),
                0 if tid2eid is None else rt.ptr(tid2eid), 0 if tid2eid is None else rt.ptr(input_ids),

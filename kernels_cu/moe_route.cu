@@ -473,7 +473,7 @@ moe_route_small(const bf16* __restrict__ x,          // (T, HID)
 
 // ---------------------------------------------------------------------------------------------
 // Combine: out[t] = bf16( (((rows[inv[t,0]] + rows[inv[t,1]]) + ...) + rows[inv[t,TOPK]]) ) in fp32, slot order (the
-// shared expert last): bit-identical to the torch reference `combine_rows`. Slots with no row here (inv -1, a local
+// shared expert last): bit-identical to the same sum in torch fp32 (the GPU tests). Slots with no row here (inv -1, a local
 // layer) are skipped; a token with none gets zeros.
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights already applied
