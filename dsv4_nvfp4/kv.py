@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from . import runtime as rt
 from .quant import NVFP4Tensor, ref_dequantize_nvfp4, ref_quantize_nvfp4
 
 # %% auto #0
-__all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_ENTRY_BYTES', 'RopeConfig', 'rope_freqs', 'apply_rope',
+__all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_CU', 'KV_ENTRY_BYTES', 'RopeConfig', 'rope_freqs', 'apply_rope',
            'rms_norm64', 'coff_of', 'pool_window', 'ref_compress_kv', 'CompressState', 'ref_compress_step',
-           'NVFP4KVPool', 'dsv4_compress_ratios', 'kv_memory']
+           'NVFP4KVPool', 'KVCompressStateGPU', 'compress_state', 'compress_prefill', 'compress_decode',
+           'dsv4_compress_ratios', 'kv_memory']
 
 # %% ../nbs/06_kv_compress.ipynb #8e1798ee
 KV_DIM = 512                 # compressed entry width (DSV4 head_dim)
@@ -225,6 +227,122 @@ class NVFP4KVPool:
         t = NVFP4Tensor(self.data[idx], self.scale[idx], self.global_scale[idx], (idx.numel(), self.dim))
         y = ref_dequantize_nvfp4(t)
         return torch.where((s >= 0).to(y.device)[:, None], y, 0.0)
+
+# %% ../nbs/06_kv_compress.ipynb #86b36a56
+KV_CU = "nvfp4_kv_compress.cu"
+
+@dataclass
+class KVCompressStateGPU:
+    "The decode state of a fixed batch of sequences on the device: fp32 kv and sc (score + ape) of (B, coff*r, coff*D)."
+    ratio: int
+    kv: torch.Tensor
+    score: torch.Tensor
+
+def compress_state(batch: int, ratio: int, dim: int = KV_DIM, device="cuda") -> KVCompressStateGPU:
+    "An empty decode state for `batch` sequences (kv 0, scores -inf)."
+    coff = coff_of(ratio)
+    shape = (batch, coff * ratio, coff * dim)
+    return KVCompressStateGPU(ratio, torch.zeros(shape, dtype=torch.float32, device=device),
+                              torch.full(shape, -math.inf, dtype=torch.float32, device=device))
+
+_FREQS: dict = {}
+
+def _freqs(rope: RopeConfig, device) -> torch.Tensor:
+    key = (rope, torch.device(device))
+    if key not in _FREQS: _FREQS[key] = rope_freqs(rope).to(device)
+    return _FREQS[key]
+
+def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope):
+    coff, D = _check_proj(kv, score, ape, norm_weight, ratio, what)
+    if D != pool.dim: raise ValueError(f"{what}: the pool holds entries of {pool.dim}, the projections give {D}")
+    if rope.dim % 4 or rope.dim > D: raise ValueError(f"{what}: the kernel rotates a multiple of 4 channels <= {D}, got {rope.dim}")
+    dev = pool.data.device
+    for name, t in (("kv", kv), ("score", score), ("ape", ape), ("norm_weight", norm_weight)):
+        rt.check_tensor(t, what, name, (torch.float32,), dev, align=16)
+    return coff, D, dict(RATIO=ratio, KV_D=D, ROPE=rope.dim)
+
+def _slots_arg(slots, n, what, dev):
+    rt.check_tensor(slots, what, "slots", (torch.int32,), dev, align=4)
+    if tuple(slots.shape) != (n,): raise ValueError(f"{what}: slots must be ({n},) int32, got {tuple(slots.shape)}")
+    return rt.ptr(slots)
+
+def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the sequences back to back
+                     score: torch.Tensor,         # fp32 (tokens, coff*D), ape not added
+                     cu_seqlens,                  # (B + 1,) token offsets (host ints: a list or a CPU tensor)
+                     ape: torch.Tensor,           # fp32 (ratio, coff*D)
+                     norm_weight: torch.Tensor,   # fp32 (D,)
+                     ratio: int,
+                     pool: NVFP4KVPool,
+                     slots: torch.Tensor,         # int32 (entries,): the pool slot of each entry (-1: skip), in sequence order
+                     *,
+                     state: KVCompressStateGPU | None = None,   # filled with each sequence's tail (the decode continues from it)
+                     rope: RopeConfig = DSV4_ROPE,
+                     eps: float = 1e-6,
+                     bad: torch.Tensor | None = None,           # int32 (1,): slots outside [-1, capacity) counted here
+                     debug_entries: torch.Tensor | None = None, # fp32 (entries, D): the pre-quantization entries
+                    ) -> int:                     # entries written
+    """One launch: every complete window of each sequence (from position 0) pooled, normalized, rotated and
+    quantized into `pool` at `slots`, nothing intermediate in global memory; with `state`, a second launch stores
+    each sequence's tail (and for CSA its last window) so `compress_decode` continues the sequences."""
+    what = "compress_prefill"
+    coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope)
+    cu = [int(v) for v in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    B = len(cu) - 1
+    if B < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != kv.shape[0]:
+        raise ValueError(f"{what}: cu_seqlens must start at 0, not decrease and end at the {kv.shape[0]} tokens, got {cu[:8]}")
+    cw = [0]
+    for a, b in zip(cu, cu[1:]): cw.append(cw[-1] + (b - a) // ratio)
+    dev = pool.data.device
+    n = cw[-1]
+    sl = _slots_arg(slots, n, what, dev)
+    if debug_entries is not None:
+        rt.check_tensor(debug_entries, what, "debug_entries", (torch.float32,), dev, align=16)
+        if tuple(debug_entries.shape) != (n, D): raise ValueError(f"{what}: debug_entries must be ({n}, {D}), got {tuple(debug_entries.shape)}")
+    if bad is not None: rt.check_tensor(bad, what, "bad", (torch.int32,), dev)
+    cu_d = torch.tensor(cu, dtype=torch.int32, device=dev)
+    cw_d = torch.tensor(cw, dtype=torch.int32, device=dev)
+    if n:
+        rt.launch(KV_CU, "nvfp4_kv_compress_prefill", (n,), (D // 4,),
+                  (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(cw_d), rt.i32(B), rt.ptr(ape), rt.ptr(norm_weight),
+                   rt.ptr(_freqs(rope, dev)), rt.f32(eps), sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale),
+                   rt.i32(pool.capacity), rt.ptr(bad), rt.ptr(debug_entries)), defines=defs)
+    if state is not None:
+        if state.ratio != ratio or tuple(state.kv.shape) != (B, coff * ratio, coff * D):
+            raise ValueError(f"{what}: state must be compress_state({B}, {ratio}), got ratio {state.ratio} {tuple(state.kv.shape)}")
+        rt.launch(KV_CU, "nvfp4_kv_prefill_state", (B,), (D // 4,),
+                  (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(ape), rt.ptr(state.kv), rt.ptr(state.score)), defines=defs)
+    return n
+
+def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token per sequence
+                    score: torch.Tensor,         # fp32 (B, coff*D), ape not added
+                    pos: torch.Tensor,           # int64 (B,) on the device: each token's position (< 0: inactive)
+                    ape: torch.Tensor, norm_weight: torch.Tensor, ratio: int,
+                    pool: NVFP4KVPool,
+                    slots: torch.Tensor,         # int32 (B,): where a closing window's entry goes (-1: skip)
+                    state: KVCompressStateGPU,
+                    *,
+                    rope: RopeConfig = DSV4_ROPE, eps: float = 1e-6,
+                    bad: torch.Tensor | None = None, debug_entries: torch.Tensor | None = None,   # fp32 (B, D)
+                   ) -> None:
+    """One launch, no host sync (CUDA-graph capturable): each active sequence's token goes to its slot of the state;
+    the sequences whose window closes (position % r == r - 1, decided on the device) write an entry to the pool."""
+    what = "compress_decode"
+    coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope)
+    B, dev = kv.shape[0], pool.data.device
+    rt.check_tensor(pos, what, "pos", (torch.int64,), dev)
+    if tuple(pos.shape) != (B,): raise ValueError(f"{what}: pos must be ({B},), got {tuple(pos.shape)}")
+    if state.ratio != ratio or tuple(state.kv.shape) != (B, coff * ratio, coff * D):
+        raise ValueError(f"{what}: state must be compress_state({B}, {ratio}), got ratio {state.ratio} {tuple(state.kv.shape)}")
+    sl = _slots_arg(slots, B, what, dev)
+    if debug_entries is not None:
+        rt.check_tensor(debug_entries, what, "debug_entries", (torch.float32,), dev, align=16)
+        if tuple(debug_entries.shape) != (B, D): raise ValueError(f"{what}: debug_entries must be ({B}, {D})")
+    if bad is not None: rt.check_tensor(bad, what, "bad", (torch.int32,), dev)
+    if B:
+        rt.launch(KV_CU, "nvfp4_kv_compress_decode", (B,), (D // 4,),
+                  (rt.ptr(kv), rt.ptr(score), rt.ptr(pos), rt.ptr(ape), rt.ptr(norm_weight), rt.ptr(_freqs(rope, dev)), rt.f32(eps),
+                   sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale), rt.i32(pool.capacity), rt.ptr(bad),
+                   rt.ptr(state.kv), rt.ptr(state.score), rt.ptr(debug_entries)), defines=defs)
 
 # %% ../nbs/06_kv_compress.ipynb #9a0775c5
 def dsv4_compress_ratios(model: str = "Flash") -> list[int]:

@@ -1,0 +1,139 @@
+"""GPU: the fused KV compressor (kernels_cu/nvfp4_kv_compress.cu) against the float64 reference (dsv4_nvfp4.kv):
+pool bytes equal quantize_nvfp4 of the kernel's own fp32 entry, entries close to float64 (cosine reported), prefill
+and token-by-token decode fill identical pools and states, slots skipped or counted, NaN confined, graph replay."""
+import math
+
+import pytest
+import torch
+
+from dsv4_nvfp4 import kv as K
+from dsv4_nvfp4.quantize_cuda import quantize_nvfp4
+from dsv4_nvfp4.quant import ref_quantize_nvfp4
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+def projections(ratio, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    coff, T = K.coff_of(ratio), sum(lens)
+    kv = torch.randn(T, coff * 512, generator=g)
+    sc = 2 * torch.randn(T, coff * 512, generator=g)
+    ape = 0.5 * torch.randn(ratio, coff * 512, generator=g)
+    w = torch.rand(512, generator=g) + 0.5
+    return kv, sc, ape, w
+
+
+def prefill(ratio, lens, seed=0, slots=None, state=False, bad=None):
+    kv, sc, ape, w = projections(ratio, lens, seed)
+    cu = [0]
+    for n in lens: cu.append(cu[-1] + n)
+    n_ent = sum(n // ratio for n in lens)
+    pool = K.NVFP4KVPool(max(n_ent, 1) + 3, device=DEV)
+    sl = torch.arange(n_ent, dtype=torch.int32, device=DEV) if slots is None else slots.to(DEV)
+    dbg = torch.empty(n_ent, 512, device=DEV)
+    st = K.compress_state(len(lens), ratio, device=DEV) if state else None
+    K.compress_prefill(kv.to(DEV), sc.to(DEV), cu, ape.to(DEV), w.to(DEV), ratio, pool, sl, state=st, bad=bad, debug_entries=dbg)
+    return (kv, sc, ape, w, cu), pool, dbg, st
+
+
+def same_pool(a, b, rows=None):
+    rows = slice(None) if rows is None else rows
+    return (torch.equal(a.data[rows], b.data[rows]) and torch.equal(a.scale[rows].view(torch.uint8), b.scale[rows].view(torch.uint8))
+            and torch.equal(a.global_scale[rows], b.global_scale[rows]))
+
+
+@pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3]), (128, [300, 128, 5, 257]), (8, [40])])
+def test_prefill_against_reference(ratio, lens, capsys):
+    (kv, sc, ape, w, cu), pool, dbg, _ = prefill(ratio, lens)
+    want = torch.cat([K.ref_compress_kv(kv[a:b], sc[a:b], ape, w, ratio)[0] for a, b in zip(cu, cu[1:])])
+    got = dbg.cpu().double()
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=1)
+    assert cos.min().item() > 0.99999, "the fp32 entry vs float64"
+    # the pool is quantize_nvfp4 of the kernel's own fp32 entry, bit for bit
+    q = quantize_nvfp4(dbg, per_row=True)
+    n = dbg.shape[0]
+    assert torch.equal(pool.data[:n], q.data) and torch.equal(pool.scale[:n].view(torch.uint8), q.scale.view(torch.uint8))
+    assert torch.equal(pool.global_scale[:n], q.global_scale.reshape(-1))
+    # against the reference's own quantization of its (float64 -> fp32) entries: equal except near rounding boundaries
+    r = ref_quantize_nvfp4(want.float(), per_row=True)
+    diff = (pool.data[:n].cpu() != r.data).sum().item()
+    deq = pool.dequantize(torch.arange(n)).cpu().double()
+    cq = torch.nn.functional.cosine_similarity(deq, want, dim=1)
+    with capsys.disabled():
+        print(f"\nratio {ratio}: {n} entries; fp32 entry cosine >= {cos.min().item():.7f}; code bytes differing from the fp32 "
+              f"reference's quantization {diff} of {n * 256}; NVFP4 entry cosine {cq.min().item():.5f} .. {cq.max().item():.5f}")
+    assert diff <= max(2, n * 256 // 1000)
+
+
+@pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3]), (128, [300, 5, 257])])
+def test_prefill_equals_token_by_token_decode(ratio, lens):
+    (kv, sc, ape, w, cu), pool, dbg, st = prefill(ratio, lens, seed=1, state=True)
+    B, coff = len(lens), K.coff_of(ratio)
+    dec = K.NVFP4KVPool(pool.capacity, device=DEV)
+    ds = K.compress_state(B, ratio, device=DEV)
+    ent0 = [sum(n // ratio for n in lens[:b]) for b in range(B)]
+    ddbg = torch.zeros(dbg.shape[0], 512, device=DEV)
+    kvd, scd, aped, wd = kv.to(DEV), sc.to(DEV), ape.to(DEV), w.to(DEV)
+    for t in range(max(lens)):
+        rows = torch.tensor([cu[b] + min(t, lens[b] - 1) for b in range(B)])
+        pos = torch.tensor([t if t < lens[b] else -1 for b in range(B)], device=DEV)
+        slots = torch.tensor([ent0[b] + t // ratio if t < lens[b] else -1 for b in range(B)], dtype=torch.int32, device=DEV)
+        one = torch.empty(B, 512, device=DEV)
+        K.compress_decode(kvd[rows.to(DEV)], scd[rows.to(DEV)], pos, aped, wd, ratio, dec, slots, ds, debug_entries=one)
+        for b in range(B):
+            if t < lens[b] and t % ratio == ratio - 1: ddbg[ent0[b] + t // ratio] = one[b]
+    assert torch.equal(ddbg, dbg), "the same fp32 entries"
+    assert same_pool(dec, pool)
+    assert torch.equal(ds.kv, st.kv) and torch.equal(ds.score, st.score), "the prefill leaves the state the decode reaches"
+
+
+def test_decode_continues_a_prefill_and_replays_in_a_graph():
+    ratio, L, extra = 4, 10, 9
+    kv, sc, ape, w = projections(ratio, [L + extra], seed=2)
+    full = K.NVFP4KVPool(8, device=DEV)
+    K.compress_prefill(kv.to(DEV), sc.to(DEV), [0, L + extra], ape.to(DEV), w.to(DEV), ratio, full, torch.arange(4, dtype=torch.int32, device=DEV))
+    pool = K.NVFP4KVPool(8, device=DEV)
+    st = K.compress_state(1, ratio, device=DEV)
+    K.compress_prefill(kv[:L].to(DEV), sc[:L].to(DEV), [0, L], ape.to(DEV), w.to(DEV), ratio, pool, torch.arange(2, dtype=torch.int32, device=DEV), state=st)
+    x_kv, x_sc = torch.zeros(1, 1024, device=DEV), torch.zeros(1, 1024, device=DEV)
+    pos, slot = torch.full((1,), -1, dtype=torch.int64, device=DEV), torch.zeros(1, dtype=torch.int32, device=DEV)
+    apd, wd = ape.to(DEV), w.to(DEV)
+    step = lambda: K.compress_decode(x_kv, x_sc, pos, apd, wd, ratio, pool, slot, st)
+    step()                                                                   # position -1: loads the kernel, changes nothing
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    for t in range(L, L + extra):                                            # new inputs, positions and slots each replay
+        x_kv.copy_(kv[t:t + 1]); x_sc.copy_(sc[t:t + 1]); pos.fill_(t); slot.fill_(t // ratio)
+        g.replay()
+    torch.cuda.synchronize()
+    assert same_pool(pool, full, slice(0, (L + extra) // ratio))
+
+
+def test_slots_skip_and_bad_slots_are_counted_never_written():
+    bad = torch.zeros(1, dtype=torch.int32, device=DEV)
+    slots = torch.tensor([0, -1, 7, 2], dtype=torch.int32)                   # capacity 4 + 3 = 7: slot 7 is out of range
+    (_, _, _, _, _), pool, dbg, _ = prefill(4, [16], seed=3, slots=slots, bad=bad)
+    assert bad.item() == 1
+    q = quantize_nvfp4(dbg, per_row=True)
+    assert torch.equal(pool.data[0], q.data[0]) and torch.equal(pool.data[2], q.data[3])
+    untouched = [1, 3, 4, 5, 6]
+    assert (pool.data[untouched] == 0).all() and (pool.global_scale[untouched] == 1).all()
+
+
+def test_nan_in_a_projection_is_confined_to_its_entry():
+    ratio = 4
+    kv, sc, ape, w = projections(ratio, [16], seed=4)
+    kv[9, 700] = float("nan")                                                # window 2, the current half
+    pool = K.NVFP4KVPool(4, device=DEV)
+    K.compress_prefill(kv.to(DEV), sc.to(DEV), [0, 16], ape.to(DEV), w.to(DEV), ratio, pool, torch.arange(4, dtype=torch.int32, device=DEV))
+    clean = K.NVFP4KVPool(4, device=DEV)
+    kv2 = kv.clone(); kv2[9, 700] = 0.0
+    K.compress_prefill(kv2.to(DEV), sc.to(DEV), [0, 16], ape.to(DEV), w.to(DEV), ratio, clean, torch.arange(4, dtype=torch.int32, device=DEV))
+    d = pool.dequantize(torch.arange(4)).cpu()
+    assert d[2].isnan().all() and not d[[0, 1, 3]].isnan().any()
+    assert same_pool(pool, clean, [0, 1, 3])
