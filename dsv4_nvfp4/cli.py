@@ -187,6 +187,10 @@ def _bench(what: str, sizes_mb, out: Path) -> int:
     if what == "gemm":
         from dsv4_nvfp4.grouped_gemm import bench_gemm, gemm_table, plot_gemm
         res, table, plot = bench_gemm(log=log), gemm_table, plot_gemm
+    elif what == "kv":
+        from dsv4_nvfp4.kv import bench_kv, kv_goals, kv_table
+        res, plot = bench_kv(log=log), None
+        table = lambda r: kv_table(r) + "\n\n" + kv_goals(r)
     elif what == "moe":
         from dsv4_nvfp4.moe import bench_moe, moe_goals, moe_table
         res, plot = bench_moe(log=log), None
@@ -214,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="quantize a synthetic DSV4-Flash expert, or a ModelOpt checkpoint, and report")
     d.add_argument("--checkpoint", type=Path, help="a ModelOpt NVFP4 .safetensors file")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
-    bn = sub.add_parser("bench", help="benchmark on a CUDA GPU: the memory-bound kernels, the grouped GEMM, or the expert MLP")
-    bn.add_argument("what", choices=["kernels", "gemm", "mlp", "moe"])
+    bn = sub.add_parser("bench", help="benchmark on a CUDA GPU: the memory-bound kernels, the grouped GEMM, the expert MLP, the MoE layer or the KV compressor")
+    bn.add_argument("what", choices=["kernels", "gemm", "mlp", "moe", "kv"])
     bn.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="kernels: input sizes")
     bn.add_argument("--out", type=Path, default=Path("."), help="folder for bench_<what>.{md,json,png}")
     args = p.parse_args(argv)
