@@ -137,3 +137,21 @@ def test_nan_in_a_projection_is_confined_to_its_entry():
     d = pool.dequantize(torch.arange(4)).cpu()
     assert d[2].isnan().all() and not d[[0, 1, 3]].isnan().any()
     assert same_pool(pool, clean, [0, 1, 3])
+
+
+def test_gathers_equal_the_reference_and_count_bad_indices():
+    from dsv4_nvfp4 import gather as G
+    (_, _, _, _, _), pool, _, _ = prefill(4, [64, 40], seed=5)                  # 26 entries in a pool of 29
+    cap = pool.capacity
+    idx = torch.tensor([[0, 5, -1, 25], [3, cap, -7, 12]], dtype=torch.int32)   # two out of range, one -1
+    bad = torch.zeros(1, dtype=torch.int32, device=DEV)
+    got = G.gather_kv_topk(pool, idx.to(DEV), bad_count=bad)
+    want = G.ref_gather_kv(pool, idx)
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), "bit for bit"
+    assert bad.item() == 2 and not got[0, 2].any() and not got[1, 1].any()
+    big = torch.zeros(20, 3 * 512, dtype=torch.bfloat16, device=DEV)            # rows of a wider buffer: strided
+    G.gather_kv_dense(pool, 4, 20, out=big[:, 512:1024])
+    assert torch.equal(big[:, 512:1024].cpu().view(torch.int16), G.ref_gather_kv(pool, torch.arange(4, 24)).view(torch.int16))
+    assert not big[:, :512].any() and not big[:, 1024:].any()
+    with pytest.raises(ValueError):
+        G.gather_kv_dense(pool, cap - 2, 5)
