@@ -5,6 +5,7 @@
 # %% ../nbs/06_kv_compress.ipynb #86d3737a
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -239,19 +240,22 @@ class KVCompressStateGPU:
     kv: torch.Tensor
     score: torch.Tensor
 
-def compress_state(batch: int, ratio: int, dim: int = KV_DIM, device="cuda") -> KVCompressStateGPU:
-    "An empty decode state for `batch` sequences (kv 0, scores -inf)."
-    coff = coff_of(ratio)
-    shape = (batch, coff * ratio, coff * dim)
-    return KVCompressStateGPU(ratio, torch.zeros(shape, dtype=torch.float32, device=device),
-                              torch.full(shape, -math.inf, dtype=torch.float32, device=device))
-
-_FREQS: dict = {}
+_FREQS: dict = {}     # (rope, device) -> float64 frequencies on the device
+_CU: dict = {}        # (cu_seqlens, ratio, device) -> (cu_seqlens, entry offsets) int32 on the device
 
 def _freqs(rope: RopeConfig, device) -> torch.Tensor:
     key = (rope, torch.device(device))
-    if key not in _FREQS: _FREQS[key] = rope_freqs(rope).to(device)
+    if key not in _FREQS: _FREQS[key] = rope_freqs(rope).to(device)     # a copy from the host: once per device
     return _FREQS[key]
+
+def compress_state(batch: int, ratio: int, dim: int = KV_DIM, device="cuda", rope: RopeConfig = DSV4_ROPE) -> KVCompressStateGPU:
+    """An empty decode state for `batch` sequences (kv 0, scores -inf). It also puts `rope`'s frequencies on the device,
+    so a `compress_decode` captured into a CUDA graph right after needs no host copy."""
+    coff = coff_of(ratio)
+    shape = (batch, coff * ratio, coff * dim)
+    if torch.device(device).type == "cuda": _freqs(rope, device)
+    return KVCompressStateGPU(ratio, torch.zeros(shape, dtype=torch.float32, device=device),
+                              torch.full(shape, -math.inf, dtype=torch.float32, device=device))
 
 def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope):
     coff, D = _check_proj(kv, score, ape, norm_weight, ratio, what)
@@ -260,7 +264,25 @@ def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope):
     dev = pool.data.device
     for name, t in (("kv", kv), ("score", score), ("ape", ape), ("norm_weight", norm_weight)):
         rt.check_tensor(t, what, name, (torch.float32,), dev, align=16)
-    return coff, D, dict(RATIO=ratio, KV_D=D, ROPE=rope.dim)
+    return coff, D, dict(RATIO=ratio, KV_D=D, ROPE=rope.dim, **(rt.KERNEL_DEFINES or {}))
+
+def _check_state(state, what, B, ratio, coff, D, dev):
+    if not isinstance(state, KVCompressStateGPU) or state.ratio != ratio:
+        raise ValueError(f"{what}: state must be compress_state({B}, {ratio}), got {type(state).__name__} ratio {getattr(state, 'ratio', None)}")
+    for name, t in (("state.kv", state.kv), ("state.score", state.score)):
+        rt.check_tensor(t, what, name, (torch.float32,), dev, align=16)
+        if tuple(t.shape) != (B, coff * ratio, coff * D):
+            raise ValueError(f"{what}: {name} must be {(B, coff * ratio, coff * D)} (compress_state({B}, {ratio})), got {tuple(t.shape)}")
+
+def _on(dev):
+    "The launch's device as the current one (a pool on cuda:1 launches there); nothing for CPU tensors (the recorded-launch tests)."
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+def _check_bad(bad, what, dev):
+    if bad is None: return 0
+    rt.check_tensor(bad, what, "bad", (torch.int32,), dev, align=4)
+    if bad.numel() < 1: raise ValueError(f"{what}: bad needs at least one element")
+    return rt.ptr(bad)
 
 def _slots_arg(slots, n, what, dev):
     rt.check_tensor(slots, what, "slots", (torch.int32,), dev, align=4)
@@ -299,19 +321,22 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
     if debug_entries is not None:
         rt.check_tensor(debug_entries, what, "debug_entries", (torch.float32,), dev, align=16)
         if tuple(debug_entries.shape) != (n, D): raise ValueError(f"{what}: debug_entries must be ({n}, {D}), got {tuple(debug_entries.shape)}")
-    if bad is not None: rt.check_tensor(bad, what, "bad", (torch.int32,), dev)
-    cu_d = torch.tensor(cu, dtype=torch.int32, device=dev)
-    cw_d = torch.tensor(cw, dtype=torch.int32, device=dev)
-    if n:
-        rt.launch(KV_CU, "nvfp4_kv_compress_prefill", (n,), (D // 4,),
-                  (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(cw_d), rt.i32(B), rt.ptr(ape), rt.ptr(norm_weight),
-                   rt.ptr(_freqs(rope, dev)), rt.f32(eps), sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale),
-                   rt.i32(pool.capacity), rt.ptr(bad), rt.ptr(debug_entries)), defines=defs)
-    if state is not None:
-        if state.ratio != ratio or tuple(state.kv.shape) != (B, coff * ratio, coff * D):
-            raise ValueError(f"{what}: state must be compress_state({B}, {ratio}), got ratio {state.ratio} {tuple(state.kv.shape)}")
-        rt.launch(KV_CU, "nvfp4_kv_prefill_state", (B,), (D // 4,),
-                  (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(ape), rt.ptr(state.kv), rt.ptr(state.score)), defines=defs)
+    bad_p = _check_bad(bad, what, dev)
+    if state is not None: _check_state(state, what, B, ratio, coff, D, dev)
+    key = (tuple(cu), ratio, dev)                  # the offsets on the device, copied once per batch layout: a
+    if key not in _CU:                             # repeated prefill (a benchmark, a captured graph) does no copy
+        if len(_CU) > 256: _CU.clear()
+        _CU[key] = (torch.tensor(cu, dtype=torch.int32, device=dev), torch.tensor(cw, dtype=torch.int32, device=dev))
+    cu_d, cw_d = _CU[key]
+    with _on(dev):
+        if n:
+            rt.launch(KV_CU, "nvfp4_kv_compress_prefill", (n,), (D // 4,),
+                      (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(cw_d), rt.i32(B), rt.ptr(ape), rt.ptr(norm_weight),
+                       rt.ptr(_freqs(rope, dev)), rt.f32(eps), sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale),
+                       rt.i32(pool.capacity), bad_p, rt.ptr(debug_entries)), defines=defs)
+        if state is not None:
+            rt.launch(KV_CU, "nvfp4_kv_prefill_state", (B,), (D // 4,),
+                      (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(ape), rt.ptr(state.kv), rt.ptr(state.score)), defines=defs)
     return n
 
 def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token per sequence
@@ -330,20 +355,20 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
     what = "compress_decode"
     coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope)
     B, dev = kv.shape[0], pool.data.device
-    rt.check_tensor(pos, what, "pos", (torch.int64,), dev)
+    rt.check_tensor(pos, what, "pos", (torch.int64,), dev, align=8)
     if tuple(pos.shape) != (B,): raise ValueError(f"{what}: pos must be ({B},), got {tuple(pos.shape)}")
-    if state.ratio != ratio or tuple(state.kv.shape) != (B, coff * ratio, coff * D):
-        raise ValueError(f"{what}: state must be compress_state({B}, {ratio}), got ratio {state.ratio} {tuple(state.kv.shape)}")
+    _check_state(state, what, B, ratio, coff, D, dev)
     sl = _slots_arg(slots, B, what, dev)
     if debug_entries is not None:
         rt.check_tensor(debug_entries, what, "debug_entries", (torch.float32,), dev, align=16)
         if tuple(debug_entries.shape) != (B, D): raise ValueError(f"{what}: debug_entries must be ({B}, {D})")
-    if bad is not None: rt.check_tensor(bad, what, "bad", (torch.int32,), dev)
+    bad_p = _check_bad(bad, what, dev)
     if B:
-        rt.launch(KV_CU, "nvfp4_kv_compress_decode", (B,), (D // 4,),
-                  (rt.ptr(kv), rt.ptr(score), rt.ptr(pos), rt.ptr(ape), rt.ptr(norm_weight), rt.ptr(_freqs(rope, dev)), rt.f32(eps),
-                   sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale), rt.i32(pool.capacity), rt.ptr(bad),
-                   rt.ptr(state.kv), rt.ptr(state.score), rt.ptr(debug_entries)), defines=defs)
+        with _on(dev):
+            rt.launch(KV_CU, "nvfp4_kv_compress_decode", (B,), (D // 4,),
+                      (rt.ptr(kv), rt.ptr(score), rt.ptr(pos), rt.ptr(ape), rt.ptr(norm_weight), rt.ptr(_freqs(rope, dev)), rt.f32(eps),
+                       sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale), rt.i32(pool.capacity), bad_p,
+                       rt.ptr(state.kv), rt.ptr(state.score), rt.ptr(debug_entries)), defines=defs)
 
 # %% ../nbs/06_kv_compress.ipynb #9a0775c5
 def dsv4_compress_ratios(model: str = "Flash") -> list[int]:

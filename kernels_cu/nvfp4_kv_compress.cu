@@ -29,8 +29,8 @@
 // Slots of the pool: int32, -1 = skip; anything else outside [0, capacity) is skipped too and counted in *bad
 // (when bad != nullptr): the pool is never written out of bounds.
 //
-// Compile-time constants: RATIO (4 or 128, any r >= 2 works: CSA iff RATIO == 4), D = 512 (KV_DIM, a multiple of
-// 4 * kThreads / 4... i.e. D == 4 * kThreads), ROPE (rotated channels, 64).
+// Compile-time constants: RATIO (4 or 128; any r >= 2 works, CSA iff RATIO == 4), KV_D = 512 (the entry width: 4
+// channels per thread, so KV_D / 4 threads per CTA, a multiple of 32), ROPE (rotated channels, 64).
 #include "nvfp4_common.cuh"
 
 using namespace nvfp4;
@@ -56,7 +56,7 @@ constexpr int kRope = ROPE;
 constexpr int kSlots = kCoff * kR;              // pooled slots per entry
 
 static_assert(kR >= 2, "RATIO must be >= 2");
-static_assert(kD % 64 == 0 && kThreads % 32 == 0 && kThreads <= 1024, "KV_D must be a multiple of 64, at most 4096");
+static_assert(kD % 128 == 0 && kThreads <= 1024, "KV_D must be a multiple of 128 (whole warps of 4 channels each), at most 4096");
 static_assert(kRope % 4 == 0 && kRope <= kD, "ROPE must be a multiple of 4 and <= KV_D");
 
 struct PoolOut {
@@ -103,7 +103,7 @@ __device__ void finish_entry(float (&e)[4], i64 pos, const float* __restrict__ n
                              float eps, int slot, const PoolOut& out, float* __restrict__ dbg) {
     __shared__ float red[32];
     __shared__ u32 redu[32];
-    __shared__ float y_s[kD];
+    __shared__ __align__(16) float y_s[kD];
     const int c0 = 4 * threadIdx.x;
     float ss = 0.0f;
 #pragma unroll
@@ -141,7 +141,10 @@ __device__ void finish_entry(float (&e)[4], i64 pos, const float* __restrict__ n
         const int b = threadIdx.x;
         float v[16];
 #pragma unroll
-        for (int k = 0; k < 16; ++k) v[k] = y_s[16 * b + k];
+        for (int k = 0; k < 4; ++k) {                          // 16-byte reads: 4-way instead of 16-way bank conflicts
+            const float4 q = reinterpret_cast<const float4*>(y_s + 16 * b)[k];
+            v[4 * k] = q.x; v[4 * k + 1] = q.y; v[4 * k + 2] = q.z; v[4 * k + 3] = q.w;
+        }
         u32 lo, hi;
         const u32 sb = quantize_block16(v, absmax_bits16(v), gs, lo, hi);
         *reinterpret_cast<uint2*>(out.data + (i64)slot * (kD / 2) + 8 * b) = make_uint2(lo, hi);
@@ -175,12 +178,14 @@ nvfp4_kv_compress_prefill(const float* __restrict__ kv,       // (tokens, coff*D
     Pool4 p;
     p.init();
     if (kCoff == 2 && i > 0) {                                 // the previous window, channels [0, D)
+#pragma unroll 2
         for (int j = 0; j < kR; ++j) {
             const i64 row = t0 - kR + j;
             p.add(add4(ld4(score + row * kLd + c0), ld4(ape + (i64)j * kLd + c0)), ld4(kv + row * kLd + c0));
         }
     }
     const int off = (kCoff - 1) * kD;                          // this window: channels [D, 2D) for CSA
+#pragma unroll 2
     for (int j = 0; j < kR; ++j) {
         const i64 row = t0 + j;
         p.add(add4(ld4(score + row * kLd + off + c0), ld4(ape + (i64)j * kLd + off + c0)), ld4(kv + row * kLd + off + c0));

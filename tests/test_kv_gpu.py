@@ -56,14 +56,17 @@ def test_prefill_against_reference(ratio, lens, capsys):
     assert torch.equal(pool.data[:n], q.data) and torch.equal(pool.scale[:n].view(torch.uint8), q.scale.view(torch.uint8))
     assert torch.equal(pool.global_scale[:n], q.global_scale.reshape(-1))
     # against the reference's own quantization of its (float64 -> fp32) entries: equal except near rounding boundaries
+    # a 16-block differs when one of its values (or its amax) sits within the fp32-vs-float64 error of a rounding
+    # boundary: counted in blocks (one such block can change up to 8 code bytes), reported, and rare
     r = ref_quantize_nvfp4(want.float(), per_row=True)
-    diff = (pool.data[:n].cpu() != r.data).sum().item()
+    blocks = ((pool.data[:n].cpu().view(n, 32, 8) != r.data.view(n, 32, 8)).any(-1)
+              | (pool.scale[:n].cpu().view(torch.uint8) != r.scale.view(torch.uint8))).sum().item()
     deq = pool.dequantize(torch.arange(n)).cpu().double()
     cq = torch.nn.functional.cosine_similarity(deq, want, dim=1)
     with capsys.disabled():
-        print(f"\nratio {ratio}: {n} entries; fp32 entry cosine >= {cos.min().item():.7f}; code bytes differing from the fp32 "
-              f"reference's quantization {diff} of {n * 256}; NVFP4 entry cosine {cq.min().item():.5f} .. {cq.max().item():.5f}")
-    assert diff <= max(2, n * 256 // 1000)
+        print(f"\nratio {ratio}: {n} entries; fp32 entry cosine >= {cos.min().item():.7f}; 16-blocks differing from the fp32 "
+              f"reference's quantization {blocks} of {n * 32}; NVFP4 entry cosine {cq.min().item():.5f} .. {cq.max().item():.5f}")
+    assert blocks <= max(2, n * 32 // 100)
 
 
 @pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3]), (128, [300, 5, 257])])
@@ -111,6 +114,10 @@ def test_decode_continues_a_prefill_and_replays_in_a_graph():
         x_kv.copy_(kv[t:t + 1]); x_sc.copy_(sc[t:t + 1]); pos.fill_(t); slot.fill_(t // ratio)
         g.replay()
     torch.cuda.synchronize()
+    end = K.compress_state(1, ratio, device=DEV)                             # the state a prefill of everything leaves
+    K.compress_prefill(kv.to(DEV), sc.to(DEV), [0, L + extra], ape.to(DEV), w.to(DEV), ratio, K.NVFP4KVPool(8, device=DEV),
+                       torch.arange(4, dtype=torch.int32, device=DEV), state=end)
+    assert torch.equal(st.kv, end.kv) and torch.equal(st.score, end.score)
     assert same_pool(pool, full, slice(0, (L + extra) // ratio))
 
 
@@ -125,15 +132,16 @@ def test_slots_skip_and_bad_slots_are_counted_never_written():
     assert (pool.data[untouched] == 0).all() and (pool.global_scale[untouched] == 1).all()
 
 
-def test_nan_in_a_projection_is_confined_to_its_entry():
+@pytest.mark.parametrize("where", ["kv", "score"])
+def test_nan_in_a_projection_is_confined_to_its_entry(where):
     ratio = 4
     kv, sc, ape, w = projections(ratio, [16], seed=4)
-    kv[9, 700] = float("nan")                                                # window 2, the current half
+    (kv if where == "kv" else sc)[9, 700] = float("nan")                     # window 2, the current half
     pool = K.NVFP4KVPool(4, device=DEV)
     K.compress_prefill(kv.to(DEV), sc.to(DEV), [0, 16], ape.to(DEV), w.to(DEV), ratio, pool, torch.arange(4, dtype=torch.int32, device=DEV))
     clean = K.NVFP4KVPool(4, device=DEV)
-    kv2 = kv.clone(); kv2[9, 700] = 0.0
-    K.compress_prefill(kv2.to(DEV), sc.to(DEV), [0, 16], ape.to(DEV), w.to(DEV), ratio, clean, torch.arange(4, dtype=torch.int32, device=DEV))
+    kv2, sc2 = kv.clone(), sc.clone(); kv2[9, 700] = sc2[9, 700] = 0.0
+    K.compress_prefill(kv2.to(DEV), sc2.to(DEV), [0, 16], ape.to(DEV), w.to(DEV), ratio, clean, torch.arange(4, dtype=torch.int32, device=DEV))
     d = pool.dequantize(torch.arange(4)).cpu()
     assert d[2].isnan().all() and not d[[0, 1, 3]].isnan().any()
     assert same_pool(pool, clean, [0, 1, 3])
@@ -155,3 +163,20 @@ def test_gathers_equal_the_reference_and_count_bad_indices():
     assert not big[:, :512].any() and not big[:, 1024:].any()
     with pytest.raises(ValueError):
         G.gather_kv_dense(pool, cap - 2, 5)
+
+
+def test_decode_skips_and_counts_bad_slots():
+    ratio, B = 4, 3
+    kv, sc, ape, w = projections(ratio, [4 * B], seed=6)
+    pool, st = K.NVFP4KVPool(2, device=DEV), K.compress_state(B, ratio, device=DEV)
+    bad = torch.zeros(1, dtype=torch.int32, device=DEV)
+    slots = torch.tensor([1, -1, 2], dtype=torch.int32, device=DEV)          # 2 is outside the pool of 2
+    for t in range(ratio):                                                   # three sequences close window 0 at t = 3
+        rows = torch.tensor([4 * b + t for b in range(B)])
+        K.compress_decode(kv[rows].to(DEV), sc[rows].to(DEV), torch.full((B,), t, device=DEV), ape.to(DEV), w.to(DEV), ratio,
+                          pool, slots, st, bad=bad)
+    assert bad.item() == 1
+    assert (pool.data[0] == 0).all() and pool.global_scale[0].item() == 1.0 and (pool.data[1] != 0).any()
+    with pytest.raises(ValueError, match="at least one"):
+        K.compress_decode(kv[:B].to(DEV), sc[:B].to(DEV), torch.zeros(B, dtype=torch.int64, device=DEV), ape.to(DEV), w.to(DEV), ratio,
+                          pool, slots, st, bad=torch.zeros(0, dtype=torch.int32, device=DEV))
