@@ -17,7 +17,7 @@ from .quant import NVFP4Tensor, ref_dequantize_nvfp4, ref_quantize_nvfp4
 # %% auto #0
 __all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_CU', 'KV_ENTRY_BYTES', 'KV_PREFILL_PROBLEMS', 'KV_DECODE_BATCHES',
            'RopeConfig', 'rope_freqs', 'apply_rope', 'rms_norm64', 'coff_of', 'pool_window', 'ref_compress_kv',
-           'CompressState', 'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU', 'compress_state',
+           'CompressState', 'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU', 'compress_state', 'kv_split',
            'compress_prefill', 'compress_decode', 'dsv4_compress_ratios', 'kv_memory', 'torch_compress_prefill',
            'torch_compress_decode', 'bench_kv', 'kv_table', 'kv_goals']
 
@@ -257,14 +257,21 @@ def compress_state(batch: int, ratio: int, dim: int = KV_DIM, device="cuda", rop
     return KVCompressStateGPU(ratio, torch.zeros(shape, dtype=torch.float32, device=device),
                               torch.full(shape, -math.inf, dtype=torch.float32, device=device))
 
-def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope):
+def kv_split(ratio: int) -> int:
+    """Thread groups per CTA of the compressor kernels: each pools 1/split of an entry's slots and group 0 merges the
+    partials. HCA's 128 slots take 4 (four times the loads in flight for the same entries); CSA's 4 + 4 take 1."""
+    return 4 if ratio >= 32 and ratio % 4 == 0 else 1
+
+def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split=None):
     coff, D = _check_proj(kv, score, ape, norm_weight, ratio, what)
+    split = kv_split(ratio) if split is None else int(split)
+    if split < 1 or ratio % split or (D // 4) * split > 1024: raise ValueError(f"{what}: split must divide the ratio {ratio} with D/4 * split <= 1024, got {split}")
     if D != pool.dim: raise ValueError(f"{what}: the pool holds entries of {pool.dim}, the projections give {D}")
     if rope.dim % 4 or rope.dim > D: raise ValueError(f"{what}: the kernel rotates a multiple of 4 channels <= {D}, got {rope.dim}")
     dev = pool.data.device
     for name, t in (("kv", kv), ("score", score), ("ape", ape), ("norm_weight", norm_weight)):
         rt.check_tensor(t, what, name, (torch.float32,), dev, align=16)
-    return coff, D, dict(RATIO=ratio, KV_D=D, ROPE=rope.dim, **(rt.KERNEL_DEFINES or {}))
+    return coff, D, dict(RATIO=ratio, KV_D=D, ROPE=rope.dim, SPLIT=split, **(rt.KERNEL_DEFINES or {}))
 
 def _check_state(state, what, B, ratio, coff, D, dev):
     if not isinstance(state, KVCompressStateGPU) or state.ratio != ratio:
@@ -303,12 +310,13 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
                      eps: float = 1e-6,
                      bad: torch.Tensor | None = None,           # int32 (1,): slots outside [-1, capacity) counted here
                      debug_entries: torch.Tensor | None = None, # fp32 (entries, D): the pre-quantization entries
+                     split: int | None = None,                  # thread groups per entry (None: `kv_split(ratio)`)
                     ) -> int:                     # entries written
     """One launch: every complete window of each sequence (from position 0) pooled, normalized, rotated and
     quantized into `pool` at `slots`, nothing intermediate in global memory; with `state`, a second launch stores
     each sequence's tail (and for CSA its last window) so `compress_decode` continues the sequences."""
     what = "compress_prefill"
-    coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope)
+    coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split)
     cu = [int(v) for v in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
     B = len(cu) - 1
     if B < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != kv.shape[0]:
@@ -330,7 +338,7 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
     cu_d, cw_d = _CU[key]
     with _on(dev):
         if n:
-            rt.launch(KV_CU, "nvfp4_kv_compress_prefill", (n,), (D // 4,),
+            rt.launch(KV_CU, "nvfp4_kv_compress_prefill", (n,), (D // 4 * defs["SPLIT"],),
                       (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(cw_d), rt.i32(B), rt.ptr(ape), rt.ptr(norm_weight),
                        rt.ptr(_freqs(rope, dev)), rt.f32(eps), sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale),
                        rt.i32(pool.capacity), bad_p, rt.ptr(debug_entries)), defines=defs)
@@ -349,11 +357,12 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
                     *,
                     rope: RopeConfig = DSV4_ROPE, eps: float = 1e-6,
                     bad: torch.Tensor | None = None, debug_entries: torch.Tensor | None = None,   # fp32 (B, D)
+                    split: int | None = None,    # as compress_prefill's (the same split gives the same bits)
                    ) -> None:
     """One launch, no host sync (CUDA-graph capturable): each active sequence's token goes to its slot of the state;
     the sequences whose window closes (position % r == r - 1, decided on the device) write an entry to the pool."""
     what = "compress_decode"
-    coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope)
+    coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split)
     B, dev = kv.shape[0], pool.data.device
     rt.check_tensor(pos, what, "pos", (torch.int64,), dev, align=8)
     if tuple(pos.shape) != (B,): raise ValueError(f"{what}: pos must be ({B},), got {tuple(pos.shape)}")
@@ -365,7 +374,7 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
     bad_p = _check_bad(bad, what, dev)
     if B:
         with _on(dev):
-            rt.launch(KV_CU, "nvfp4_kv_compress_decode", (B,), (D // 4,),
+            rt.launch(KV_CU, "nvfp4_kv_compress_decode", (B,), (D // 4 * defs["SPLIT"],),
                       (rt.ptr(kv), rt.ptr(score), rt.ptr(pos), rt.ptr(ape), rt.ptr(norm_weight), rt.ptr(_freqs(rope, dev)), rt.f32(eps),
                        sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale), rt.i32(pool.capacity), bad_p,
                        rt.ptr(state.kv), rt.ptr(state.score), rt.ptr(debug_entries)), defines=defs)

@@ -8,6 +8,10 @@
 //   nvfp4_kv_compress_decode    one token per sequence (fixed batch, position -1: inactive): the token's slot of the
 //                               state; a sequence whose window closes pools it into an entry (CSA then shifts)
 //
+// A CTA has SPLIT groups of KV_D / 4 threads (the launcher: 4 for HCA's 128 slots, 1 for CSA): group g pools slots
+// [g r / SPLIT, (g+1) r / SPLIT) of each part (CSA: of the previous and of this window), then group 0 merges the
+// partials in group order and finishes the entry. The prefill and the decode split and merge identically.
+//
 // Math per entry (window i of r tokens; D = 512 channels, coff = 2 for CSA, else 1; the projections kv and score are
 // fp32 (tokens, coff*D); sc = score + ape[pos % r] in fp32):
 //   slots     HCA: the window's r tokens, channel c.  CSA: 2r slots, the previous window's r tokens with channel c,
@@ -44,6 +48,9 @@ using namespace nvfp4;
 #ifndef ROPE
 #define ROPE 64
 #endif
+#ifndef SPLIT
+#define SPLIT 1
+#endif
 
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -51,12 +58,15 @@ constexpr int kR = RATIO;
 constexpr int kCoff = (RATIO == 4) ? 2 : 1;
 constexpr int kD = KV_D;
 constexpr int kLd = kCoff * kD;                 // projection width
-constexpr int kThreads = kD / 4;                // 4 consecutive channels per thread
+constexpr int kGroup = kD / 4;                  // threads of one channel group: 4 consecutive channels per thread
+constexpr int kSplit = SPLIT;                   // channel groups per CTA: each pools 1/kSplit of the slots (more loads in
+constexpr int kThreads = kGroup * kSplit;       // flight for HCA's 128 slots), then group 0 merges the partials
 constexpr int kRope = ROPE;
 constexpr int kSlots = kCoff * kR;              // pooled slots per entry
 
 static_assert(kR >= 2, "RATIO must be >= 2");
 static_assert(kD % 128 == 0 && kThreads <= 1024, "KV_D must be a multiple of 128 (whole warps of 4 channels each), at most 4096");
+static_assert(kSplit >= 1 && kR % kSplit == 0 && kThreads / 32 <= 32, "SPLIT must divide RATIO (and KV_D / 4 * SPLIT <= 1024)");
 static_assert(kRope % 4 == 0 && kRope <= kD, "ROPE must be a multiple of 4 and <= KV_D");
 
 struct PoolOut {
@@ -86,6 +96,16 @@ struct Pool4 {
             m[k] = mn;
         }
     }
+    // Fold in another partial (the same channels, later slots): the merge of two online softmaxes.
+    __device__ __forceinline__ void merge(float mb, float db, float nb, int k) {
+        if (mb == NEG_INF) return;                             // no slot there
+        if (m[k] == NEG_INF) { m[k] = mb; den[k] = db; num[k] = nb; return; }
+        const float mn = (mb > m[k] || mb != mb) ? mb : m[k];
+        const float a = expf(__fsub_rn(m[k], mn)), b = expf(__fsub_rn(mb, mn));
+        den[k] = __fmaf_rn(den[k], a, __fmul_rn(db, b));
+        num[k] = __fmaf_rn(num[k], a, __fmul_rn(nb, b));
+        m[k] = mn;
+    }
     __device__ __forceinline__ void result(float (&e)[4]) const {
 #pragma unroll
         for (int k = 0; k < 4; ++k) e[k] = __fdiv_rn(num[k], den[k]);   // all slots empty: 0/0 = NaN (never happens)
@@ -97,14 +117,35 @@ __device__ __forceinline__ float4 add4(const float4& a, const float4& b) {
 }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
+// Group 0 folds in the partials of groups 1 .. kSplit-1, in group order, and gets the entry; the other groups get
+// zeros (they take part in finish_entry's reductions with nothing). Every thread of the CTA calls it.
+__device__ __forceinline__ void merge_groups(Pool4& p, float (&e)[4]) {
+    __shared__ float part[kSplit > 1 ? kSplit - 1 : 1][3][kD];
+    const int g = threadIdx.x / kGroup, c0 = 4 * (threadIdx.x % kGroup);
+    if (kSplit > 1) {
+        if (g > 0) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) { part[g - 1][0][c0 + k] = p.m[k]; part[g - 1][1][c0 + k] = p.den[k]; part[g - 1][2][c0 + k] = p.num[k]; }
+        }
+        __syncthreads();
+        if (g == 0)
+            for (int h = 0; h < kSplit - 1; ++h)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) p.merge(part[h][0][c0 + k], part[h][1][c0 + k], part[h][2][c0 + k], k);
+    }
+    if (g == 0) p.result(e);
+    else { e[0] = e[1] = e[2] = e[3] = 0.0f; }
+}
+
 // RMSNorm, RoPE at position `pos`, quantization into pool slot `slot`, and the fp32 entry to `dbg` (or nullptr).
-// Every thread of the CTA calls it with its 4 pooled channels e (channels 4 * threadIdx.x ..).
+// Every thread of the CTA calls it; group 0's threads hold the entry (channels 4 * threadIdx.x ..), the others zeros.
 __device__ void finish_entry(float (&e)[4], i64 pos, const float* __restrict__ norm_w, const double* __restrict__ freqs,
                              float eps, int slot, const PoolOut& out, float* __restrict__ dbg) {
     __shared__ float red[32];
     __shared__ u32 redu[32];
     __shared__ __align__(16) float y_s[kD];
-    const int c0 = 4 * threadIdx.x;
+    const bool own = threadIdx.x < kGroup;
+    const int c0 = 4 * (threadIdx.x % kGroup);
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) ss = __fmaf_rn(e[k], e[k], ss);
@@ -124,13 +165,13 @@ __device__ void finish_entry(float (&e)[4], i64 pos, const float* __restrict__ n
             y[2 * h + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
         }
     }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) y_s[c0 + k] = y[k];
     u32 am = 0u;
+    if (own) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) am = max(am, abs_bits(y[k]));
+        for (int k = 0; k < 4; ++k) { y_s[c0 + k] = y[k]; am = max(am, abs_bits(y[k])); }
+    }
     const u32 amax = block_max_u32_once(am, redu);                // includes the barrier that publishes y_s
-    if (dbg != nullptr) *reinterpret_cast<float4*>(dbg + c0) = make_float4(y[0], y[1], y[2], y[3]);
+    if (own && dbg != nullptr) *reinterpret_cast<float4*>(dbg + c0) = make_float4(y[0], y[1], y[2], y[3]);
     const bool ok = slot >= 0 && slot < out.capacity;
     if (!ok) {
         if (slot != -1 && threadIdx.x == 0 && out.bad != nullptr) atomicAdd(out.bad, 1);
@@ -174,31 +215,31 @@ nvfp4_kv_compress_prefill(const float* __restrict__ kv,       // (tokens, coff*D
     while (hi - lo > 1) { const int mid = (lo + hi) >> 1; if (cu_win[mid] <= w) lo = mid; else hi = mid; }
     const int b = lo, i = w - cu_win[b];
     const i64 t0 = cu_seqlens[b] + (i64)i * kR;                 // the window's first token (row)
-    const int c0 = 4 * threadIdx.x;
+    const int c0 = 4 * (threadIdx.x % kGroup), j0 = (threadIdx.x / kGroup) * (kR / kSplit), j1 = j0 + kR / kSplit;
     Pool4 p;
     p.init();
     if (kCoff == 2 && i > 0) {                                 // the previous window, channels [0, D)
 #pragma unroll 2
-        for (int j = 0; j < kR; ++j) {
+        for (int j = j0; j < j1; ++j) {
             const i64 row = t0 - kR + j;
             p.add(add4(ld4(score + row * kLd + c0), ld4(ape + (i64)j * kLd + c0)), ld4(kv + row * kLd + c0));
         }
     }
     const int off = (kCoff - 1) * kD;                          // this window: channels [D, 2D) for CSA
 #pragma unroll 2
-    for (int j = 0; j < kR; ++j) {
+    for (int j = j0; j < j1; ++j) {
         const i64 row = t0 + j;
         p.add(add4(ld4(score + row * kLd + off + c0), ld4(ape + (i64)j * kLd + off + c0)), ld4(kv + row * kLd + off + c0));
     }
     float e[4];
-    p.result(e);
+    merge_groups(p, e);
     const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};
     finish_entry(e, (i64)i * kR, norm_w, freqs, eps, slots[w], out, dbg ? dbg + (i64)w * kD : nullptr);
 }
 
 // The state after a prefill (CTA b): rows of this window (CSA: rows [r, 2r)) hold the tail tokens, the rest empty;
 // CSA rows [0, r) hold the last complete window (empty if there is none). Stored: kv and sc = score + ape.
-extern "C" __global__ void __launch_bounds__(kThreads)
+extern "C" __global__ void __launch_bounds__(kGroup)
 nvfp4_kv_prefill_state(const float* __restrict__ kv, const float* __restrict__ score, const int* __restrict__ cu_seqlens,
                        const float* __restrict__ ape,
                        float* __restrict__ st_kv, float* __restrict__ st_sc) {   // (B, coff*r, coff*D) fp32
@@ -244,18 +285,18 @@ nvfp4_kv_compress_decode(const float* __restrict__ kv,       // (B, coff*D) fp32
     }
     if (k != kR - 1) return;                                   // uniform over the CTA
     __syncthreads();                                           // the token's slot is visible to the whole CTA
-    const int c0 = 4 * threadIdx.x;
-    Pool4 pl;
+    const int c0 = 4 * (threadIdx.x % kGroup), j0 = (threadIdx.x / kGroup) * (kR / kSplit), j1 = j0 + kR / kSplit;
+    Pool4 pl;                                                  // the same slots per group, in the same order, as the prefill
     pl.init();
     if (kCoff == 2)
-        for (int j = 0; j < kR; ++j) pl.add(ld4(ss + (i64)j * kLd + c0), ld4(sk + (i64)j * kLd + c0));
+        for (int j = j0; j < j1; ++j) pl.add(ld4(ss + (i64)j * kLd + c0), ld4(sk + (i64)j * kLd + c0));
     const int off = (kCoff - 1) * kD;
-    for (int j = 0; j < kR; ++j) {
+    for (int j = j0; j < j1; ++j) {
         const i64 r = (kCoff - 1) * kR + j;
         pl.add(ld4(ss + r * kLd + off + c0), ld4(sk + r * kLd + off + c0));
     }
     float e[4];
-    pl.result(e);
+    merge_groups(pl, e);
     const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};
     finish_entry(e, p - (kR - 1), norm_w, freqs, eps, slots[b], out, dbg ? dbg + (i64)b * kD : nullptr);
     __syncthreads();                                           // every read of the state is done

@@ -24,7 +24,7 @@ def projections(ratio, lens, seed=0):
     return kv, sc, ape, w
 
 
-def prefill(ratio, lens, seed=0, slots=None, state=False, bad=None):
+def prefill(ratio, lens, seed=0, slots=None, state=False, bad=None, split=None):
     kv, sc, ape, w = projections(ratio, lens, seed)
     cu = [0]
     for n in lens: cu.append(cu[-1] + n)
@@ -33,7 +33,7 @@ def prefill(ratio, lens, seed=0, slots=None, state=False, bad=None):
     sl = torch.arange(n_ent, dtype=torch.int32, device=DEV) if slots is None else slots.to(DEV)
     dbg = torch.empty(n_ent, 512, device=DEV)
     st = K.compress_state(len(lens), ratio, device=DEV) if state else None
-    K.compress_prefill(kv.to(DEV), sc.to(DEV), cu, ape.to(DEV), w.to(DEV), ratio, pool, sl, state=st, bad=bad, debug_entries=dbg)
+    K.compress_prefill(kv.to(DEV), sc.to(DEV), cu, ape.to(DEV), w.to(DEV), ratio, pool, sl, state=st, bad=bad, debug_entries=dbg, split=split)
     return (kv, sc, ape, w, cu), pool, dbg, st
 
 
@@ -43,9 +43,10 @@ def same_pool(a, b, rows=None):
             and torch.equal(a.global_scale[rows], b.global_scale[rows]))
 
 
-@pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3]), (128, [300, 128, 5, 257]), (8, [40])])
-def test_prefill_against_reference(ratio, lens, capsys):
-    (kv, sc, ape, w, cu), pool, dbg, _ = prefill(ratio, lens)
+@pytest.mark.parametrize("ratio,lens,split", [(4, [13, 4, 9, 3], None), (128, [300, 128, 5, 257], None), (128, [300, 128, 5, 257], 1),
+                                              (8, [40], 2)])
+def test_prefill_against_reference(ratio, lens, split, capsys):
+    (kv, sc, ape, w, cu), pool, dbg, _ = prefill(ratio, lens, split=split)
     want = torch.cat([K.ref_compress_kv(kv[a:b], sc[a:b], ape, w, ratio)[0] for a, b in zip(cu, cu[1:])])
     got = dbg.cpu().double()
     cos = torch.nn.functional.cosine_similarity(got, want, dim=1)
@@ -64,7 +65,7 @@ def test_prefill_against_reference(ratio, lens, capsys):
     deq = pool.dequantize(torch.arange(n)).cpu().double()
     cq = torch.nn.functional.cosine_similarity(deq, want, dim=1)
     with capsys.disabled():
-        print(f"\nratio {ratio}: {n} entries; fp32 entry cosine >= {cos.min().item():.7f}; 16-blocks differing from the fp32 "
+        print(f"\nratio {ratio} split {split or K.kv_split(ratio)}: {n} entries; fp32 entry cosine >= {cos.min().item():.7f}; 16-blocks differing from the fp32 "
               f"reference's quantization {blocks} of {n * 32}; NVFP4 entry cosine {cq.min().item():.5f} .. {cq.max().item():.5f}")
     assert blocks <= max(2, n * 32 // 100)
 
