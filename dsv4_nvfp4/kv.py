@@ -291,6 +291,13 @@ def _check_bad(bad, what, dev):
     if bad.numel() < 1: raise ValueError(f"{what}: bad needs at least one element")
     return rt.ptr(bad)
 
+def _debug_arg(t, n, D, what, dev):
+    "The optional fp32 (n, D) output of the pre-quantization entries."
+    if t is None: return 0
+    rt.check_tensor(t, what, "debug_entries", (torch.float32,), dev, align=16)
+    if tuple(t.shape) != (n, D): raise ValueError(f"{what}: debug_entries must be ({n}, {D}), got {tuple(t.shape)}")
+    return rt.ptr(t)
+
 def _slots_arg(slots, n, what, dev):
     rt.check_tensor(slots, what, "slots", (torch.int32,), dev, align=4)
     if tuple(slots.shape) != (n,): raise ValueError(f"{what}: slots must be ({n},) int32, got {tuple(slots.shape)}")
@@ -325,10 +332,7 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
     for a, b in zip(cu, cu[1:]): cw.append(cw[-1] + (b - a) // ratio)
     dev = pool.data.device
     n = cw[-1]
-    sl = _slots_arg(slots, n, what, dev)
-    if debug_entries is not None:
-        rt.check_tensor(debug_entries, what, "debug_entries", (torch.float32,), dev, align=16)
-        if tuple(debug_entries.shape) != (n, D): raise ValueError(f"{what}: debug_entries must be ({n}, {D}), got {tuple(debug_entries.shape)}")
+    sl, dbg = _slots_arg(slots, n, what, dev), _debug_arg(debug_entries, n, D, what, dev)
     bad_p = _check_bad(bad, what, dev)
     if state is not None: _check_state(state, what, B, ratio, coff, D, dev)
     key = (tuple(cu), ratio, dev)                  # the offsets on the device, copied once per batch layout: a
@@ -341,7 +345,7 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
             rt.launch(KV_CU, "nvfp4_kv_compress_prefill", (n,), (D // 4 * defs["SPLIT"],),
                       (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(cw_d), rt.i32(B), rt.ptr(ape), rt.ptr(norm_weight),
                        rt.ptr(_freqs(rope, dev)), rt.f32(eps), sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale),
-                       rt.i32(pool.capacity), bad_p, rt.ptr(debug_entries)), defines=defs)
+                       rt.i32(pool.capacity), bad_p, dbg), defines=defs)
         if state is not None:
             rt.launch(KV_CU, "nvfp4_kv_prefill_state", (B,), (D // 4,),
                       (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(ape), rt.ptr(state.kv), rt.ptr(state.score)), defines=defs)
@@ -367,17 +371,14 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
     rt.check_tensor(pos, what, "pos", (torch.int64,), dev, align=8)
     if tuple(pos.shape) != (B,): raise ValueError(f"{what}: pos must be ({B},), got {tuple(pos.shape)}")
     _check_state(state, what, B, ratio, coff, D, dev)
-    sl = _slots_arg(slots, B, what, dev)
-    if debug_entries is not None:
-        rt.check_tensor(debug_entries, what, "debug_entries", (torch.float32,), dev, align=16)
-        if tuple(debug_entries.shape) != (B, D): raise ValueError(f"{what}: debug_entries must be ({B}, {D})")
+    sl, dbg = _slots_arg(slots, B, what, dev), _debug_arg(debug_entries, B, D, what, dev)
     bad_p = _check_bad(bad, what, dev)
     if B:
         with _on(dev):
             rt.launch(KV_CU, "nvfp4_kv_compress_decode", (B,), (D // 4 * defs["SPLIT"],),
                       (rt.ptr(kv), rt.ptr(score), rt.ptr(pos), rt.ptr(ape), rt.ptr(norm_weight), rt.ptr(_freqs(rope, dev)), rt.f32(eps),
                        sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale), rt.i32(pool.capacity), bad_p,
-                       rt.ptr(state.kv), rt.ptr(state.score), rt.ptr(debug_entries)), defines=defs)
+                       rt.ptr(state.kv), rt.ptr(state.score), dbg), defines=defs)
 
 # %% ../nbs/06_kv_compress.ipynb #9a0775c5
 def dsv4_compress_ratios(model: str = "Flash") -> list[int]:
@@ -457,21 +458,12 @@ def torch_compress_decode(kv, score, pos, ape, norm_weight, ratio, state: KVComp
 KV_PREFILL_PROBLEMS = [(r, B, L) for r in (CSA_RATIO, HCA_RATIO) for B, L in ((1, 8192), (1, 131072), (8, 8192), (8, 131072), (64, 8192))]
 KV_DECODE_BATCHES = (1, 8, 64, 256)
 
-def _eager_us(fn, n: int = 5) -> float:
-    "Median time (us) of `fn()` launched eagerly (the torch baselines read values back to the host: no graph)."
-    fn(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return sorted(ts)[n // 2]
 
 def bench_kv(prefill=None, decode=None, log=print,
              extra=None,   # more rows measured in the same run: a function (timer, log) -> rows (the gathers of `gather.py`)
             ) -> dict:
-    """The fused compressor (graph-replayed, L2 flushed) against the same math in plain torch on this GPU (eager: it
-    reads values back to the host): prefill (sequences x tokens; bytes =
+    """The fused compressor (graph-replayed, L2 flushed) against the same math in plain torch on this GPU (timed
+    eagerly: it reads values back to the host): prefill (sequences x tokens; bytes =
     the fp32 projections read + the entries written) and a decode step where every sequence closes a window (bytes =
     the state read + the entries written), with the copy ceiling measured in the same run. 64 x 128K tokens (64 GB of
     CSA projections) is left out."""
@@ -489,7 +481,7 @@ def bench_kv(prefill=None, decode=None, log=print,
         pool, slots = NVFP4KVPool(n, device=dev), torch.arange(n, dtype=torch.int32, device=dev)
         row = bench_row(timer, f"compress prefill {'CSA' if r == CSA_RATIO else 'HCA'}", f"{B} x {L} tokens", 2 * kv.nbytes + n * pool.bytes_per_entry,
                         lambda: compress_prefill(kv, sc, cu, ape, w, r, pool, slots), log=log)
-        if row: row["torch_us"] = _eager_us(lambda: torch_compress_prefill(kv, sc, cu, ape, w, r), 3)
+        if row: row["torch_us"] = timer(lambda: torch_compress_prefill(kv, sc, cu, ape, w, r))[1]   # eager: it syncs
         if row: rows.append(dict(row, ratio=r, seqs=B, tokens=L, entries=n, entries_per_s=n / row["time_us"] * 1e6, phase="prefill"))
         del kv, sc, pool; torch.cuda.empty_cache()
     for r in (CSA_RATIO, HCA_RATIO):
@@ -502,7 +494,7 @@ def bench_kv(prefill=None, decode=None, log=print,
             st, st_t = compress_state(B, r, device=dev), compress_state(B, r, device=dev)
             row = bench_row(timer, f"compress decode {'CSA' if r == CSA_RATIO else 'HCA'}", f"batch {B}", 2 * st.kv.nbytes + B * pool.bytes_per_entry,
                             lambda: compress_decode(kv, sc, pos, ape, w, r, pool, slots, st), log=log)
-            if row: row["torch_us"] = _eager_us(lambda: torch_compress_decode(kv, sc, pos, ape, w, r, st_t), 11)
+            if row: row["torch_us"] = timer(lambda: torch_compress_decode(kv, sc, pos, ape, w, r, st_t))[1]
             if row: rows.append(dict(row, ratio=r, seqs=B, tokens=1, entries=B, entries_per_s=B / row["time_us"] * 1e6, phase="decode"))
     if extra is not None: rows += extra(timer, log)
     res = bandwidth_results(rows, ceil)

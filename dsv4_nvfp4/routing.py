@@ -273,6 +273,20 @@ def route_buffers(capacity: int, num_experts: int, top_k: int, hidden: int, devi
 
 def _defines(buf: RouteBuffers) -> dict: return dict(HID=buf.hidden, TOPK=buf.top_k, NE=buf.num_experts)
 
+def _opt_arg(t, what, name, dt, shape, dev):
+    "An optional tensor argument of the route launchers: checked (dtype, device, shape) and its pointer, or 0 for None."
+    if t is None: return 0
+    rt.check_tensor(t, what, name, (dt,), dev, align=4)
+    if tuple(t.shape) != shape: raise ValueError(f"{what}: {name} must be {shape}, got {tuple(t.shape)}")
+    return rt.ptr(t)
+
+def _hash_args(tid2eid, input_ids, T, k, what, dev):
+    "Hash routing's (tid2eid, input_ids, vocab) launch arguments (zeros without a table), checked."
+    if tid2eid is None: return 0, 0, rt.i64(0)
+    if input_ids is None: raise ValueError(f"{what}: hash routing (tid2eid) needs input_ids")
+    return (_opt_arg(tid2eid, what, "tid2eid", torch.int32, (tid2eid.shape[0], k), dev),
+            _opt_arg(input_ids, what, "input_ids", torch.int64, (T,), dev), rt.i64(tid2eid.shape[0]))
+
 def router_logits(x: torch.Tensor,         # bf16 (T, hidden)
                   w_gate: torch.Tensor,    # bf16 (E, hidden)
                   out: torch.Tensor | None = None,  # fp32 (T, E)
@@ -315,26 +329,21 @@ def route_rows(buf: RouteBuffers,
               ) -> RouteBuffers:
     """One launch: top-k of `sqrt(softplus(logits)) + bias` (ties to the lower id), hash routing or a given routing;
     the shared expert (id E, weight 1) appended to every token (rows for it when the buffers' layer holds it); every
-    (token, slot)'s expert-major row, in token
-    order within each expert (the permutation `route_topk` gives), and `buf.offsets` (G,), all on the device with
-    no host sync. Buffers of a local layer (`route_buffers(experts=...)`) give rows to its own experts' slots only. Bad token ids or given ids (out of range, repeated in a row) make that token's output NaN and count
-    in `buf.bad` (`check_bad` reads it). On a slice, that NaN shows only where experts 0..k-1 are held: read the counter."""
+    (token, slot)'s expert-major row, in token order within each expert (the permutation `route_topk` gives), and
+    `buf.offsets` (G,), all on the device with no host sync. Buffers of a local layer (`route_buffers(experts=...)`)
+    give rows to its own experts' slots only. Bad token ids or given ids (out of range, repeated in a row) make that
+    token's output NaN and count in `buf.bad` (`check_bad` reads it). On a slice, that NaN shows only where experts
+    0..k-1 are held: read the counter."""
     what, E, k = "route_rows", buf.num_experts, buf.top_k
     if not 0 <= T <= buf.capacity: raise ValueError(f"{what}: {T} tokens > the buffers' capacity {buf.capacity}")
     dev = buf.offsets.device
-    def arg(t, name, dt, shape):
-        if t is None: return 0
-        rt.check_tensor(t, what, name, (dt,), dev, align=4)
-        if tuple(t.shape) != shape: raise ValueError(f"{what}: {name} must be {shape}, got {tuple(t.shape)}")
-        return rt.ptr(t)
+    arg = lambda t, name, dt, shape: _opt_arg(t, what, name, dt, shape, dev)
     gw = gi = 0
     if given is not None:
         gw, gi = arg(given[0], "topk_weights", torch.float32, (T, k)), arg(given[1], "topk_ids", torch.int32, (T, k))
     else:
         arg(logits, "logits", torch.float32, (T, E))
-    if tid2eid is not None:
-        if input_ids is None: raise ValueError(f"{what}: hash routing (tid2eid) needs input_ids")
-        arg(tid2eid, "tid2eid", torch.int32, (tid2eid.shape[0], k)); arg(input_ids, "input_ids", torch.int64, (T,))
+    hash_args = _hash_args(tid2eid, input_ids, T, k, what, dev)
     n_arg = 0 if n_tokens is None else arg(n_tokens, "n_tokens", torch.int64, ())
     buf.routed_tokens = T
     if T == 0:
@@ -342,8 +351,7 @@ def route_rows(buf: RouteBuffers,
     ch = route_chunk(T)
     rt.launch(MOE_CU, "moe_route", (-(-T // ch),), (256,),
               (0 if logits is None or given is not None else rt.ptr(logits), arg(bias, "bias", torch.float32, (E,)),
-               0 if tid2eid is None else rt.ptr(tid2eid), 0 if tid2eid is None else rt.ptr(input_ids),
-               rt.i64(0 if tid2eid is None else tid2eid.shape[0]), gi, gw, n_arg, rt.i32(T), rt.f32(routed_scaling_factor),
+               *hash_args, gi, gw, n_arg, rt.i32(T), rt.f32(routed_scaling_factor),
                rt.i32(ch), 0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups), rt.i32(buf.shared_group),
                rt.ptr(buf.topk_weights), rt.ptr(buf.topk_ids), rt.ptr(buf.rank), rt.ptr(buf.chunk_counts),
                rt.ptr(buf.chunk_base), rt.ptr(buf.offsets), rt.ptr(buf.ticket), rt.ptr(buf.bad)), defines=_defines(buf))
@@ -416,20 +424,13 @@ def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
     if not 1 <= T <= min(4, buf.capacity) or x.shape[1] != buf.hidden or tuple(w_gate.shape) != (E, buf.hidden):
         raise ValueError(f"{what}: x must be (1 <= T <= 4 and <= capacity {buf.capacity}, {buf.hidden}) and w_gate ({E}, {buf.hidden}), "
                          f"got {tuple(x.shape)} / {tuple(w_gate.shape)}")
-    def arg(t, name, dt, shape):
-        if t is None: return 0
-        rt.check_tensor(t, what, name, (dt,), dev, align=4)
-        if tuple(t.shape) != shape: raise ValueError(f"{what}: {name} must be {shape}, got {tuple(t.shape)}")
-        return rt.ptr(t)
-    if tid2eid is not None:
-        if input_ids is None: raise ValueError(f"{what}: hash routing (tid2eid) needs input_ids")
-        arg(tid2eid, "tid2eid", torch.int32, (tid2eid.shape[0], k)); arg(input_ids, "input_ids", torch.int64, (T,))
+    arg = lambda t, name, dt, shape: _opt_arg(t, what, name, dt, shape, dev)
+    hash_args = _hash_args(tid2eid, input_ids, T, k, what, dev)
     if buf.rows.shape[0] < T * (k + 1): raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
     buf.routed_tokens = -1                                # no ranks written: permute_rows must not follow
     rt.launch(MOE_CU, "moe_route_small", (-(-E // 2),), (128,),
               (rt.ptr(x), rt.ptr(w_gate), arg(n_tokens, "n_tokens", torch.int64, ()), rt.i32(T), arg(bias, "bias", torch.float32, (E,)),
-               0 if tid2eid is None else rt.ptr(tid2eid), 0 if tid2eid is None else rt.ptr(input_ids),
-               rt.i64(0 if tid2eid is None else tid2eid.shape[0]), rt.f32(routed_scaling_factor),
+               *hash_args, rt.f32(routed_scaling_factor),
                0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups), rt.i32(buf.shared_group),
                arg(a1_scales, "a1_scales", torch.float32, (buf.groups,)), rt.ptr(buf.logits), rt.ptr(buf.topk_weights),
                rt.ptr(buf.topk_ids), rt.ptr(buf.offsets), rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv),

@@ -258,6 +258,19 @@ __device__ __forceinline__ void scan_groups(int* tot, int* wsum, int ng, int* __
     __syncthreads();
 }
 
+// The threadfence reduction pattern: every CTA publishes its global writes and takes a ticket; true (for the whole
+// CTA) in the last one to arrive, which then sees every other CTA's writes. Every thread of the CTA calls it.
+__device__ __forceinline__ bool arrive_last(u32* ticket) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    return true;
+}
+
 extern "C" __global__ void __launch_bounds__(kRouteThreads)
 moe_route(const float* __restrict__ logits,      // (T, E) fp32
           const float* __restrict__ bias,        // (E,) or nullptr
@@ -282,7 +295,6 @@ moe_route(const float* __restrict__ logits,      // (T, E) fp32
     __shared__ u64 mask[kNE1];
     __shared__ int tot[kNE1];
     __shared__ int wsum[kRouteThreads / 32];
-    __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = n_real(n_ptr, T);
     for (int e = threadIdx.x; e < kNE1; e += blockDim.x) mask[e] = 0ull;
@@ -307,13 +319,8 @@ moe_route(const float* __restrict__ logits,      // (T, E) fp32
     }
     for (int e = threadIdx.x; e < ng; e += blockDim.x) chunk_counts[(i64)blockIdx.x * ng + e] = __popcll(mask[e]);
 
-    // The last CTA to get here scans the counts (the threadfence reduction pattern).
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    // The last CTA to get here scans the counts.
+    if (!arrive_last(ticket)) return;
     const int nch = gridDim.x;
     for (int e = threadIdx.x; e < ng; e += blockDim.x) {
         int s = 0;
@@ -442,15 +449,9 @@ moe_route_small(const bf16* __restrict__ x,          // (T, HID)
     __shared__ int wsum[kLogitWarps];
     __shared__ int pos[kSmallMaxT][TOPK + 1];
     __shared__ float gsa[kSmallMaxT][TOPK + 1];
-    __shared__ int last;
     if (T > kSmallMaxT) __trap();                // the launcher never does this
     router_logits_cta(x, w_gate, T, NE, logits, part);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!arrive_last(ticket)) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = n_real(n_ptr, T);
     for (int e = threadIdx.x; e < kNE1; e += blockDim.x) mask[e] = 0ull;
