@@ -465,8 +465,8 @@ def bench_kv(prefill=None, decode=None, log=print,
     """The fused compressor (graph-replayed, L2 flushed) against the same math in plain torch on this GPU (timed
     eagerly: it reads values back to the host): prefill (sequences x tokens; bytes =
     the fp32 projections read + the entries written) and a decode step where every sequence closes a window (bytes =
-    the state read + the entries written), with the copy ceiling measured in the same run. 64 x 128K tokens (64 GB of
-    CSA projections) is left out."""
+    the state read + the entries written), with the copy ceiling (the best copy of >= 256 MB) and a copy of each
+    row's own bytes measured in the same run. 64 x 128K tokens (64 GB of CSA projections) is left out."""
     from dsv4_nvfp4.bench import Timer, bandwidth_results, bench_row, copy_rows
     timer = Timer()
     _, ceil = copy_rows(timer)
@@ -497,7 +497,12 @@ def bench_kv(prefill=None, decode=None, log=print,
             if row: row["torch_us"] = timer(lambda: torch_compress_decode(kv, sc, pos, ape, w, r, st_t))[1]
             if row: rows.append(dict(row, ratio=r, seqs=B, tokens=1, entries=B, entries_per_s=B / row["time_us"] * 1e6, phase="decode"))
     if extra is not None: rows += extra(timer, log)
+    for r in rows:                      # a device copy moving the same bytes: small problems cannot reach the big-copy ceiling
+        src = torch.empty(max(1, r["traffic_bytes"] // 2), dtype=torch.uint8, device=dev); dst = torch.empty_like(src)
+        r["copy_us"] = min(v for v in timer(lambda: dst.copy_(src)) if v)
+        del src, dst
     res = bandwidth_results(rows, ceil)
+    for r in res["rows"]: r["pct_same_copy"] = 100 * r["copy_us"] / r["time_us"]
     res["memory"] = [kv_memory(m) for m in ("Flash", "Pro")]
     return res
 
@@ -505,24 +510,27 @@ def kv_table(res: dict) -> str:
     "The compressor benchmark as Markdown (rendered from the measured rows)."
     i = res["info"]
     head = f"{i['gpu']} ({i['sms']} SMs), torch {i['torch']}; copy ceiling {res['ceiling_tbs']:.2f} TB/s\n\n"
-    cols = ["op", "problem", "entries", "us", "M entries/s", "GB moved", "TB/s", "% of copy", "torch us", "x torch"]
+    cols = ["op", "problem", "entries", "us", "M entries/s", "GB moved", "TB/s", "% of copy", "% of same-size copy", "torch us", "x torch"]
     body = [(r["kernel"], r["shape"], r["entries"], f"{r['time_us']:.1f}", f"{r['entries_per_s'] / 1e6:.1f}", f"{r['traffic_bytes'] / 1e9:.3f}",
-             f"{r['tbs']:.2f}", f"{r['pct_copy']:.0f}%", "-" if r["torch_us"] is None else f"{r['torch_us']:.1f}",
+             f"{r['tbs']:.2f}", f"{r['pct_copy']:.0f}%", f"{r['pct_same_copy']:.0f}%", "-" if r["torch_us"] is None else f"{r['torch_us']:.1f}",
              "-" if r["x_vs_torch"] is None else f"{r['x_vs_torch']:.1f}x") for r in res["rows"]]
     return head + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + "\n".join("| " + " | ".join(str(c) for c in b) + " |" for b in body)
 
 def kv_goals(res: dict) -> str:
     """The issue's goals, from the rows: prefill >= 10x torch and its inputs read at >= 70% of copy bandwidth at 8K+
-    tokens; gathers at >= 85% of copy bandwidth when they move >= 64 MB."""
+    tokens; gathers at >= 85% of copy bandwidth when they move >= 64 MB. Copy bandwidth is the ceiling (the best
+    copy of >= 256 MB); each line also says how the rows fare against a copy of their own bytes."""
     out, name = [], lambda r: f"{r['kernel']} {r['shape']}"
     pre = [r for r in res["rows"] if r["phase"] == "prefill" and r["tokens"] >= 8192]
     if pre:
         slow = [name(r) for r in pre if not (r["x_vs_torch"] or 0) >= 10]
-        bw = [name(r) for r in pre if r["pct_copy"] < 70]
+        bw, bw1 = [name(r) for r in pre if r["pct_copy"] < 70], [name(r) for r in pre if r["pct_same_copy"] < 70]
         out += [f"* **Prefill >= 10x the torch version**: met on {len(pre) - len(slow)} of {len(pre)} rows" + (f"; missed: {', '.join(slow)}." if slow else "."),
-                f"* **Prefill reads at >= 70% of copy bandwidth**: met on {len(pre) - len(bw)} of {len(pre)} rows" + (f"; missed: {', '.join(bw)}." if bw else ".")]
+                f"* **Prefill reads at >= 70% of copy bandwidth**: met on {len(pre) - len(bw)} of {len(pre)} rows" + (f"; missed: {', '.join(bw)}" if bw else "")
+                + f" (against a copy of the same bytes: met on {len(pre) - len(bw1)} of {len(pre)}" + (f"; missed: {', '.join(bw1)})." if bw1 else ").")]
     ga = [r for r in res["rows"] if r["phase"] == "gather" and r["traffic_bytes"] >= 64e6]
     if ga:
-        bw = [name(r) for r in ga if r["pct_copy"] < 85]
-        out.append(f"* **Gathers (>= 64 MB) at >= 85% of copy bandwidth**: met on {len(ga) - len(bw)} of {len(ga)} rows" + (f"; missed: {', '.join(bw)}." if bw else "."))
+        bw, bw1 = [name(r) for r in ga if r["pct_copy"] < 85], [name(r) for r in ga if r["pct_same_copy"] < 85]
+        out.append(f"* **Gathers (>= 64 MB) at >= 85% of copy bandwidth**: met on {len(ga) - len(bw)} of {len(ga)} rows" + (f"; missed: {', '.join(bw)}" if bw else "")
+                   + f" (against a copy of the same bytes: met on {len(ga) - len(bw1)} of {len(ga)}" + (f"; missed: {', '.join(bw1)})." if bw1 else ")."))
     return "\n".join(out)

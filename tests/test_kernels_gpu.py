@@ -295,6 +295,42 @@ def test_gather_swizzled_scales(M, Kd, per_row):
     assert int(cnt) == 3
 
 
+def every_code_and_scale():
+    """1024 rows of K = 512: row r carries the E4M3 scale byte r % 256 in all its blocks (+-0, subnormals, 448, both
+    NaNs) and all 256 code bytes (every pair of E2M1 codes), with a per-row gs of 1, 0.0037, 2^-135 (products
+    down in the fp32 and bf16 subnormals) or 3e30 by row // 256."""
+    n, K = 1024, 512
+    data = torch.stack([torch.roll(torch.arange(256, dtype=torch.int32), r) for r in range(n)]).to(torch.uint8)
+    scale = (torch.arange(n) % 256).to(torch.uint8)[:, None].repeat(1, K // 16).view(torch.float8_e4m3fn)
+    gs = torch.tensor([1.0, 0.0037, 2.0 ** -135, 3e30]).repeat_interleave(256)
+    return NVFP4Tensor(data, scale, gs, torch.Size((n, K)))
+
+
+def assert_bits_equal_nan(got, want, what):
+    "The same bits wherever the reference is a number, and NaN wherever it is NaN (the NaN payload is not compared)."
+    got = got.cpu()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan), f"{what}: NaN in {int((got.isnan() != nan).sum())} other places"
+    assert_bits_equal(torch.where(nan, 0, got), torch.where(nan, 0, want), what)
+
+
+@pytest.mark.parametrize("variant", [None, "NVFP4_GATHER_SCALAR_DECODE"])
+def test_gather_decodes_every_code_with_every_scale(monkeypatch, variant):
+    "The gather's E2M1 decode (through the hardware E4M3 conversion, or the per-element A/B path) is the reference's."
+    if variant is not None:
+        monkeypatch.setattr(rt, "KERNEL_DEFINES", {variant: None})
+    t = every_code_and_scale()
+    want = ref_dequantize_nvfp4(t, torch.bfloat16)
+    assert int(want.isnan().sum()) == 2 * 4 * 512 and int((want == 0).sum()) > 0   # the two NaN scale bytes, all gs
+    tg = t.to(DEV)
+    n = t.shape[0]
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    assert_bits_equal_nan(QC.gather_dequant_nvfp4(tg, idx.to(DEV)), want[idx.long()], f"gather {variant}")
+    assert_bits_equal_nan(QC.dequant_rows_nvfp4(tg, 0, n), want, f"dense rows {variant}")
+    sz = QC.SwizzledNVFP4(tg.data, swizzle_scales(tg.scale), tg.global_scale, t.shape)
+    assert_bits_equal_nan(QC.gather_dequant_nvfp4(sz, idx.to(DEV)), want[idx.long()], f"gather, swizzled scales {variant}")
+
+
 @pytest.mark.parametrize("M,Kd,per_row", DG_PARAMS)
 def test_dequant_rows(M, Kd, per_row):
     ref, qg, rows = dg_case(M, Kd, per_row)
