@@ -189,8 +189,8 @@ def _bench(what: str, sizes_mb, out: Path) -> int:
         res, table, plot = bench_gemm(log=log), gemm_table, plot_gemm
     elif what == "kv":
         from dsv4_nvfp4.gather import bench_kv_and_gather
-        from dsv4_nvfp4.kv import kv_goals, kv_table
-        res, plot = bench_kv_and_gather(log=log), None
+        from dsv4_nvfp4.kv import kv_goals, kv_table, plot_kv
+        res, plot = bench_kv_and_gather(log=log), plot_kv
         table = lambda r: kv_table(r) + "\n\n" + kv_goals(r)
     elif what == "moe":
         from dsv4_nvfp4.moe import bench_moe, moe_goals, moe_table

@@ -19,7 +19,7 @@ __all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_CU', 'KV_ENTRY_B
            'RopeConfig', 'rope_freqs', 'apply_rope', 'rms_norm64', 'coff_of', 'pool_window', 'ref_compress_kv',
            'CompressState', 'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU', 'compress_state', 'kv_split',
            'compress_prefill', 'compress_decode', 'dsv4_compress_ratios', 'kv_memory', 'torch_compress_prefill',
-           'torch_compress_decode', 'bench_kv', 'kv_table', 'kv_goals']
+           'torch_compress_decode', 'bench_kv', 'kv_table', 'plot_kv', 'kv_goals']
 
 # %% ../nbs/06_kv_compress.ipynb #8e1798ee
 KV_DIM = 512                 # compressed entry width (DSV4 head_dim)
@@ -515,6 +515,23 @@ def kv_table(res: dict) -> str:
              f"{r['tbs']:.2f}", f"{r['pct_copy']:.0f}%", f"{r['pct_same_copy']:.0f}%", "-" if r["torch_us"] is None else f"{r['torch_us']:.1f}",
              "-" if r["x_vs_torch"] is None else f"{r['x_vs_torch']:.1f}x") for r in res["rows"]]
     return head + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + "\n".join("| " + " | ".join(str(c) for c in b) + " |" for b in body)
+
+def plot_kv(res: dict, path=None):
+    "TB/s against bytes moved for each op (points sorted by size), with a copy of the same bytes and the ceiling."
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    rows = sorted(res["rows"], key=lambda r: r["traffic_bytes"])
+    for k in dict.fromkeys(r["kernel"] for r in res["rows"]):
+        rr = [r for r in rows if r["kernel"] == k]
+        ax.plot([r["traffic_bytes"] / 1e6 for r in rr], [r["tbs"] for r in rr], "o-", label=k, ms=3)
+    ax.plot([r["traffic_bytes"] / 1e6 for r in rows], [r["traffic_bytes"] / r["copy_us"] / 1e6 for r in rows], "k--", lw=1,
+            label="a copy of the same bytes")
+    ax.axhline(res["ceiling_tbs"], color="gray", lw=0.8, ls=":", label="copy ceiling (>= 256 MB)")
+    ax.set_xscale("log"); ax.set_xlabel("MB moved (read + write)"); ax.set_ylabel("TB/s")
+    ax.set_title(f"KV compressor and gathers on {res['info']['gpu']}"); ax.legend(fontsize=7, frameon=False)
+    plt.tight_layout()
+    if path: fig.savefig(path, dpi=120)
+    return fig
 
 def kv_goals(res: dict) -> str:
     """The issue's goals, from the rows: prefill >= 10x torch and its inputs read at >= 70% of copy bandwidth at 8K+

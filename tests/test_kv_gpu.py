@@ -44,7 +44,8 @@ def same_pool(a, b, rows=None):
 
 
 @pytest.mark.parametrize("ratio,lens,split", [(4, [13, 4, 9, 3], None), (128, [300, 128, 5, 257], None), (128, [300, 128, 5, 257], 1),
-                                              (8, [40], 2)])
+                                              (8, [40], 2), (128, [300, 128, 5, 257], 8), (4, [13, 4, 9, 3], 2),
+                                              (4, [13, 4, 9, 3], 4)])
 def test_prefill_against_reference(ratio, lens, split, capsys):
     (kv, sc, ape, w, cu), pool, dbg, _ = prefill(ratio, lens, split=split)
     want = torch.cat([K.ref_compress_kv(kv[a:b], sc[a:b], ape, w, ratio)[0] for a, b in zip(cu, cu[1:])])
