@@ -19,7 +19,9 @@ What is proved, and how:
 * dequantize_nvfp4_cuda (bf16 / fp32, plain or swizzled scales), gather_dequant_nvfp4 and dequant_rows_nvfp4 are
   bit-exact with ``ref_dequantize_nvfp4`` of the same NVFP4 data; -1 indices and out-of-range indices give zero rows;
   in checked mode the device counter grows by exactly the number of out-of-range (not -1) indices; a strided
-  destination slice is written without touching the columns around it.
+  destination slice is written without touching the columns around it. The gather's decode (codes through the
+  hardware E4M3 conversion) and its A/B per-element path (NVFP4_GATHER_SCALAR_DECODE) are checked on every code
+  with every scale byte (NaN, subnormals, +-0) under four global scales, down into the subnormals.
 * rmsnorm_quantize_nvfp4 / mhc_rmsnorm_quantize_nvfp4 against ``ref_rmsnorm_quantize_nvfp4`` /
   ``ref_mhc_rmsnorm_quantize_nvfp4`` (same fp32 operation order, except the sum of squares, an fp32 tree on the GPU):
   (1) inv_rms relative error <= 1e-6 and computed gs relative error <= 2e-6;
