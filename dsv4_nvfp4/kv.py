@@ -15,11 +15,12 @@ from . import runtime as rt
 from .quant import NVFP4Tensor, ref_dequantize_nvfp4, ref_quantize_nvfp4
 
 # %% auto #0
-__all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_CU', 'KV_ENTRY_BYTES', 'KV_PREFILL_PROBLEMS', 'KV_DECODE_BATCHES',
-           'RopeConfig', 'rope_freqs', 'apply_rope', 'rms_norm64', 'coff_of', 'pool_window', 'ref_compress_kv',
-           'CompressState', 'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU', 'compress_state', 'kv_split',
-           'compress_prefill', 'compress_decode', 'dsv4_compress_ratios', 'kv_memory', 'torch_compress_prefill',
-           'torch_compress_decode', 'bench_kv', 'kv_table', 'plot_kv', 'kv_goals']
+__all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_CU', 'KV_UNROLL', 'KV_ENTRY_BYTES', 'KV_PREFILL_PROBLEMS',
+           'KV_DECODE_BATCHES', 'RopeConfig', 'rope_freqs', 'apply_rope', 'rms_norm64', 'coff_of', 'pool_window',
+           'ref_compress_kv', 'CompressState', 'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU',
+           'compress_state', 'kv_split', 'kv_unroll', 'compress_prefill', 'compress_decode', 'dsv4_compress_ratios',
+           'kv_memory', 'torch_compress_prefill', 'torch_compress_decode', 'bench_kv', 'kv_table', 'plot_kv',
+           'kv_goals']
 
 # %% ../nbs/06_kv_compress.ipynb #8e1798ee
 KV_DIM = 512                 # compressed entry width (DSV4 head_dim)
@@ -262,6 +263,13 @@ def kv_split(ratio: int) -> int:
     partials. HCA's 128 slots take 4 (four times the loads in flight for the same entries); CSA's 4 + 4 take 1."""
     return 4 if ratio >= 32 and ratio % 4 == 0 else 1
 
+KV_UNROLL = {CSA_RATIO: 2, HCA_RATIO: 2}   # slots whose loads a thread issues ahead, per ratio (A/B on an H200; see 07's benchmark)
+
+def kv_unroll(ratio: int) -> int:
+    """Slots whose loads each thread of the compressor issues before pooling them (the kernel's KV_UNROLL). It changes
+    how many bytes are in flight, never a bit: the pooling order is the slot order whatever the value."""
+    return KV_UNROLL.get(ratio, 2)
+
 def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split=None):
     coff, D = _check_proj(kv, score, ape, norm_weight, ratio, what)
     split = kv_split(ratio) if split is None else int(split)
@@ -271,7 +279,9 @@ def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split=None)
     dev = pool.data.device
     for name, t in (("kv", kv), ("score", score), ("ape", ape), ("norm_weight", norm_weight)):
         rt.check_tensor(t, what, name, (torch.float32,), dev, align=16)
-    return coff, D, dict(RATIO=ratio, KV_D=D, ROPE=rope.dim, SPLIT=split, **(rt.KERNEL_DEFINES or {}))
+    defs = dict(RATIO=ratio, KV_D=D, ROPE=rope.dim, SPLIT=split, KV_UNROLL=kv_unroll(ratio))
+    defs.update(rt.KERNEL_DEFINES or {})                       # A/B variants (DSV4_NVFP4_DEFINES) win
+    return coff, D, defs
 
 def _check_state(state, what, B, ratio, coff, D, dev):
     if not isinstance(state, KVCompressStateGPU) or state.ratio != ratio:

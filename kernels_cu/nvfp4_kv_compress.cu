@@ -34,7 +34,9 @@
 // (when bad != nullptr): the pool is never written out of bounds.
 //
 // Compile-time constants: RATIO (4 or 128; any r >= 2 works, CSA iff RATIO == 4), KV_D = 512 (the entry width: 4
-// channels per thread, so KV_D / 4 threads per CTA, a multiple of 32), ROPE (rotated channels, 64).
+// channels per thread, so KV_D / 4 threads per CTA, a multiple of 32), ROPE (rotated channels, 64), KV_UNROLL (slots
+// whose loads a thread issues before it pools them: more bytes in flight per thread; the pooling order, hence every
+// bit, does not depend on it).
 #include "nvfp4_common.cuh"
 
 using namespace nvfp4;
@@ -51,6 +53,9 @@ using namespace nvfp4;
 #ifndef SPLIT
 #define SPLIT 1
 #endif
+#ifndef KV_UNROLL
+#define KV_UNROLL 2
+#endif
 
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -63,11 +68,14 @@ constexpr int kSplit = SPLIT;                   // channel groups per CTA: each 
 constexpr int kThreads = kGroup * kSplit;       // flight for HCA's 128 slots), then group 0 merges the partials
 constexpr int kRope = ROPE;
 constexpr int kSlots = kCoff * kR;              // pooled slots per entry
+constexpr int kPer = kR / SPLIT;                // slots of one part pooled by one group
+constexpr int kU = (KV_UNROLL < kPer) ? KV_UNROLL : kPer;   // slots loaded ahead (a divisor of kPer)
 
 static_assert(kR >= 2, "RATIO must be >= 2");
 static_assert(kD % 128 == 0 && kThreads <= 1024, "KV_D must be a multiple of 128 (whole warps of 4 channels each), at most 4096");
 static_assert(kSplit >= 1 && kR % kSplit == 0 && kThreads / 32 <= 32, "SPLIT must divide RATIO (and KV_D / 4 * SPLIT <= 1024)");
 static_assert(kRope % 4 == 0 && kRope <= kD, "ROPE must be a multiple of 4 and <= KV_D");
+static_assert(kU >= 1 && kPer % kU == 0, "KV_UNROLL must divide RATIO / SPLIT (or exceed it)");
 
 struct PoolOut {
     u8* data;                 // (capacity, D/2) E2M1 codes
@@ -116,6 +124,22 @@ __device__ __forceinline__ float4 add4(const float4& a, const float4& b) {
     return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
 }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
+// Pool kPer slots of 4 channels: slot j's score is sc[j * ld] (+ ape[j * ld] when ape != nullptr), its value
+// kv[j * ld]. The loads of kU slots are issued before they are pooled; the pooling order is slot order whatever kU.
+__device__ __forceinline__ void pool_part(Pool4& p, const float* sc, const float* kv, const float* __restrict__ ape) {
+    for (int j = 0; j < kPer; j += kU) {
+        float4 s[kU], v[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            s[u] = ld4(sc + (i64)(j + u) * kLd);
+            v[u] = ld4(kv + (i64)(j + u) * kLd);
+            if (ape != nullptr) s[u] = add4(s[u], ld4(ape + (i64)(j + u) * kLd));
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) p.add(s[u], v[u]);
+    }
+}
 
 // Group 0 folds in the partials of groups 1 .. kSplit-1, in group order, and gets the entry; the other groups get
 // zeros (they take part in finish_entry's reductions with nothing). Every thread of the CTA calls it.
@@ -215,22 +239,16 @@ nvfp4_kv_compress_prefill(const float* __restrict__ kv,       // (tokens, coff*D
     while (hi - lo > 1) { const int mid = (lo + hi) >> 1; if (cu_win[mid] <= w) lo = mid; else hi = mid; }
     const int b = lo, i = w - cu_win[b];
     const i64 t0 = cu_seqlens[b] + (i64)i * kR;                 // the window's first token (row)
-    const int c0 = 4 * (threadIdx.x % kGroup), j0 = (threadIdx.x / kGroup) * (kR / kSplit), j1 = j0 + kR / kSplit;
+    const int c0 = 4 * (threadIdx.x % kGroup), j0 = (threadIdx.x / kGroup) * kPer;
     Pool4 p;
     p.init();
     if (kCoff == 2 && i > 0) {                                 // the previous window, channels [0, D)
-#pragma unroll 2
-        for (int j = j0; j < j1; ++j) {
-            const i64 row = t0 - kR + j;
-            p.add(add4(ld4(score + row * kLd + c0), ld4(ape + (i64)j * kLd + c0)), ld4(kv + row * kLd + c0));
-        }
+        const i64 o = (t0 - kR + j0) * kLd + c0;
+        pool_part(p, score + o, kv + o, ape + (i64)j0 * kLd + c0);
     }
     const int off = (kCoff - 1) * kD;                          // this window: channels [D, 2D) for CSA
-#pragma unroll 2
-    for (int j = j0; j < j1; ++j) {
-        const i64 row = t0 + j;
-        p.add(add4(ld4(score + row * kLd + off + c0), ld4(ape + (i64)j * kLd + off + c0)), ld4(kv + row * kLd + off + c0));
-    }
+    const i64 o = (t0 + j0) * kLd + off + c0;
+    pool_part(p, score + o, kv + o, ape + (i64)j0 * kLd + off + c0);
     float e[4];
     merge_groups(p, e);
     const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};
@@ -285,16 +303,13 @@ nvfp4_kv_compress_decode(const float* __restrict__ kv,       // (B, coff*D) fp32
     }
     if (k != kR - 1) return;                                   // uniform over the CTA
     __syncthreads();                                           // the token's slot is visible to the whole CTA
-    const int c0 = 4 * (threadIdx.x % kGroup), j0 = (threadIdx.x / kGroup) * (kR / kSplit), j1 = j0 + kR / kSplit;
+    const int c0 = 4 * (threadIdx.x % kGroup), j0 = (threadIdx.x / kGroup) * kPer;
     Pool4 pl;                                                  // the same slots per group, in the same order, as the prefill
     pl.init();
-    if (kCoff == 2)
-        for (int j = j0; j < j1; ++j) pl.add(ld4(ss + (i64)j * kLd + c0), ld4(sk + (i64)j * kLd + c0));
+    if (kCoff == 2) pool_part(pl, ss + (i64)j0 * kLd + c0, sk + (i64)j0 * kLd + c0, nullptr);
     const int off = (kCoff - 1) * kD;
-    for (int j = j0; j < j1; ++j) {
-        const i64 r = (kCoff - 1) * kR + j;
-        pl.add(ld4(ss + r * kLd + off + c0), ld4(sk + r * kLd + off + c0));
-    }
+    const i64 o = (i64)((kCoff - 1) * kR + j0) * kLd + off + c0;
+    pool_part(pl, ss + o, sk + o, nullptr);
     float e[4];
     merge_groups(pl, e);
     const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};

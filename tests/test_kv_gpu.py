@@ -71,8 +71,21 @@ def test_prefill_against_reference(ratio, lens, split, capsys):
     assert blocks <= max(2, n * 32 // 100)
 
 
+@pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3]), (128, [300, 128, 5, 257])])
+def test_unroll_changes_no_bit(monkeypatch, ratio, lens):
+    "KV_UNROLL (loads issued ahead) changes the schedule, not the pooling order: the same entries, bit for bit."
+    _, pool, dbg, st = prefill(ratio, lens, seed=7, state=True)
+    for u in (1, 4, 8):
+        monkeypatch.setitem(K.KV_UNROLL, ratio, u)
+        _, pool_u, dbg_u, st_u = prefill(ratio, lens, seed=7, state=True)
+        assert torch.equal(dbg_u, dbg) and same_pool(pool_u, pool), f"KV_UNROLL {u}"
+        assert torch.equal(st_u.kv, st.kv) and torch.equal(st_u.score, st.score)
+
+
+@pytest.mark.parametrize("unroll", [None, 1, 8])
 @pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3]), (128, [300, 5, 257])])
-def test_prefill_equals_token_by_token_decode(ratio, lens):
+def test_prefill_equals_token_by_token_decode(monkeypatch, ratio, lens, unroll):
+    if unroll is not None: monkeypatch.setitem(K.KV_UNROLL, ratio, unroll)
     (kv, sc, ape, w, cu), pool, dbg, st = prefill(ratio, lens, seed=1, state=True)
     B, coff = len(lens), K.coff_of(ratio)
     dec = K.NVFP4KVPool(pool.capacity, device=DEV)
