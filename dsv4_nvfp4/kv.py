@@ -263,7 +263,7 @@ def kv_split(ratio: int) -> int:
     partials. HCA's 128 slots take 4 (four times the loads in flight for the same entries); CSA's 4 + 4 take 1."""
     return 4 if ratio >= 32 and ratio % 4 == 0 else 1
 
-KV_UNROLL = {CSA_RATIO: 2, HCA_RATIO: 2}   # slots whose loads a thread issues ahead, per ratio (A/B on an H200; see 07's benchmark)
+KV_UNROLL = {CSA_RATIO: 2, HCA_RATIO: 4}   # slots whose loads a thread issues ahead, per ratio (A/B on an H200; see 07's benchmark)
 
 def kv_unroll(ratio: int) -> int:
     """Slots whose loads each thread of the compressor issues before pooling them (the kernel's KV_UNROLL). It changes
