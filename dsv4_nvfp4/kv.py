@@ -465,8 +465,7 @@ def torch_compress_decode(kv, score, pos, ape, norm_weight, ratio, state: KVComp
     return (ref_quantize_nvfp4(e, per_row=True) if quantize else e), close
 
 # %% ../nbs/06_kv_compress.ipynb #b63b944c
-KV_PREFILL_PROBLEMS = [(r, B, L) for r in (CSA_RATIO, HCA_RATIO)
-                       for B, L in ((1, 8192), (1, 131072), (8, 8192), (8, 131072), (64, 8192), (64, 131072))]
+KV_PREFILL_PROBLEMS = [(r, B, L) for r in (CSA_RATIO, HCA_RATIO) for B, L in ((1, 8192), (1, 131072), (8, 8192), (8, 131072), (64, 8192))]
 KV_DECODE_BATCHES = (1, 8, 64, 256)
 
 
@@ -477,9 +476,9 @@ def bench_kv(prefill=None, decode=None, log=print,
     eagerly: it reads values back to the host): prefill (sequences x tokens; bytes =
     the fp32 projections read + the entries written) and a decode step where every sequence closes a window (bytes =
     the state read + the entries written), with the copy ceiling (the best copy of >= 256 MB) and a copy of each
-    row's own bytes measured in the same run. A problem whose projections do not fit in free GPU memory (64 x 128K
-    CSA tokens are 69 GB of them) is skipped, saying so; where the torch version runs out of memory its time is
-    left blank."""
+    row's own bytes measured in the same run. 64 x 128K tokens is not in the default list (69 GB of CSA projections;
+    pass it in `prefill` on a GPU that holds it). A problem whose projections do not fit in free GPU memory is
+    skipped, saying so; where the torch version runs out of memory its time is left blank."""
     from dsv4_nvfp4.bench import Timer, bandwidth_results, bench_row, copy_rows
     timer = Timer()
     _, ceil = copy_rows(timer)
