@@ -10,18 +10,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from . import __version__
 
-from .formats import E2M1_VALUES, ref_halfstep_table_encode
-from .checkpoint import load_modelopt_nvfp4
-from .quant import NVFP4Tensor, ref_quantize_nvfp4, sqnr_db
+# torch and the package's torch modules are imported inside the functions that use them: `dsv4-nvfp4 --help`,
+# `--version` and argument errors answer at once instead of after torch's ~3 s import.
 
 # %% auto #0
 __all__ = ['demo_synthetic', 'demo_gpu', 'demo_moe', 'demo_checkpoint', 'bench_kernels', 'main']
 
 # %% ../nbs/09_cli.ipynb #7ae77f49
-def _legacy_dequant(x: torch.Tensor, q: NVFP4Tensor) -> torch.Tensor:
+def _legacy_dequant(x, q):                 # (tensor, NVFP4Tensor) -> tensor
     "Dequantize `x` re-encoded with q's scales but the legacy half-step table element rounding."
+    import torch
+    from dsv4_nvfp4.formats import E2M1_VALUES, ref_halfstep_table_encode
     K, Kp = x.shape[-1], q.scale.shape[-1] * 16
     xb = torch.nn.functional.pad(x.float(), (0, Kp - K)).reshape(*q.scale.shape, 16)
     s = q.scale.float()
@@ -30,25 +31,31 @@ def _legacy_dequant(x: torch.Tensor, q: NVFP4Tensor) -> torch.Tensor:
     vals = E2M1_VALUES[ref_halfstep_table_encode(xb * r[..., None]).long()]
     return ((vals * s[..., None]) * g[..., None]).reshape(*x.shape[:-1], Kp)[..., :K]
 
-def _report(name: str, x: torch.Tensor, q: NVFP4Tensor, seconds: float) -> list[str]:
+def _report(name: str, x, q, seconds: float) -> list[str]:   # x a tensor, q its NVFP4Tensor
     "Lines describing how well `q` stores `x`."
+    from dsv4_nvfp4.quant import sqnr_db
     bf16 = x.numel() * 2
     legacy = _legacy_dequant(x, q)
     ours = q.dequantize()
-    return [f"{name}: shape {tuple(x.shape)}, quantized in {seconds * 1e3:.1f} ms",
+    return [f"{name}: shape {tuple(x.shape)}, quantized in {seconds * 1e3:.1f} ms (after one untimed warm-up call)",
             f"  bytes  bf16 {bf16 / 1e6:.2f} MB -> nvfp4 {q.nbytes / 1e6:.2f} MB "
             f"({bf16 / q.nbytes:.2f}x smaller, {1 - q.nbytes / bf16:.1%} saved)",
             f"  SQNR   {sqnr_db(x, ours):.2f} dB (exact RNE)  vs  {sqnr_db(x, legacy):.2f} dB (legacy half-step table); "
             f"the table changes {(ours != legacy).float().mean().item():.2%} of the values"]
 
 def _timed(f, *args, **kwargs):
-    t0 = time.perf_counter(); out = f(*args, **kwargs)
-    if torch.cuda.is_available(): torch.cuda.synchronize()
+    "(f(*args), seconds) of the second call: the first one, untimed, pays for lazy initialization and caches."
+    import torch
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    f(*args, **kwargs); sync()
+    t0 = time.perf_counter(); out = f(*args, **kwargs); sync()
     return out, time.perf_counter() - t0
 
 # %% ../nbs/09_cli.ipynb #1edd4bec
 def demo_synthetic(seed: int = 0, tokens: int = 256, device: str = "cpu") -> list[str]:
     "Quantize a seeded synthetic DSV4-Flash expert weight (4096 x 2048) and an activation batch; report."
+    import torch
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(4096, 2048, generator=g) * (0.02 * torch.exp(0.3 * torch.randn(4096, 1, generator=g)))
     a = torch.randn(tokens, 2048, generator=g)
@@ -70,8 +77,12 @@ def demo_synthetic(seed: int = 0, tokens: int = 256, device: str = "cpu") -> lis
     lines += [f"total time {time.perf_counter() - t0:.2f} s"]
     return lines
 
-def demo_gpu(w: torch.Tensor, a: torch.Tensor) -> list[str]:
+def demo_gpu(w,                   # the demo's weight (a CPU tensor)
+             a,                   # the demo's activations
+            ) -> list[str]:
     "Run the GPU kernels on the demo tensors: bit-exactness against the CPU results, and their times."
+    import torch
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4
     from dsv4_nvfp4.bench import Timer
     from dsv4_nvfp4.quantize_cuda import dequantize_nvfp4_cuda, quantize_nvfp4_cuda
     timer = Timer()  # median of CUDA events, L2 flushed: GPU time of a graph replay, and the eager call from Python
@@ -101,6 +112,7 @@ def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 4, log=N
     """The synthetic DSV4-Flash MoE layer (256 routed + 1 shared expert) on the GPU, W4A16 and W4A4: accuracy against
     the float64 reference on the same NVFP4 weights (`ref_moe`) and against the unquantized layer (`ref_moe_bf16`,
     cosine), and the captured layer's time against the same layer in torch bf16, at a few batch sizes."""
+    import torch
     from dsv4_nvfp4.bench import Timer
     from dsv4_nvfp4.moe import FLASH, DSV4MoE, TorchMoE, ref_moe, ref_moe_bf16
     dev, timer = torch.device("cuda"), Timer()
@@ -139,8 +151,18 @@ def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 4, log=N
     return lines
 
 # %% ../nbs/09_cli.ipynb #493e04db
+def _legacy_text(x, legacy) -> str:
+    "How the legacy half-step table re-encodes `x`: the same values (an SQNR of inf dB says nothing), or its SQNR."
+    import torch
+    from dsv4_nvfp4.quant import sqnr_db
+    if torch.equal(x, legacy): return "the legacy half-step table gives the same values (they lie on the E2M1 grid)"
+    return f"legacy half-step table SQNR {sqnr_db(x, legacy):.2f} dB ({(x != legacy).float().mean().item():.2%} of the values differ)"
+
 def demo_checkpoint(path) -> list[str]:
     "Report on every NVFP4 weight of a ModelOpt safetensors checkpoint."
+    import torch
+    from dsv4_nvfp4.checkpoint import load_modelopt_nvfp4
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4, sqnr_db
     t0 = time.perf_counter()
     layers = load_modelopt_nvfp4(path)
     if not layers:
@@ -159,7 +181,7 @@ def demo_checkpoint(path) -> list[str]:
         lines.append(f"{name}: {tuple(q.shape)}, global scale {q.global_scale.item():.4g}"
                      + (f", input scale {layer.input_scale:.4g}" if layer.input_scale is not None else ""))
         lines.append(f"  re-quantized in {dt * 1e3:.1f} ms: {same_codes:.2%} of codes and {same_scales:.2%} of scales "
-                     f"identical; legacy half-step table SQNR {sqnr_db(x, legacy):.2f} dB")
+                     f"identical; " + _legacy_text(x, legacy))
     lines.append(f"bytes  bf16 {tot_bf16 / 1e6:.2f} MB -> nvfp4 {tot_nvfp4 / 1e6:.2f} MB "
                  f"({tot_bf16 / tot_nvfp4:.2f}x smaller); total time {time.perf_counter() - t0:.2f} s")
     return lines
@@ -181,6 +203,7 @@ def bench_kernels(sizes_mb=(1, 4, 16, 64, 256, 1024),  # bf16 input sizes (MB)
 def _bench(what: str, sizes_mb, out: Path) -> int:
     "Run one benchmark, print its table, write bench_<what>.{md,json,png} into `out`."
     import json
+    import torch
     if not torch.cuda.is_available():
         print("dsv4-nvfp4 bench: no CUDA device", file=sys.stderr); return 2
     log = lambda *m: print(*m, file=sys.stderr, flush=True)
@@ -215,7 +238,8 @@ def _bench(what: str, sizes_mb, out: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `dsv4-nvfp4` console command."
     p = argparse.ArgumentParser(prog="dsv4-nvfp4", description="NVFP4 kernels for DeepSeek-V4 MoE inference")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"dsv4-nvfp4 {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     d = sub.add_parser("demo", help="quantize a synthetic DSV4-Flash expert, or a ModelOpt checkpoint, and report")
     d.add_argument("--checkpoint", type=Path, help="a ModelOpt NVFP4 .safetensors file")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
@@ -224,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="kernels: input sizes")
     bn.add_argument("--out", type=Path, default=Path("."), help="folder for bench_<what>.{md,json,png}")
     args = p.parse_args(argv)
+    if args.cmd is None:                             # no command: the commands, not an argparse error
+        p.print_help(sys.stderr); return 2
     if args.cmd == "bench": return _bench(args.what, args.sizes_mb, args.out)
     try:
         lines = demo_checkpoint(args.checkpoint) if args.checkpoint else demo_synthetic(args.seed)

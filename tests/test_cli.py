@@ -128,3 +128,40 @@ def test_demo_on_gpu_runs_the_kernels_bit_exact(capsys):
     assert out.count("bit-exact with the CPU reference: yes") == 2, out
     times = [float(m) for m in re.findall(r"quantize \w+ \(bf16.*?: ([0-9.]+) us", out)]
     assert len(times) == 2 and all(t > 0 for t in times), out
+
+
+def test_version_and_help_answer_without_torch():
+    "`dsv4-nvfp4 --version` / `--help` parse before anything imports torch (the import alone takes seconds)."
+    import subprocess
+    import sys
+    code = ("import sys\nfrom dsv4_nvfp4 import cli\nfor a in (['--version'], ['--help']):\n"
+            "    try: cli.main(a)\n    except SystemExit as e: assert e.code == 0, e.code\n"
+            "print('TORCH', 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    from dsv4_nvfp4 import __version__
+    assert f"dsv4-nvfp4 {__version__}" in r.stdout and "demo" in r.stdout and "bench" in r.stdout, r.stdout
+    assert "TORCH False" in r.stdout, r.stdout
+
+
+def test_no_command_lists_the_commands(capsys):
+    "A bare `dsv4-nvfp4` prints the usage with its commands (exit 2), not argparse's 'arguments are required'."
+    assert run_main([]) == 2
+    err = capsys.readouterr().err
+    assert "demo" in err and "bench" in err and "--version" in err and "required" not in err, err
+
+
+def test_demo_timings_exclude_the_warm_up(capsys):
+    assert run_main(["demo"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "quantized in" in ln]
+    assert len(lines) == 2 and all("after one untimed warm-up call" in ln for ln in lines), out
+
+
+def test_checkpoint_demo_says_identical_not_inf_db(tmp_path, capsys):
+    "Stored weights lie on the E2M1 grid: the legacy table gives the same values, said in words (no 'inf dB')."
+    path = str(tmp_path / "model.safetensors")
+    _write_modelopt(path)
+    assert run_main(["demo", "--checkpoint", path]) == 0
+    out = capsys.readouterr().out
+    assert "inf" not in out and out.count("the legacy half-step table gives the same values") == 2, out
