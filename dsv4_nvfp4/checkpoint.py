@@ -5,6 +5,8 @@
 # %% ../nbs/01a_checkpoint.ipynb #e56f674c
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import torch
 from .quant import BLOCK, NVFP4Tensor
 
 # %% auto #0
-__all__ = ['ModelOptNVFP4', 'save_modelopt_nvfp4', 'load_modelopt_nvfp4', 'modelopt_experts']
+__all__ = ['ModelOptNVFP4', 'save_modelopt_nvfp4', 'safetensors_keys', 'read_safetensors', 'load_modelopt_nvfp4',
+           'modelopt_experts']
 
 # %% ../nbs/01a_checkpoint.ipynb #e5c880aa
 @dataclass
@@ -41,42 +44,98 @@ def save_modelopt_nvfp4(path,                      # .safetensors file to write
         out[f"{name}.weight_scale_2"] = t.global_scale.reshape(()).cpu()
     for name, v in (input_scales or {}).items():
         out[f"{name}.input_scale"] = torch.tensor(float(v), dtype=torch.float32)
-    save_file(out, str(path))
+    path = Path(path)
+    if not path.parent.is_dir(): raise FileNotFoundError(f"save_modelopt_nvfp4: the folder {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # written whole, then renamed: never a half-written file
+    try:
+        save_file(out, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists(): tmp.unlink()
 
-def load_modelopt_nvfp4(path) -> dict:
-    """Read every NVFP4 layer of a ModelOpt safetensors file: {name: ModelOptNVFP4} with `weight` an NVFP4Tensor (N, K) on
-    the CPU. A layer is NVFP4 when `name.weight` is uint8 and `name.weight_scale` exists; FP8/bf16 layers are skipped.
-    A missing global scale, a wrong scale dtype or shape, or a corrupt file raise ValueError naming the entry."""
+def safetensors_keys(path) -> dict:
+    """{tensor name: file} of a safetensors checkpoint: one `.safetensors` file, or a folder holding a sharded one
+    (`model.safetensors.index.json`, whose `weight_map` names each tensor's shard) or, without an index, its
+    `.safetensors` files. Only the headers are read."""
     from safetensors import safe_open
     path = Path(path)
-    if not path.exists(): raise FileNotFoundError(f"load_modelopt_nvfp4: no such file: {path}")
+    if not path.exists(): raise FileNotFoundError(f"no such file or folder: {path}")
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            try: wmap = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e: raise ValueError(f"{index}: not a safetensors index ({e})") from e
+            files = {k: path / v for k, v in wmap.items()}
+            missing = sorted({str(f.name) for f in files.values() if not f.exists()})
+            if missing: raise FileNotFoundError(f"{index} names shard(s) that are not in {path}: {', '.join(missing[:3])}")
+            return files
+        shards = sorted(path.glob("*.safetensors"))
+        if not shards: raise FileNotFoundError(f"{path} is a folder with no .safetensors file and no model.safetensors.index.json")
+    else:
+        shards = [path]
+    files = {}
+    for f in shards:
+        try:
+            with safe_open(str(f), framework="pt") as h: ks = list(h.keys())
+        except Exception as e:  # safetensors raises its own error types for a corrupt header
+            raise ValueError(f"{f.name}: not a readable safetensors file ({e})") from e
+        for k in ks:
+            if k in files: raise ValueError(f"{path}: tensor {k} is in both {files[k].name} and {f.name}")
+            files[k] = f
+    return files
+
+class _Reader:
+    "get(name): one tensor of a (sharded) checkpoint at a time; each shard opened once."
+    def __init__(self, files: dict): self.files, self.open = files, {}
+    def get(self, key):
+        from safetensors import safe_open
+        f = self.files[key]
+        if f not in self.open:
+            try: self.open[f] = safe_open(str(f), framework="pt")
+            except Exception as e: raise ValueError(f"{f.name}: not a readable safetensors file ({e})") from e
+        return self.open[f].get_tensor(key)
+
+def read_safetensors(path, keys) -> dict:
+    "The tensors `keys` of a checkpoint (file or sharded folder) that it holds: {key: tensor}; absent keys are left out."
+    files = safetensors_keys(path)
+    r = _Reader(files)
+    return {k: r.get(k) for k in keys if k in files}
+
+def load_modelopt_nvfp4(path) -> dict:
+    """Read every NVFP4 layer of a ModelOpt checkpoint, a `.safetensors` file or a sharded folder (see
+    `safetensors_keys`), one tensor at a time: {name: ModelOptNVFP4} with `weight` an NVFP4Tensor (N, K) on the CPU.
+    A layer is NVFP4 when `name.weight` is uint8 and `name.weight_scale` exists; FP8/bf16 layers are skipped. A
+    checkpoint with no NVFP4 layer, a missing global scale, a wrong scale dtype or shape, or a corrupt file raise
+    ValueError naming the entry."""
+    path = Path(path)
+    files = safetensors_keys(path)
+    keys, f = set(files), _Reader(files)
     res = {}
-    try:
-        handle = safe_open(str(path), framework="pt")
-    except Exception as e:  # safetensors raises its own error types for a corrupt header
-        raise ValueError(f"{path.name}: not a readable safetensors file ({e})") from e
-    with handle as f:
-        keys = set(f.keys())
-        for key in sorted(keys):
-            if not key.endswith(".weight_scale"): continue
-            name = key[: -len(".weight_scale")]
-            if f"{name}.weight" not in keys: raise ValueError(f"{path.name}: {key} has no {name}.weight")
-            w, s = f.get_tensor(f"{name}.weight"), f.get_tensor(key)
-            if w.dtype != torch.uint8: continue  # an FP8 or bf16 layer with a scale: not NVFP4
-            if s.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{path.name}: {key} must be float8_e4m3fn, got {s.dtype}")
-            if w.dim() != 2 or s.shape != (w.shape[0], w.shape[1] * 2 // BLOCK) or w.shape[1] % 8:
-                raise ValueError(f"{path.name}: {name}.weight {tuple(w.shape)} needs {key} of shape "
-                                 f"{(w.shape[0], w.shape[1] * 2 // BLOCK)} (K/16), got {tuple(s.shape)}")
-            if f"{name}.weight_scale_2" not in keys:
-                raise ValueError(f"{path.name}: {name}.weight_scale_2 (the global scale) is missing")
-            g = f.get_tensor(f"{name}.weight_scale_2")
-            if g.numel() != 1 or g.dtype != torch.float32:
-                raise ValueError(f"{path.name}: {name}.weight_scale_2 must be one float32, got {g.dtype} {tuple(g.shape)}")
-            inp = f.get_tensor(f"{name}.input_scale").item() if f"{name}.input_scale" in keys else None
-            t = NVFP4Tensor(w, s, g.float().reshape(()), torch.Size([w.shape[0], w.shape[1] * 2]))
-            res[name] = ModelOptNVFP4(t, inp)
+    for key in sorted(keys):
+        if not key.endswith(".weight_scale"): continue
+        name = key[: -len(".weight_scale")]
+        if f"{name}.weight" not in keys: raise ValueError(f"{path.name}: {key} has no {name}.weight")
+        w, s = f.get(f"{name}.weight"), f.get(key)
+        if w.dtype != torch.uint8: continue  # an FP8 or bf16 layer with a scale: not NVFP4
+        if s.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{path.name}: {key} must be float8_e4m3fn, got {s.dtype}")
+        if w.dim() != 2 or s.shape != (w.shape[0], w.shape[1] * 2 // BLOCK) or w.shape[1] % 8:
+            raise ValueError(f"{path.name}: {name}.weight {tuple(w.shape)} needs {key} of shape "
+                             f"{(w.shape[0], w.shape[1] * 2 // BLOCK)} (K/16), got {tuple(s.shape)}")
+        if f"{name}.weight_scale_2" not in keys:
+            raise ValueError(f"{path.name}: {name}.weight_scale_2 (the global scale) is missing")
+        g = f.get(f"{name}.weight_scale_2")
+        if g.numel() != 1 or g.dtype != torch.float32:
+            raise ValueError(f"{path.name}: {name}.weight_scale_2 must be one float32, got {g.dtype} {tuple(g.shape)}")
+        inp = f.get(f"{name}.input_scale").item() if f"{name}.input_scale" in keys else None
+        t = NVFP4Tensor(w, s, g.float().reshape(()), torch.Size([w.shape[0], w.shape[1] * 2]))
+        res[name] = ModelOptNVFP4(t, inp)
+    if not res:
+        ex = ", ".join(sorted(keys)[:3]) + (", ..." if len(keys) > 3 else "")
+        raise ValueError(f"{path.name}: no NVFP4 weights among its {len(keys)} tensor(s) ({ex}); expected NAME.weight uint8 "
+                         "+ NAME.weight_scale float8_e4m3fn + NAME.weight_scale_2 float32 (the ModelOpt convention)")
     return res
+
 
 # %% ../nbs/01a_checkpoint.ipynb #07c1c957
 def modelopt_experts(ckpt: dict,     # name -> ModelOptNVFP4, as load_modelopt_nvfp4 returns

@@ -130,6 +130,16 @@ class PreparedWeights:
     def shape(self) -> tuple: return (self.w_fp4.shape[0], self.w_fp4.shape[1], self.k)
     @property
     def device(self) -> torch.device: return self.w_fp4.device
+    @property
+    def nbytes(self) -> int:
+        "Bytes held on the device, every layout counted."
+        return sum(t.numel() * t.element_size() for t in (self.w_fp4, self.w_sf, self.w_sf_swz, self.w_gs, self.a_gs, self.w_sm90)
+                   if t is not None)
+    def __repr__(self) -> str:
+        E, N, K = self.shape
+        extra = ("activation scales" if self.a_gs is not None else None, "sm_90a slabs" if self.w_sm90 is not None else None)
+        return (f"PreparedWeights({E} experts, N={N}, K={K} (padded to {2 * self.w_fp4.shape[2]}), {self.device}, "
+                f"{self.nbytes / 2 ** 20:.2f} MiB" + "".join(f", {x}" for x in extra if x) + ")")
     def to(self, device) -> "PreparedWeights":
         "Every tensor on `device` (do this once, at load)."
         mv = lambda t: None if t is None else t.to(device)

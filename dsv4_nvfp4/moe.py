@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checkpoint import ModelOptNVFP4, load_modelopt_nvfp4
+from .checkpoint import ModelOptNVFP4, load_modelopt_nvfp4, read_safetensors
 from .grouped_gemm import act_decode_in_kernel, grouped_gemm_nvfp4, prepare_weights
 from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
 from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes,
@@ -351,11 +351,8 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
     raw = {}
     if isinstance(src, (str, Path)):
         path = Path(src)
-        nv = load_modelopt_nvfp4(path)
-        from safetensors import safe_open
-        with safe_open(str(path), framework="pt") as f:
-            for k in (f"{p}.gate.weight", f"{p}.gate.bias", f"{p}.gate.tid2eid"):
-                if k in f.keys(): raw[k] = f.get_tensor(k)
+        nv = load_modelopt_nvfp4(path)                 # a file or a sharded folder
+        raw = read_safetensors(path, (f"{p}.gate.weight", f"{p}.gate.bias", f"{p}.gate.tid2eid"))
         where = path.name
     elif isinstance(src, dict):
         nv = {k: v for k, v in src.items() if isinstance(v, ModelOptNVFP4)}
