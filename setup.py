@@ -13,6 +13,7 @@ statuses = ["Planning", "Pre-Alpha", "Alpha", "Beta", "Production/Stable", "Matu
 lic = licenses[c["license"]]
 requirements = c.get("requirements", "").split()
 dev_requirements = c.get("dev_requirements", "").split()
+gpu_requirements = c.get("gpu_requirements", "").split()   # CUDA-only packages: the [gpu] extra
 readme = Path(__file__).parent / "README.md"
 
 setuptools.setup(
@@ -39,7 +40,7 @@ setuptools.setup(
     # the CUDA sources are compiled at run time: a wheel installs them under <prefix>/share/dsv4_nvfp4/kernels_cu
     data_files=[("share/dsv4_nvfp4/kernels_cu", sorted(str(p) for p in Path("kernels_cu").glob("*.cu*")))],
     install_requires=requirements,
-    extras_require={"dev": dev_requirements},
+    extras_require={"dev": dev_requirements, "gpu": gpu_requirements},
     entry_points={
         "console_scripts": c["console_scripts"].split(),
         "nbdev": [f"{c['lib_path']}={c['lib_path']}._modidx:d"],

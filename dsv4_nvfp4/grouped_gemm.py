@@ -177,7 +177,7 @@ def prepare_weights(experts,           # NVFP4Experts, or a list of NVFP4Tensor 
     if sm90 is None: sm90 = k_tile == 128
     if sm90:
         if k_tile != 128: raise ValueError(f"prepare_weights: the sm_90a layout needs k_tile = 128, got {k_tile} (or pass sm90=False)")
-        from dsv4_nvfp4.gemm_sm90 import N_PAD, tile_weights_sm90
+        from dsv4_nvfp4.sm90_layout import N_PAD, tile_weights_sm90
         np_ = round_up(N, N_PAD)
         w_sm90 = tile_weights_sm90(F.pad(data, (0, 0, 0, np_ - N)), F.pad(sf.view(torch.uint8), (0, 0, 0, np_ - N)).view(torch.float8_e4m3fn))
     return PreparedWeights(data, sf.contiguous(), assemble_weight_scales(sf), experts.global_scale.contiguous(),
@@ -434,7 +434,7 @@ def _launch_cost(timer, ours) -> dict:
 def synthetic_weights(E: int, N: int, K: int, device="cuda") -> PreparedWeights:
     """Timing-only sm_90a weights of E experts (N, K): random codes, every block scale 1.0, global scales 1; built on
     the device in the kernel's layout (no CPU quantization of gigabytes of weights). Not for numerics."""
-    from dsv4_nvfp4.gemm_sm90 import K_TILE, N_PAD, SLAB_BYTES, SLAB_CODE_BYTES, SLAB_ROWS, SLAB_WIDTH, WG_ROWS
+    from dsv4_nvfp4.sm90_layout import K_TILE, N_PAD, SLAB_BYTES, SLAB_CODE_BYTES, SLAB_ROWS, SLAB_WIDTH, WG_ROWS
     dev = torch.device(device)
     Np, Kt = round_up(N, N_PAD), round_up(K, K_TILE)
     pw = PreparedWeights(torch.empty(1, dtype=torch.uint8, device=dev).expand(E, N, Kt // 2), None, None,
@@ -446,7 +446,7 @@ def synthetic_weights(E: int, N: int, K: int, device="cuda") -> PreparedWeights:
 def _bench_problem(timer, name, E, N, K, T, topk, wo_a=False):
     dev = torch.device("cuda")
     gg = torch.Generator().manual_seed(0)
-    from dsv4_nvfp4.gemm_sm90 import K_TILE, N_PAD
+    from dsv4_nvfp4.sm90_layout import K_TILE, N_PAD
     Np, Kt = round_up(N, N_PAD), round_up(K, K_TILE)
     pw = synthetic_weights(E, N, K, dev)
     if wo_a:

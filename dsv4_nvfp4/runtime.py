@@ -97,8 +97,8 @@ class _CC:
                 try:
                     from cuda.core import experimental as m
                 except ImportError as e:
-                    raise CudaUnavailableError("dsv4_nvfp4 kernels need cuda-python (pip install "
-                                               "'cuda-python' 'cuda-toolkit[nvrtc,cudart,cccl]')") from e
+                    raise CudaUnavailableError("dsv4_nvfp4's GPU kernels need cuda-python and the CUDA toolkit "
+                                               "wheels: pip install 'dsv4_nvfp4[gpu]'") from e
             cls._ns = m
         return cls._ns
 
@@ -128,7 +128,7 @@ def cuda_include_dirs() -> list[str]:
     env = os.environ.get("DSV4_NVFP4_CUDA_INCLUDE")
     if env: dirs = [env] + dirs
     if not dirs:
-        raise CudaUnavailableError("no CUDA headers found: pip install 'cuda-toolkit[nvrtc,cudart,cccl]' "
+        raise CudaUnavailableError("no CUDA headers found: pip install 'dsv4_nvfp4[gpu]' (cuda-toolkit[nvrtc,cudart,cccl]) "
                                    "(cuda.pathfinder.locate_nvidia_header_directory('cudart')) or set "
                                    "DSV4_NVFP4_CUDA_INCLUDE")
     return dirs

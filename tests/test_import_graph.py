@@ -13,7 +13,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "dsv4_nvfp4"
 ORDER = ["formats", "quant", "checkpoint", "layout", "bench", "runtime", "quantize_cuda", "norm", "routing",
-         "grouped_gemm", "gemm_sm90", "gemm_sm100", "swiglu", "kv", "gather", "moe", "cli"]
+         "sm90_layout", "grouped_gemm", "gemm_sm90", "gemm_sm100", "swiglu", "kv", "gather", "moe", "cli"]
 DISPATCH = {("grouped_gemm", "gemm_sm90"), ("grouped_gemm", "gemm_sm100")}   # a dispatcher calls its backends
 
 
@@ -32,6 +32,7 @@ def module_imports(path: Path):
                     private += [f"{sub}.{a.name}" for a in node.names if a.name.startswith("_")]
                 else:                                   # from dsv4_nvfp4 import runtime as rt / from . import runtime
                     for a in node.names:
+                        if a.name.startswith("__"): continue    # the package's own attributes (__version__)
                         mods.add(a.name); aliases[a.asname or a.name] = a.name
         elif isinstance(node, ast.Import):
             for a in node.names:
@@ -72,7 +73,7 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     f = tmp_path / "m.py"
-    f.write_text("from dsv4_nvfp4 import runtime as rt\nfrom .quant import _hidden, BLOCK\n"
+    f.write_text("from dsv4_nvfp4 import runtime as rt, __version__\nfrom .quant import _hidden, BLOCK\n"
                  "def g():\n    from dsv4_nvfp4.layout import swizzle_scales\n    return rt._secret\n")
     mods, private = module_imports(f)
     assert mods == {"runtime", "quant", "layout"}

@@ -835,10 +835,12 @@ def test_modelopt_load_weight_scale_2_shape_1(tmp_path):
     assert w.global_scale.numel() == 1 and w.global_scale.item() == float(np.float32(0.37))
 
 
-def test_modelopt_no_nvfp4_weights_gives_empty_dict(tmp_path):
+def test_modelopt_no_nvfp4_weights_is_an_error_naming_the_contents(tmp_path):
+    "A file with no NVFP4 layer is refused (not an empty dict a caller would take for a loaded checkpoint)."
     path = str(tmp_path / "dense.safetensors")
     save_file({"w.weight": torch.ones(4, 4, dtype=torch.bfloat16), "b.weight": torch.ones(4, 4)}, path)
-    assert CK.load_modelopt_nvfp4(path) == {}
+    with pytest.raises(ValueError, match=r"no NVFP4 weights among its 2 tensor\(s\) \(b.weight, w.weight\)"):
+        CK.load_modelopt_nvfp4(path)
 
 
 def test_modelopt_fp8_layers_are_not_nvfp4(tmp_path):
@@ -851,7 +853,8 @@ def test_modelopt_fp8_layers_are_not_nvfp4(tmp_path):
     }
     path = str(tmp_path / "fp8.safetensors")
     save_file(fp8, path)
-    assert CK.load_modelopt_nvfp4(path) == {}
+    with pytest.raises(ValueError, match="no NVFP4 weights"):       # its only layer is FP8
+        CK.load_modelopt_nvfp4(path)
     mixed, codes, sb = _modelopt_tensors("model.layers.0.mlp.experts.0.up_proj")
     mixed.update(fp8)
     path = str(tmp_path / "mixed.safetensors")
