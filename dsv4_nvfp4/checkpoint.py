@@ -6,17 +6,21 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import shutil
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
 
-from .quant import BLOCK, NVFP4Tensor
+from .quant import BLOCK, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4
 
 # %% auto #0
-__all__ = ['ModelOptNVFP4', 'save_modelopt_nvfp4', 'safetensors_keys', 'read_safetensors', 'load_modelopt_nvfp4',
-           'modelopt_experts']
+__all__ = ['DEFAULT_SKIP', 'ModelOptNVFP4', 'save_modelopt_nvfp4', 'safetensors_keys', 'read_safetensors', 'iter_modelopt_nvfp4',
+           'load_modelopt_nvfp4', 'modelopt_experts', 'quantize_checkpoint']
 
 # %% ../nbs/01a_checkpoint.ipynb #e5c880aa
 @dataclass
@@ -87,13 +91,14 @@ def safetensors_keys(path) -> dict:
 class _Reader:
     "get(name): one tensor of a (sharded) checkpoint at a time; each shard opened once."
     def __init__(self, files: dict): self.files, self.open = files, {}
-    def get(self, key):
+    def open_file(self, f):
+        "The open handle of shard `f`."
         from safetensors import safe_open
-        f = self.files[key]
         if f not in self.open:
             try: self.open[f] = safe_open(str(f), framework="pt")
             except Exception as e: raise ValueError(f"{f.name}: not a readable safetensors file ({e})") from e
-        return self.open[f].get_tensor(key)
+        return self.open[f]
+    def get(self, key): return self.open_file(self.files[key]).get_tensor(key)
 
 def read_safetensors(path, keys) -> dict:
     "The tensors `keys` of a checkpoint (file or sharded folder) that it holds: {key: tensor}; absent keys are left out."
@@ -101,16 +106,12 @@ def read_safetensors(path, keys) -> dict:
     r = _Reader(files)
     return {k: r.get(k) for k in keys if k in files}
 
-def load_modelopt_nvfp4(path) -> dict:
-    """Read every NVFP4 layer of a ModelOpt checkpoint, a `.safetensors` file or a sharded folder (see
-    `safetensors_keys`), one tensor at a time: {name: ModelOptNVFP4} with `weight` an NVFP4Tensor (N, K) on the CPU.
-    A layer is NVFP4 when `name.weight` is uint8 and `name.weight_scale` exists; FP8/bf16 layers are skipped. A
-    checkpoint with no NVFP4 layer, a missing global scale, a wrong scale dtype or shape, or a corrupt file raise
-    ValueError naming the entry."""
+def iter_modelopt_nvfp4(path):
+    "(name, ModelOptNVFP4) for each NVFP4 layer of a ModelOpt checkpoint, one at a time (see `load_modelopt_nvfp4`)."
     path = Path(path)
     files = safetensors_keys(path)
     keys, f = set(files), _Reader(files)
-    res = {}
+    found = 0
     for key in sorted(keys):
         if not key.endswith(".weight_scale"): continue
         name = key[: -len(".weight_scale")]
@@ -129,12 +130,20 @@ def load_modelopt_nvfp4(path) -> dict:
             raise ValueError(f"{path.name}: {name}.weight_scale_2 must be one float32, got {g.dtype} {tuple(g.shape)}")
         inp = f.get(f"{name}.input_scale").item() if f"{name}.input_scale" in keys else None
         t = NVFP4Tensor(w, s, g.float().reshape(()), torch.Size([w.shape[0], w.shape[1] * 2]))
-        res[name] = ModelOptNVFP4(t, inp)
-    if not res:
+        found += 1
+        yield name, ModelOptNVFP4(t, inp)
+    if not found:
         ex = ", ".join(sorted(keys)[:3]) + (", ..." if len(keys) > 3 else "")
         raise ValueError(f"{path.name}: no NVFP4 weights among its {len(keys)} tensor(s) ({ex}); expected NAME.weight uint8 "
                          "+ NAME.weight_scale float8_e4m3fn + NAME.weight_scale_2 float32 (the ModelOpt convention)")
-    return res
+
+def load_modelopt_nvfp4(path) -> dict:
+    """Read every NVFP4 layer of a ModelOpt checkpoint, a `.safetensors` file or a sharded folder (see
+    `safetensors_keys`), one tensor at a time: {name: ModelOptNVFP4} with `weight` an NVFP4Tensor (N, K) on the CPU.
+    A layer is NVFP4 when `name.weight` is uint8 and `name.weight_scale` exists; FP8/bf16 layers are skipped. A
+    checkpoint with no NVFP4 layer, a missing global scale, a wrong scale dtype or shape, or a corrupt file raise
+    ValueError naming the entry."""
+    return dict(iter_modelopt_nvfp4(path))
 
 
 # %% ../nbs/01a_checkpoint.ipynb #07c1c957
@@ -148,3 +157,159 @@ def modelopt_experts(ckpt: dict,     # name -> ModelOptNVFP4, as load_modelopt_n
     missing = [n for n in names if n not in ckpt]
     if missing: raise KeyError(f"modelopt_experts: {len(missing)} expert layer(s) missing, first {missing[0]!r}")
     return [ckpt[n] for n in names]
+
+# %% ../nbs/01a_checkpoint.ipynb #5e1f9a02
+DEFAULT_SKIP = r"(^|\.)(embed_tokens|embed|lm_head|head)\.weight$|norm|(^|\.)gate\.weight$"
+
+_ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+             torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+if hasattr(torch, "float8_e8m0fnu"): _ST_DTYPE[torch.float8_e8m0fnu] = "F8_E8M0"
+_SAFE_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
+
+class _Plan(NamedTuple):
+    "One output tensor: how to make it (kind: copy / codes / scales / gs) from the input tensor `src`."
+    name: str
+    kind: str
+    src: str
+    dtype: torch.dtype
+    shape: tuple
+
+def _block_scale_name(name: str, keys) -> str | None:
+    "The 128 x 128 block-scale tensor of an FP8 weight `name` (HF `weight_scale_inv`, DSV4 `scale`), if any."
+    base = name[: -len("weight")]
+    for s in (base + "weight_scale_inv", base + "scale"):
+        if s in keys: return s
+    return None
+
+def _fp8_rows(w8: torch.Tensor, sc: torch.Tensor, r0: int) -> torch.Tensor:
+    "Rows [r0, r0 + len) of an FP8 weight with 128 x 128 block scales, dequantized to fp32."
+    s = sc.float()[r0 // 128: (r0 + w8.shape[0] - 1) // 128 + 1].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return w8.float() * s[r0 % 128: r0 % 128 + w8.shape[0], : w8.shape[1]]
+
+def _eligible(n, hdr, keys, pat) -> bool:
+    "Whether tensor `n` is a linear weight to quantize (2-D, K % 16 == 0, high precision or FP8 with block scales)."
+    dt, shape = hdr[n]
+    return (n.endswith(".weight") and len(shape) == 2 and shape[1] % BLOCK == 0 and not (pat and pat.search(n))
+            and (dt in (torch.bfloat16, torch.float16, torch.float32)
+                 or (dt == torch.float8_e4m3fn and _block_scale_name(n, keys) is not None)))
+
+def _plan_file(names, hdr, keys, skip) -> list:
+    "The output tensors of one input file, in order; FP8 weights' block scales (in any shard) are consumed, not copied."
+    pat, out = re.compile(skip) if skip else None, []
+    used = {_block_scale_name(n, keys) for n in keys if hdr[n][0] == torch.float8_e4m3fn and _eligible(n, hdr, keys, pat)}
+    for n in names:
+        dt, shape = hdr[n]
+        if _eligible(n, hdr, keys, pat):
+            base = n[: -len(".weight")]
+            out += [_Plan(n, "codes", n, torch.uint8, (shape[0], shape[1] // 2)),
+                    _Plan(base + ".weight_scale", "scales", n, torch.float8_e4m3fn, (shape[0], shape[1] // BLOCK)),
+                    _Plan(base + ".weight_scale_2", "gs", n, torch.float32, ())]
+        else:
+            out.append(_Plan(n, "copy", n, dt, tuple(shape)))
+    return [o for o in out if not (o.kind == "copy" and o.name in used)]   # an FP8 weight's block scales are consumed
+
+def _header(plan, metadata=None) -> bytes:
+    "The safetensors header (8-byte length + JSON, padded to 8 bytes) of the planned tensors, in order."
+    h, off = {}, 0
+    for o in plan:
+        if o.dtype not in _ST_DTYPE: raise ValueError(f"quantize_checkpoint: {o.name} has dtype {o.dtype}, which safetensors cannot store here")
+        n = math.prod(o.shape) * torch.empty(0, dtype=o.dtype).element_size()
+        h[o.name] = {"dtype": _ST_DTYPE[o.dtype], "shape": list(o.shape), "data_offsets": [off, off + n]}
+        off += n
+    if metadata: h["__metadata__"] = metadata
+    js = json.dumps(h, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    return len(js).to_bytes(8, "little") + js
+
+def quantize_checkpoint(src,                       # a .safetensors file or a (sharded) folder of them
+                        dst,                       # the output: a .safetensors file for a file, a folder for a folder
+                        *,
+                        skip: str | None = DEFAULT_SKIP,  # regex of weight names kept as they are
+                        rows_per_slab: int = 1024,  # rows quantized at a time (memory: about 20 x rows x K bytes)
+                        progress: bool = True,      # a tqdm bar over the tensors
+                        overwrite: bool = False,
+                       ) -> dict:                   # what was done: files, quantized / copied tensors, bytes in and out
+    "Quantize every eligible linear weight of a checkpoint to ModelOpt NVFP4, streaming one tensor at a time (see above)."
+    from safetensors import safe_open
+    src, dst = Path(src), Path(dst)
+    files = safetensors_keys(src)
+    if dst.exists() and not overwrite: raise FileExistsError(f"quantize_checkpoint: {dst} exists (pass overwrite=True to replace it)")
+    if not dst.parent.is_dir(): raise FileNotFoundError(f"quantize_checkpoint: the folder {dst.parent} does not exist")
+    if src.is_dir() and dst.suffix == ".safetensors": raise ValueError(f"quantize_checkpoint: {src} is a folder: give a folder as the output, not {dst.name}")
+    if not src.is_dir() and dst.suffix != ".safetensors": raise ValueError(f"quantize_checkpoint: {src.name} is one file: name the output NAME.safetensors, not {dst.name}")
+    by_file = {}
+    for k, f in files.items(): by_file.setdefault(f, []).append(k)
+    keys, r = set(files), _Reader(files)
+    hdr = {}
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as h:
+            for n in names:
+                sl = h.get_slice(n)
+                hdr[n] = (_SAFE_DTYPE[sl.get_dtype()], tuple(sl.get_shape()))
+    plans = {f: _plan_file(sorted(names), hdr, keys, skip) for f, names in sorted(by_file.items())}
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    stats = dict(files=len(plans), quantized=0, copied=0, bytes_in=0, bytes_out=0, largest_tensor=0)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=sum(len(p) for p in plans.values()), unit="tensor", desc=f"quantize {src.name}")
+    try:
+        if src.is_dir(): tmp.mkdir()
+        weight_map = {}
+        for f, plan in plans.items():
+            out_path = (tmp / f.name) if src.is_dir() else tmp
+            with open(out_path, "wb") as fo:
+                fo.write(_header(plan, {"format": "pt", "quantization": "modelopt nvfp4 (dsv4_nvfp4)"}))
+                done = {}                                       # a weight's scales / gs, written after its codes
+                for o in plan:
+                    t = _emit(o, r, hdr, keys, done, rows_per_slab, fo, stats)
+                    weight_map[o.name] = f.name
+                    if bar: bar.update(1)
+        if src.is_dir():
+            total = sum((tmp / f.name).stat().st_size for f in plans)
+            (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        if dst.exists():
+            if dst.is_dir(): shutil.rmtree(dst)
+            else: dst.unlink()
+        os.replace(tmp, dst)
+    except BaseException:                                       # errors and Ctrl-C: remove the partial output
+        if tmp.is_dir(): shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists(): tmp.unlink()
+        raise
+    finally:
+        if bar: bar.close()
+    return stats
+
+def _emit(o: _Plan, r: _Reader, hdr, keys, done: dict, rows: int, fo, stats):
+    "Write output tensor `o` (its bytes only: the header is already written)."
+    dt, shape = hdr[o.src]
+    if o.kind == "copy":
+        t = r.get(o.src)
+        fo.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        stats["copied"] += 1; stats["bytes_in"] += t.numel() * t.element_size(); stats["bytes_out"] += t.numel() * t.element_size()
+        stats["largest_tensor"] = max(stats["largest_tensor"], t.numel() * t.element_size())
+        return
+    if o.kind in ("scales", "gs"):
+        fo.write(done.pop((o.src, o.kind)))
+        return
+    # codes: amax over slabs of rows, then each slab quantized with that global scale
+    f = r.files[o.src]
+    sl = r.open_file(f).get_slice(o.src)
+    fp8 = _block_scale_name(o.src, keys) if dt == torch.float8_e4m3fn else None
+    sc = r.get(fp8) if fp8 else None
+    rows_of = lambda a, b: _fp8_rows(sl[a:b], sc, a) if fp8 else sl[a:b].float()
+    N = shape[0]
+    amax = torch.zeros((), dtype=torch.float32)
+    for a in range(0, N, rows): amax = torch.maximum(amax, rows_of(a, min(N, a + rows)).abs().max())
+    gs = global_scale_from_amax(amax)
+    scales = []
+    for a in range(0, N, rows):
+        q = ref_quantize_nvfp4(rows_of(a, min(N, a + rows)), gs)
+        fo.write(q.data.contiguous().numpy().tobytes())
+        scales.append(q.scale.contiguous().view(torch.uint8).numpy().tobytes())
+    done[(o.src, "scales")] = b"".join(scales)
+    done[(o.src, "gs")] = gs.reshape(()).float().numpy().tobytes()
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+    stats["quantized"] += 1; stats["bytes_in"] += nbytes; stats["bytes_out"] += N * shape[1] // 2 + N * shape[1] // BLOCK + 4
+    stats["largest_tensor"] = max(stats["largest_tensor"], nbytes)
