@@ -226,7 +226,7 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
                         dst,                       # the output: a .safetensors file for a file, a folder for a folder
                         *,
                         skip: str | None = DEFAULT_SKIP,  # regex of weight names kept as they are
-                        rows_per_slab: int = 1024,  # rows quantized at a time (memory: about 20 x rows x K bytes)
+                        rows_per_slab: int = 256,   # rows quantized at a time (memory: about 20 x rows x K bytes)
                         progress: bool = True,      # a tqdm bar over the tensors
                         overwrite: bool = False,
                        ) -> dict:                   # what was done: files, quantized / copied tensors, bytes in and out
@@ -240,7 +240,7 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
     if not src.is_dir() and dst.suffix != ".safetensors": raise ValueError(f"quantize_checkpoint: {src.name} is one file: name the output NAME.safetensors, not {dst.name}")
     by_file = {}
     for k, f in files.items(): by_file.setdefault(f, []).append(k)
-    keys, r = set(files), _Reader(files)
+    keys = set(files)
     hdr = {}
     for f, names in by_file.items():
         with safe_open(str(f), framework="pt") as h:
@@ -248,6 +248,7 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
                 sl = h.get_slice(n)
                 hdr[n] = (_SAFE_DTYPE[sl.get_dtype()], tuple(sl.get_shape()))
     plans = {f: _plan_file(sorted(names), hdr, keys, skip) for f, names in sorted(by_file.items())}
+    _RAW.clear()                                                # headers are cached for this conversion only
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     stats = dict(files=len(plans), quantized=0, copied=0, bytes_in=0, bytes_out=0, largest_tensor=0)
     bar = None
@@ -263,7 +264,7 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
                 fo.write(_header(plan, {"format": "pt", "quantization": "modelopt nvfp4 (dsv4_nvfp4)"}))
                 done = {}                                       # a weight's scales / gs, written after its codes
                 for o in plan:
-                    t = _emit(o, r, hdr, keys, done, rows_per_slab, fo, stats)
+                    _emit(o, files, hdr, keys, done, rows_per_slab, fo, stats)
                     weight_map[o.name] = f.name
                     if bar: bar.update(1)
         if src.is_dir():
@@ -279,13 +280,38 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
         raise
     finally:
         if bar: bar.close()
+        _RAW.clear()
     return stats
 
-def _emit(o: _Plan, r: _Reader, hdr, keys, done: dict, rows: int, fo, stats):
-    "Write output tensor `o` (its bytes only: the header is already written)."
+_RAW = {}
+
+def _raw_entry(f: Path, name: str):
+    "(absolute byte offset, dtype, shape) of tensor `name` in safetensors file `f`, from its header (cached per file)."
+    if f not in _RAW:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            _RAW[f] = (8 + n, json.loads(fh.read(n)))
+    base, h = _RAW[f]
+    e = h[name]
+    return base + e["data_offsets"][0], _SAFE_DTYPE[e["dtype"]], tuple(e["shape"])
+
+def _read(f: Path, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
+    """Tensor `name` of file `f` (rows [a, b) of it), read with plain file reads: safetensors' own reader maps the file,
+    and the mapped pages it touches count as resident memory, so a conversion's memory would grow with the file."""
+    off, dt, shape = _raw_entry(f, name)
+    row = math.prod(shape[1:]) * torch.empty(0, dtype=dt).element_size() if shape else torch.empty(0, dtype=dt).element_size()
+    a, b = (0, shape[0] if shape else 1) if a is None else (a, b)
+    with open(f, "rb") as fh:
+        fh.seek(off + a * row)
+        buf = bytearray(fh.read((b - a) * row))
+    t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return t.view(dt).view((b - a, *shape[1:]) if shape and a is not None else shape)
+
+def _emit(o: _Plan, files: dict, hdr, keys, done: dict, rows: int, fo, stats):
+    "Write output tensor `o` (its bytes only: the header is already written), reading a slab of rows at a time."
     dt, shape = hdr[o.src]
     if o.kind == "copy":
-        t = r.get(o.src)
+        t = _read(files[o.src], o.src)
         fo.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         stats["copied"] += 1; stats["bytes_in"] += t.numel() * t.element_size(); stats["bytes_out"] += t.numel() * t.element_size()
         stats["largest_tensor"] = max(stats["largest_tensor"], t.numel() * t.element_size())
@@ -294,16 +320,13 @@ def _emit(o: _Plan, r: _Reader, hdr, keys, done: dict, rows: int, fo, stats):
         fo.write(done.pop((o.src, o.kind)))
         return
     # codes: amax over slabs of rows, then each slab quantized with that global scale
-    f = r.files[o.src]
-    sl = r.open_file(f).get_slice(o.src)
     fp8 = _block_scale_name(o.src, keys) if dt == torch.float8_e4m3fn else None
-    sc = r.get(fp8) if fp8 else None
-    rows_of = lambda a, b: _fp8_rows(sl[a:b], sc, a) if fp8 else sl[a:b].float()
-    N = shape[0]
+    sc = _read(files[fp8], fp8) if fp8 else None
+    f, N, scales = files[o.src], shape[0], []
+    rows_of = lambda a, b: _fp8_rows(_read(f, o.src, a, b), sc, a) if fp8 else _read(f, o.src, a, b).float()
     amax = torch.zeros((), dtype=torch.float32)
     for a in range(0, N, rows): amax = torch.maximum(amax, rows_of(a, min(N, a + rows)).abs().max())
     gs = global_scale_from_amax(amax)
-    scales = []
     for a in range(0, N, rows):
         q = ref_quantize_nvfp4(rows_of(a, min(N, a + rows)), gs)
         fo.write(q.data.contiguous().numpy().tobytes())

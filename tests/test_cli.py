@@ -165,3 +165,41 @@ def test_checkpoint_demo_says_identical_not_inf_db(tmp_path, capsys):
     assert run_main(["demo", "--checkpoint", path]) == 0
     out = capsys.readouterr().out
     assert "inf" not in out and out.count("the legacy half-step table gives the same values") == 2, out
+
+
+def test_quantize_then_inspect_round_trip(tmp_path, capsys):
+    "`quantize` writes NVFP4 that loads back bit-exact with the reference quantizer; `inspect` lists it; errors are one line."
+    from dsv4_nvfp4.checkpoint import load_modelopt_nvfp4
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4
+    g = torch.Generator().manual_seed(0)
+    src = {"l.0.mlp.up_proj.weight": torch.randn(96, 128, generator=g).bfloat16(), "l.0.norm.weight": torch.ones(128).bfloat16()}
+    save_file(src, str(tmp_path / "in.safetensors"))
+    assert run_main(["quantize", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1 weight(s) to NVFP4, 1 tensor(s) copied" in out and "peak memory above the start" in out, out
+    q = load_modelopt_nvfp4(tmp_path / "out.safetensors")["l.0.mlp.up_proj"].weight
+    r = ref_quantize_nvfp4(src["l.0.mlp.up_proj.weight"])
+    assert torch.equal(q.data, r.data) and torch.equal(q.scale.view(torch.uint8), r.scale.view(torch.uint8))
+    assert run_main(["inspect", str(tmp_path / "out.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "l.0.mlp.up_proj" in out and "(96, 128)" in out and "1 NVFP4 layer(s)" in out, out
+    assert run_main(["quantize", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"), "--no-progress"]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert run_main(["inspect", str(tmp_path / "in.safetensors")]) == 2            # bf16 only: no NVFP4 layer
+    assert "no NVFP4 weights" in capsys.readouterr().err
+
+
+def test_quantize_interrupted_leaves_nothing(tmp_path, capsys, monkeypatch):
+    "Ctrl-C part-way: exit code 130, no output and no temporary file."
+    from dsv4_nvfp4 import checkpoint as CK
+    save_file({"a.weight": torch.randn(32, 64).bfloat16(), "b.weight": torch.randn(32, 64).bfloat16()}, str(tmp_path / "in.safetensors"))
+    calls = []
+    def interrupt(*a, **k):
+        calls.append(1)
+        if len(calls) == 2: raise KeyboardInterrupt
+        return real(*a, **k)
+    real = CK.ref_quantize_nvfp4
+    monkeypatch.setattr(CK, "ref_quantize_nvfp4", interrupt)
+    assert run_main(["quantize", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"), "--no-progress"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
