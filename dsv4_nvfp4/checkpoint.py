@@ -20,7 +20,8 @@ from .quant import BLOCK, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp
 
 # %% auto #0
 __all__ = ['DEFAULT_SKIP', 'ModelOptNVFP4', 'save_modelopt_nvfp4', 'safetensors_keys', 'read_safetensors', 'iter_modelopt_nvfp4',
-           'load_modelopt_nvfp4', 'modelopt_experts', 'quantize_checkpoint']
+           'load_modelopt_nvfp4', 'modelopt_experts', 'save_compressed_tensors_nvfp4', 'iter_compressed_tensors_nvfp4',
+           'checkpoint_format', 'load_nvfp4_checkpoint', 'quantize_checkpoint']
 
 # %% ../nbs/01a_checkpoint.ipynb #e5c880aa
 @dataclass
@@ -29,6 +30,18 @@ class ModelOptNVFP4:
     weight: NVFP4Tensor               # (N, K)
     input_scale: float | None = None  # activation global scale, if the file has one
 
+def _save_whole(tensors: dict, path, what: str):
+    "save_file into `path`, written under a temporary name and renamed (never a half-written file)."
+    from safetensors.torch import save_file
+    path = Path(path)
+    if not path.parent.is_dir(): raise FileNotFoundError(f"{what}: the folder {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists(): tmp.unlink()
+
 def save_modelopt_nvfp4(path,                      # .safetensors file to write
                         weights: dict,             # name -> 2D NVFP4Tensor with a per-tensor global scale
                         input_scales: dict | None = None,  # name -> activation global scale (float)
@@ -36,7 +49,6 @@ def save_modelopt_nvfp4(path,                      # .safetensors file to write
     """Write 2-D NVFP4 weights (N, K) with per-tensor global scales to `path` in the ModelOpt convention: `name.weight`
     uint8 (N, K/2), `name.weight_scale` e4m3 (N, K/16), `name.weight_scale_2` fp32, and `name.input_scale` fp32 for
     each name in `input_scales`. K must be a multiple of 16."""
-    from safetensors.torch import save_file
     out = {}
     for name, t in weights.items():
         if not isinstance(t, NVFP4Tensor): raise TypeError(f"save_modelopt_nvfp4: {name} is not an NVFP4Tensor")
@@ -48,14 +60,7 @@ def save_modelopt_nvfp4(path,                      # .safetensors file to write
         out[f"{name}.weight_scale_2"] = t.global_scale.reshape(()).cpu()
     for name, v in (input_scales or {}).items():
         out[f"{name}.input_scale"] = torch.tensor(float(v), dtype=torch.float32)
-    path = Path(path)
-    if not path.parent.is_dir(): raise FileNotFoundError(f"save_modelopt_nvfp4: the folder {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # written whole, then renamed: never a half-written file
-    try:
-        save_file(out, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists(): tmp.unlink()
+    _save_whole(out, path, "save_modelopt_nvfp4")          # written whole, then renamed: never a half-written file
 
 def safetensors_keys(path) -> dict:
     """{tensor name: file} of a safetensors checkpoint: one `.safetensors` file, or a folder holding a sharded one
@@ -157,6 +162,66 @@ def modelopt_experts(ckpt: dict,     # name -> ModelOptNVFP4, as load_modelopt_n
     missing = [n for n in names if n not in ckpt]
     if missing: raise KeyError(f"modelopt_experts: {len(missing)} expert layer(s) missing, first {missing[0]!r}")
     return [ckpt[n] for n in names]
+
+# %% ../nbs/01a_checkpoint.ipynb #4d2c8e02
+def save_compressed_tensors_nvfp4(path, weights: dict, input_scales: dict | None = None):
+    "Write 2-D NVFP4 weights with per-tensor global scales in compressed-tensors' `nvfp4-pack-quantized` convention."
+    out = {}
+    for name, t in weights.items():
+        if not isinstance(t, NVFP4Tensor): raise TypeError(f"save_compressed_tensors_nvfp4: {name} is not an NVFP4Tensor")
+        if len(t.shape) != 2 or t.shape[-1] % BLOCK or t.per_row:
+            raise ValueError(f"save_compressed_tensors_nvfp4: {name} must be 2-D (N, K), K % 16 == 0, one global scale")
+        out[f"{name}.weight_packed"] = t.data.contiguous().cpu()
+        out[f"{name}.weight_scale"] = t.scale.contiguous().cpu()
+        out[f"{name}.weight_global_scale"] = (1.0 / t.global_scale.reshape(1).float()).cpu()
+    for name, v in (input_scales or {}).items():
+        out[f"{name}.input_global_scale"] = torch.tensor([1.0 / float(v)], dtype=torch.float32)
+    _save_whole(out, path, "save_compressed_tensors_nvfp4")
+
+def iter_compressed_tensors_nvfp4(path):
+    "(name, ModelOptNVFP4) for each layer of a compressed-tensors `nvfp4-pack-quantized` checkpoint, one at a time."
+    path = Path(path)
+    files = safetensors_keys(path)
+    keys, f = set(files), _Reader(files)
+    found = 0
+    for key in sorted(keys):
+        if not key.endswith(".weight_packed"): continue
+        name = key[: -len(".weight_packed")]
+        for part in ("weight_scale", "weight_global_scale"):
+            if f"{name}.{part}" not in keys: raise ValueError(f"{path.name}: {name}.{part} is missing")
+        w, s, g = f.get(key), f.get(f"{name}.weight_scale"), f.get(f"{name}.weight_global_scale")
+        if w.dtype != torch.uint8 or w.dim() != 2: raise ValueError(f"{path.name}: {key} must be 2-D uint8, got {w.dtype} {tuple(w.shape)}")
+        if s.dtype != torch.float8_e4m3fn or tuple(s.shape) != (w.shape[0], w.shape[1] * 2 // BLOCK):
+            raise ValueError(f"{path.name}: {name}.weight_scale must be float8_e4m3fn {(w.shape[0], w.shape[1] * 2 // BLOCK)}, got {s.dtype} {tuple(s.shape)}")
+        if g.numel() != 1 or not torch.isfinite(g).all() or g.item() <= 0:
+            raise ValueError(f"{path.name}: {name}.weight_global_scale must be one positive finite number, got {g.flatten()[:2].tolist()}")
+        inp = f"{name}.input_global_scale"
+        t = NVFP4Tensor(w, s, (1.0 / g.float().reshape(())), torch.Size([w.shape[0], w.shape[1] * 2]))
+        found += 1
+        yield name, ModelOptNVFP4(t, 1.0 / f.get(inp).float().item() if inp in keys else None)
+    if not found: raise ValueError(f"{path.name}: no compressed-tensors NVFP4 weight (NAME.weight_packed)")
+
+def checkpoint_format(path) -> str:
+    "'modelopt', 'compressed-tensors' or 'dsv4-mxfp4' (DSV4's released experts), from the tensor names and dtypes."
+    files = safetensors_keys(path)
+    keys = set(files)
+    if any(k.endswith(".weight_packed") for k in keys): return "compressed-tensors"
+    if any(k.endswith(".weight_scale_2") for k in keys): return "modelopt"
+    r = _Reader(files)
+    for k in sorted(keys):
+        if k.endswith(".weight") and k[: -len("weight")] + "scale" in keys and r.get(k).dtype == torch.int8: return "dsv4-mxfp4"
+    raise ValueError(f"{Path(path).name}: not an NVFP4 checkpoint this package reads (ModelOpt: NAME.weight_scale_2; "
+                     "compressed-tensors: NAME.weight_packed)")
+
+def load_nvfp4_checkpoint(path, verbose: bool = False) -> tuple[str, dict]:
+    "(format, {name: ModelOptNVFP4}) of an NVFP4 checkpoint in either convention, the format detected (see above)."
+    fmt = checkpoint_format(path)
+    if fmt == "dsv4-mxfp4":
+        raise NotImplementedError(f"{Path(path).name}: DSV4's released MXFP4 experts (int8 + float8_e8m0 per 32) are not "
+                                  "served yet; convert them with `dsv4-nvfp4 quantize` from bf16, or wait for the MXFP4 path")
+    layers = dict(iter_modelopt_nvfp4(path) if fmt == "modelopt" else iter_compressed_tensors_nvfp4(path))
+    if verbose: print(f"{path}: {fmt} NVFP4, {len(layers)} layer(s)")
+    return fmt, layers
 
 # %% ../nbs/01a_checkpoint.ipynb #5e1f9a02
 DEFAULT_SKIP = r"(^|\.)(embed_tokens|embed|lm_head|head)\.weight$|norm|(^|\.)gate\.weight$"
