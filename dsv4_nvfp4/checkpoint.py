@@ -333,6 +333,9 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
                     weight_map[o.name] = f.name
                     if bar: bar.update(1)
         if src.is_dir():
+            for extra in sorted(src.iterdir()):                 # config.json, tokenizer files, ...: copied as they are
+                if extra.is_file() and extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json":
+                    shutil.copy2(extra, tmp / extra.name)
             total = sum((tmp / f.name).stat().st_size for f in plans)
             (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         if dst.exists():
