@@ -10,8 +10,8 @@ import torch
 # %% auto #0
 __all__ = ['E2M1_MAX', 'E2M1_VALUES', 'E2M1_MIDPOINTS', 'E4M3_MAX', 'E4M3_VALUES', 'HALFSTEP_TABLE', 'e2m1_value_from_bits',
            'markdown_table', 'e4m3_value_from_bits', 'check_float', 'e2m1_encode_fp32', 'e2m1_encode', 'e2m1_decode',
-           'rounding_decision', 'explore_e2m1', 'pack_fp4', 'unpack_fp4', 'ref_halfstep_table_encode', 'cdiv',
-           'round_up']
+           'rounding_decision', 'in_live_kernel', 'explore_e2m1', 'pack_fp4', 'unpack_fp4', 'ref_halfstep_table_encode',
+           'cdiv', 'round_up']
 
 # %% ../nbs/00_formats.ipynb #d5018b67
 def e2m1_value_from_bits(code: int) -> float:
@@ -105,7 +105,8 @@ def rounding_decision(v: float) -> dict:
                 dist_lower=d_lo, dist_upper=max(d_hi, 0.0), decision=why,
                 code=code, bits=f"{code:04b}", decoded=E2M1_VALUES[code].item())
 
-def _in_live_kernel() -> bool:
+def in_live_kernel() -> bool:
+    "Whether this runs in a live Jupyter kernel (widgets can show), not under nbdev_test, a script or the docs build."
     try:
         from IPython import get_ipython
         return type(get_ipython()).__name__ == "ZMQInteractiveShell"
@@ -118,7 +119,7 @@ def explore_e2m1(values=(0.2, 0.25, 0.3, 2.5, 2.6, 3.5, 5.0, 5.1, 7.0, -0.1),  #
     "A slider over `rounding_decision` in a live Jupyter kernel; a static table of `values` anywhere else."
     cols = ["value", "lower", "upper", "dist_lower", "dist_upper", "decision", "code", "bits", "decoded"]
     table = lambda vs: markdown_table([[rounding_decision(v)[k] for k in cols] for v in vs], cols)
-    if live or (live is None and _in_live_kernel()):
+    if live or (live is None and in_live_kernel()):
         try:
             import ipywidgets as widgets
             from IPython.display import display

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from .formats import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, check_float, e2m1_encode_fp32,
-                                e2m1_decode, pack_fp4, round_up, unpack_fp4)
+                                e2m1_decode, in_live_kernel, pack_fp4, round_up, unpack_fp4)
 
 # %% auto #0
-__all__ = ['GS_MIN', 'BLOCK', 'global_scale_from_amax', 'NVFP4Tensor', 'ref_quantize_nvfp4', 'ref_dequantize_nvfp4',
-           'ref_mxfp4_roundtrip', 'sqnr_db', 'NVFP4Experts', 'stack_experts', 'quantize_experts']
+__all__ = ['GS_MIN', 'BLOCK', 'DEFAULT_BLOCK', 'global_scale_from_amax', 'NVFP4Tensor', 'ref_quantize_nvfp4',
+           'ref_dequantize_nvfp4', 'ref_mxfp4_roundtrip', 'sqnr_db', 'block_report', 'plot_block', 'explore_block',
+           'NVFP4Experts', 'stack_experts', 'quantize_experts']
 
 # %% ../nbs/01_quantize.ipynb #d34b16c4
 GS_MIN = 2.0 ** -110  # smallest global scale: keeps 1/(s*gs) finite for every e4m3 scale s >= 2^-9
@@ -181,6 +182,63 @@ def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
     "Signal to quantization noise ratio of approximation `y` of `x`, in dB."
     x, y = x.double(), y.double()
     return (10 * torch.log10(x.pow(2).sum() / (x - y).pow(2).sum())).item()
+
+# %% ../nbs/01_quantize.ipynb #8e3f1a02
+DEFAULT_BLOCK = (0.9, -0.05, 0.12, 0.31, -0.22, 0.07, 0.44, -0.6, 0.02, 0.18, -0.35, 0.27, -0.09, 0.51, 0.15, -0.4)
+
+def block_report(values,                    # 16 numbers: one NVFP4 block
+                 global_scale: float = 1.0,  # NVFP4's per-tensor scale for this block (the tensor's amax / 2688)
+                ) -> dict:
+    "One block through NVFP4 (E4M3 scale, codes, decoded values) and MXFP4 (power-of-two scale): values and errors."
+    x = torch.as_tensor(values, dtype=torch.float32).flatten()
+    if x.numel() != BLOCK: raise ValueError(f"block_report: a block is {BLOCK} values, got {x.numel()}")
+    q = ref_quantize_nvfp4(x[None], global_scale)
+    nv = ref_dequantize_nvfp4(q)[0]
+    mx = ref_mxfp4_roundtrip(torch.cat([x, torch.zeros(16)])[None])[0, :BLOCK]
+    amax = x.abs().max().item()
+    mx_exp = math.floor(math.log2(amax)) - 2 if amax > 0 else None
+    err = lambda y: (x - y).abs()
+    return dict(x=x, nvfp4=nv, mxfp4=mx, scale=q.scale.float().item(), scale_byte=int(q.scale.view(torch.uint8).item()),
+                codes=q.codes()[0].tolist(), mx_scale_exp=mx_exp,
+                sqnr_nvfp4=sqnr_db(x, nv) if not torch.equal(x, nv) else math.inf,
+                sqnr_mxfp4=sqnr_db(x, mx) if not torch.equal(x, mx) else math.inf, err_nvfp4=err(nv), err_mxfp4=err(mx))
+
+def plot_block(values=DEFAULT_BLOCK, global_scale: float = 1.0, ax=None):
+    "The block and what each format stores of it, with each format's SQNR."
+    import matplotlib.pyplot as plt
+    r = block_report(values, global_scale)
+    if ax is None: _, ax = plt.subplots(figsize=(9, 3.2))
+    i = torch.arange(BLOCK)
+    ax.bar(i - 0.27, r["x"], 0.27, label="value", color="0.55")
+    ax.bar(i, r["nvfp4"], 0.27, label=f"NVFP4 (scale {r['scale']:.4g}): {r['sqnr_nvfp4']:.1f} dB")
+    ax.bar(i + 0.27, r["mxfp4"], 0.27, label=f"MXFP4 (scale 2^{r['mx_scale_exp']}): {r['sqnr_mxfp4']:.1f} dB")
+    ax.axhline(0, color="k", lw=0.5); ax.set_xticks(i.tolist()); ax.set_xlabel("element of the block")
+    ax.legend(fontsize=8, frameon=False); ax.set_title(f"one block, global scale {global_scale:g}")
+    return ax.figure
+
+def explore_block(values=DEFAULT_BLOCK, global_scale: float = 1.0,
+                  live: bool | None = None,  # the editor (True) or the static figure (False); None: the editor only in a live kernel
+                 ):
+    "Edit a 16-value block and a global scale and watch both formats store it (a static figure outside JupyterLab)."
+    if live or (live is None and in_live_kernel()):
+        try:
+            import ipywidgets as widgets
+            import matplotlib.pyplot as plt
+            from IPython.display import display
+            box = widgets.Text(value=", ".join(f"{v:g}" for v in values), description="block", layout=widgets.Layout(width="95%"))
+            gs = widgets.FloatLogSlider(value=global_scale, base=2, min=-12, max=4, step=0.25, description="gs")
+            def show(block, gs):
+                try: vals = [float(v) for v in block.replace(";", ",").split(",") if v.strip()]
+                except ValueError: print("16 numbers, separated by commas"); return
+                if len(vals) != BLOCK: print(f"{len(vals)} numbers: a block is {BLOCK}"); return
+                r = block_report(vals, gs)
+                print(f"NVFP4: scale byte 0x{r['scale_byte']:02x} ({r['scale']:.4g}), codes {r['codes']}, SQNR {r['sqnr_nvfp4']:.1f} dB")
+                print(f"MXFP4: scale 2^{r['mx_scale_exp']}, SQNR {r['sqnr_mxfp4']:.1f} dB")
+                plot_block(vals, gs); plt.show()
+            return widgets.interactive(show, block=box, gs=gs)
+        except ImportError:
+            pass
+    return plot_block(values, global_scale)
 
 # %% ../nbs/01_quantize.ipynb #48c8568b
 @dataclass
