@@ -26,7 +26,8 @@ __all__ = ['ACT_DECODE', 'GEMM_PROBLEMS', 'PEER_BACKENDS', 'ref_grouped_gemm_nvf
            'PreparedWeights', 'prepare_weights', 'pick_config', 'cached_ones', 'act_decode_in_kernel',
            'activation_operand', 'expert_offsets_operand', 'gemm_operands', 'grouped_gemm_nvfp4', 'wo_a_nvfp4',
            'synthetic_weights', 'find_peer_dir', 'bench_peers', 'peer_table', 'bench_gemm', 'gemm_table',
-           'launch_table', 'gemm_goals', 'plot_gemm']
+           'launch_table', 'gemm_goals', 'plot_gemm', 'routing_load', 'plot_routing', 'explore_routing',
+           'plot_gemm_roofline', 'explore_gemm']
 
 # %% ../nbs/04a_grouped_gemm.ipynb #80082d62
 def _unscaled(t, K: int) -> torch.Tensor:
@@ -655,3 +656,88 @@ def plot_gemm(res: dict, path=None):
     fig.tight_layout()
     if path: fig.savefig(path, dpi=110)
     return fig
+
+# %% ../nbs/04a_grouped_gemm.ipynb #9a1b2c02
+def routing_load(T: int, E: int = 256, k: int = 6, skew: float = 0.0, seed: int = 0,
+                 N: int = 4096,               # the weight rows of the problem (its work units are 64-row tiles)
+                ) -> dict:
+    "Rows per expert for a routed batch, and per token tile of the sm_90a kernel: work units and padded rows."
+    from dsv4_nvfp4.sm90_layout import CONFIGS, WG_ROWS
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(E, generator=g) * skew
+    ids = (torch.rand(T, E, generator=g).log() + bias).topk(k, dim=1).indices     # Gumbel-style top-k with a bias
+    rows = torch.bincount(ids.flatten(), minlength=E)
+    tiles = {}
+    for tt, cfg in sorted(CONFIGS.items()):
+        t_units = (rows + tt - 1) // tt
+        m_units = cdiv(N, WG_ROWS * cfg.wgs)
+        tiles[tt] = dict(units=int(t_units.sum()) * m_units, padded=int((t_units * tt - rows).sum()), rows=int(rows.sum()))
+    return dict(rows=rows, active=int((rows > 0).sum()), tiles=tiles, T=T, E=E, k=k, skew=skew)
+
+def plot_routing(T: int = 32, E: int = 256, k: int = 6, skew: float = 0.0, seed: int = 0):
+    "The routed rows per expert (sorted) and, per token tile, the padded share of the rows the kernel computes."
+    import matplotlib.pyplot as plt
+    r = routing_load(T, E, k, skew, seed)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2), gridspec_kw=dict(width_ratios=[2, 1]))
+    a.bar(range(E), r["rows"].sort(descending=True).values, width=1.0)
+    a.set_xlabel("expert (sorted by load)"); a.set_ylabel("rows"); a.set_title(f"T={T}, top-{k} of {E}, skew {skew:g}: {r['active']} experts active")
+    tts = list(r["tiles"])
+    pad = [r["tiles"][t]["padded"] / (r["tiles"][t]["padded"] + r["tiles"][t]["rows"]) for t in tts]
+    b.bar([str(t) for t in tts], pad, color="tab:orange")
+    for x, t in enumerate(tts): b.text(x, pad[x], f"{r['tiles'][t]['units']} units", ha="center", va="bottom", fontsize=7)
+    b.set_ylim(0, 1.1); b.set_xlabel("token tile"); b.set_ylabel("padding share of computed rows")
+    plt.tight_layout()
+    return fig
+
+def explore_routing(T: int = 32, E: int = 256, k: int = 6, skew: float = 0.0, live: bool | None = None):
+    "Sliders over `plot_routing` in a live kernel; its static figure anywhere else."
+    from dsv4_nvfp4.formats import in_live_kernel
+    if live or (live is None and in_live_kernel()):
+        try:
+            import ipywidgets as widgets
+            import matplotlib.pyplot as plt
+            def show(T, E, k, skew): plot_routing(T, E, k, skew); plt.show()
+            return widgets.interactive(show, T=widgets.IntText(value=T, description="tokens"),
+                                       E=widgets.Dropdown(options=[48, 256, 384], value=E, description="experts"),
+                                       k=widgets.IntSlider(value=k, min=1, max=8, description="top-k"),
+                                       skew=widgets.FloatSlider(value=skew, min=0, max=4, step=0.25, description="skew"))
+        except ImportError:
+            pass
+    return plot_routing(T, E, k, skew)
+
+def plot_gemm_roofline(rec: dict,              # a bench_gemm result (dsv4-nvfp4 bench gemm --out: bench_gemm.json)
+                       problem: str | None = None):  # one of its problems (default: the first)
+    "Time against tokens for one problem: the measured floor, ours, torch bf16 / fp8, and the peers of the record."
+    import matplotlib.pyplot as plt
+    probs = list(dict.fromkeys(r["problem"] for r in rec["rows"]))
+    problem = probs[0] if problem is None else problem
+    if problem not in probs: raise ValueError(f"plot_gemm_roofline: no problem {problem!r} (the record has: {', '.join(probs)})")
+    rows = sorted((r for r in rec["rows"] if r["problem"] == problem), key=lambda r: r["tokens"])
+    T = [r["tokens"] for r in rows]
+    floor = [max(r["bytes"] / rec["copy_tbs"] / 1e6, r["flops"] / rec["bf16_tflops"] / 1e6) for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(T, floor, "k--", lw=1, label="floor (bytes at copy bandwidth, FLOPs at the bf16 rate)")
+    ax.plot(T, [r["time_us"] for r in rows], "o-", label="ours (NVFP4, graph-replayed)")
+    ax.plot(T, [r["bf16_us"] for r in rows], "s-", ms=3, label="torch bf16 grouped GEMM")
+    ax.plot(T, [r["fp8_us"] for r in rows], "s-", ms=3, label="torch fp8 grouped GEMM")
+    for be in ("marlin_nvfp4(graph)", "triton_mxfp4"):
+        pts = sorted((p["T"], p["median_us"]) for p in rec.get("peers", []) if p["problem"] == problem and p["backend"] == be)
+        if pts: ax.plot(*zip(*pts), "^:", ms=4, label=be)
+    ax.set_xscale("log", base=2); ax.set_yscale("log"); ax.set_xlabel("tokens"); ax.set_ylabel("us")
+    ax.set_title(f"{problem} on {rec['info']['gpu']}"); ax.legend(fontsize=7, frameon=False)
+    plt.tight_layout()
+    return fig
+
+def explore_gemm(rec: dict, live: bool | None = None):
+    "A problem picker over `plot_gemm_roofline` in a live kernel; the first problem's figure anywhere else."
+    from dsv4_nvfp4.formats import in_live_kernel
+    if live or (live is None and in_live_kernel()):
+        try:
+            import ipywidgets as widgets
+            import matplotlib.pyplot as plt
+            probs = list(dict.fromkeys(r["problem"] for r in rec["rows"]))
+            def show(problem): plot_gemm_roofline(rec, problem); plt.show()
+            return widgets.interactive(show, problem=widgets.Dropdown(options=probs, description="problem"))
+        except ImportError:
+            pass
+    return plot_gemm_roofline(rec)
