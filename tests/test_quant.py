@@ -908,3 +908,10 @@ def test_modelopt_save_bad(tmp_path):
         CK.save_modelopt_nvfp4(path, {"a": Q.ref_quantize_nvfp4(x[:, :20])})  # K = 20
     with pytest.raises(ValueError):
         CK.save_modelopt_nvfp4(path, {"a": Q.ref_quantize_nvfp4(x.reshape(2, 2, 32))})  # 3-D
+
+
+def test_modelopt_load_of_a_folder_without_checkpoint_says_so(tmp_path, monkeypatch):
+    "`load_modelopt_nvfp4('.')` in a folder with no checkpoint: what is missing, not an OS error about a device."
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is a folder with no .safetensors file and no model.safetensors.index.json"):
+        CK.load_modelopt_nvfp4(".")
