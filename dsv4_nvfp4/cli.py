@@ -161,16 +161,13 @@ def _legacy_text(x, legacy) -> str:
     return f"legacy half-step table SQNR {sqnr_db(x, legacy):.2f} dB ({(x != legacy).float().mean().item():.2%} of the values differ)"
 
 def demo_checkpoint(path) -> list[str]:
-    "Report on every NVFP4 weight of a ModelOpt safetensors checkpoint."
+    "Report on every NVFP4 weight of a checkpoint (ModelOpt or compressed-tensors: a file or a sharded folder)."
     import torch
-    from dsv4_nvfp4.checkpoint import load_modelopt_nvfp4
+    from dsv4_nvfp4.checkpoint import load_nvfp4_checkpoint
     from dsv4_nvfp4.quant import ref_quantize_nvfp4, sqnr_db
     t0 = time.perf_counter()
-    layers = load_modelopt_nvfp4(path)
-    if not layers:
-        raise ValueError(f"{path}: no NVFP4 weights found (expected NAME.weight uint8 + NAME.weight_scale + "
-                         "NAME.weight_scale_2, the ModelOpt convention)")
-    lines = [f"dsv4-nvfp4 demo: {len(layers)} NVFP4 weight(s) in {path}"]
+    fmt, layers = load_nvfp4_checkpoint(path)         # ModelOpt or compressed-tensors, detected
+    lines = [f"dsv4-nvfp4 demo: {len(layers)} NVFP4 weight(s) in {path} ({fmt})"]
     tot_nvfp4 = tot_bf16 = 0
     for name, layer in layers.items():
         q = layer.weight
@@ -263,10 +260,13 @@ def quantize_command(src, dst, fmt: str = "modelopt", skip=None, overwrite: bool
 def inspect_command(path) -> list[str]:
     "`dsv4-nvfp4 inspect`: one line per NVFP4 layer of a checkpoint, then the totals."
     import torch
-    from dsv4_nvfp4.checkpoint import iter_modelopt_nvfp4
-    lines, n, tot = [f"dsv4-nvfp4 inspect: {path} (ModelOpt NVFP4)"], 0, 0
+    from dsv4_nvfp4.checkpoint import checkpoint_format, iter_compressed_tensors_nvfp4, iter_modelopt_nvfp4
+    fmt = checkpoint_format(path)
+    if fmt == "dsv4-mxfp4": raise ValueError(f"{path}: DSV4's released MXFP4 experts: inspect reads NVFP4 checkpoints only")
+    layers = iter_modelopt_nvfp4(path) if fmt == "modelopt" else iter_compressed_tensors_nvfp4(path)
+    lines, n, tot = [f"dsv4-nvfp4 inspect: {path} ({fmt} NVFP4)"], 0, 0
     lines.append(f"{'layer':56s} {'shape':>14s} {'MB':>8s} {'global':>10s} {'input':>10s}  block scales: min>0 / median / max, zero")
-    for name, layer in iter_modelopt_nvfp4(path):
+    for name, layer in layers:
         q = layer.weight
         s = q.scale.float().flatten()
         nz = s[s > 0]
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", action="version", version=f"dsv4-nvfp4 {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     d = sub.add_parser("demo", help="quantize a synthetic DSV4-Flash expert, or a ModelOpt checkpoint, and report")
-    d.add_argument("--checkpoint", type=Path, help="a ModelOpt NVFP4 .safetensors file")
+    d.add_argument("--checkpoint", type=Path, help="an NVFP4 checkpoint (ModelOpt or compressed-tensors): a .safetensors file or a folder")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     bn = sub.add_parser("bench", help="benchmark on a CUDA GPU: the memory-bound kernels, the grouped GEMM, the expert MLP, the MoE layer or the KV compressor")
     bn.add_argument("what", choices=["kernels", "gemm", "mlp", "moe", "kv"])
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dsv4-nvfp4: interrupted (no partial output is left)", file=sys.stderr)
         return 130
-    except (FileNotFoundError, FileExistsError, ValueError, TypeError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, TypeError, NotImplementedError) as e:
         print(f"dsv4-nvfp4: error: {e}", file=sys.stderr)
         return 2
     try:

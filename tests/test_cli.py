@@ -186,7 +186,7 @@ def test_quantize_then_inspect_round_trip(tmp_path, capsys):
     assert run_main(["quantize", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"), "--no-progress"]) == 2
     assert "exists" in capsys.readouterr().err
     assert run_main(["inspect", str(tmp_path / "in.safetensors")]) == 2            # bf16 only: no NVFP4 layer
-    assert "no NVFP4 weights" in capsys.readouterr().err
+    assert "not an NVFP4 checkpoint" in capsys.readouterr().err
 
 
 def test_quantize_interrupted_leaves_nothing(tmp_path, capsys, monkeypatch):
@@ -203,3 +203,19 @@ def test_quantize_interrupted_leaves_nothing(tmp_path, capsys, monkeypatch):
     assert run_main(["quantize", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"), "--no-progress"]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
+
+
+def test_inspect_and_demo_read_compressed_tensors_too(tmp_path, capsys):
+    "The format is detected: a compressed-tensors NVFP4 file is inspected and demoed like a ModelOpt one."
+    from dsv4_nvfp4.checkpoint import save_compressed_tensors_nvfp4
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4
+    path = tmp_path / "ct.safetensors"
+    save_compressed_tensors_nvfp4(path, {"l.0.down_proj": ref_quantize_nvfp4(torch.randn(32, 64))})
+    assert run_main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(compressed-tensors NVFP4)" in out and "l.0.down_proj" in out, out
+    assert run_main(["demo", "--checkpoint", str(path)]) == 0
+    assert "(compressed-tensors)" in capsys.readouterr().out
+    save_file({"e.weight": torch.zeros(4, 16, dtype=torch.int8), "e.scale": torch.zeros(4, 1, dtype=torch.uint8)}, str(tmp_path / "mx.safetensors"))
+    assert run_main(["demo", "--checkpoint", str(tmp_path / "mx.safetensors")]) == 2
+    assert "MXFP4" in capsys.readouterr().err
