@@ -5,6 +5,7 @@
 # %% ../nbs/01a_checkpoint.ipynb #e56f674c
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -21,7 +22,7 @@ from .quant import BLOCK, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp
 # %% auto #0
 __all__ = ['DEFAULT_SKIP', 'ModelOptNVFP4', 'save_modelopt_nvfp4', 'safetensors_keys', 'read_safetensors', 'iter_modelopt_nvfp4',
            'load_modelopt_nvfp4', 'modelopt_experts', 'save_compressed_tensors_nvfp4', 'iter_compressed_tensors_nvfp4',
-           'checkpoint_format', 'load_nvfp4_checkpoint', 'quantize_checkpoint']
+           'checkpoint_format', 'iter_nvfp4_checkpoint', 'load_nvfp4_checkpoint', 'quantize_checkpoint']
 
 # %% ../nbs/01a_checkpoint.ipynb #e5c880aa
 @dataclass
@@ -62,11 +63,33 @@ def save_modelopt_nvfp4(path,                      # .safetensors file to write
         out[f"{name}.input_scale"] = torch.tensor(float(v), dtype=torch.float32)
     _save_whole(out, path, "save_modelopt_nvfp4")          # written whole, then renamed: never a half-written file
 
+_ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+             torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+if hasattr(torch, "float8_e8m0fnu"): _ST_DTYPE[torch.float8_e8m0fnu] = "F8_E8M0"
+_SAFE_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
+
+@functools.lru_cache(maxsize=64)
+def _header_at(path: str, mtime_ns: int, size: int) -> tuple[int, dict]:
+    "(offset of the data, {name: (dtype string, shape, begin, end)}) of a safetensors file (cached per file version)."
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 2 <= n <= size - 8: raise ValueError(f"a header of {n} bytes in a file of {size}")
+            h = json.loads(fh.read(n))
+        return 8 + n, {k: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for k, v in h.items() if k != "__metadata__"}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{Path(path).name}: not a readable safetensors file ({e})") from None
+
+def _header(f: Path) -> tuple[int, dict]:
+    "The header of safetensors file `f` (read once per version of the file)."
+    st = Path(f).stat()
+    return _header_at(str(f), st.st_mtime_ns, st.st_size)
+
 def safetensors_keys(path) -> dict:
     """{tensor name: file} of a safetensors checkpoint: one `.safetensors` file, or a folder holding a sharded one
     (`model.safetensors.index.json`, whose `weight_map` names each tensor's shard) or, without an index, its
     `.safetensors` files. Only the headers are read."""
-    from safetensors import safe_open
     path = Path(path)
     if not path.exists(): raise FileNotFoundError(f"no such file or folder: {path}")
     if path.is_dir():
@@ -84,11 +107,7 @@ def safetensors_keys(path) -> dict:
         shards = [path]
     files = {}
     for f in shards:
-        try:
-            with safe_open(str(f), framework="pt") as h: ks = list(h.keys())
-        except Exception as e:  # safetensors raises its own error types for a corrupt header
-            raise ValueError(f"{f.name}: not a readable safetensors file ({e})") from e
-        for k in ks:
+        for k in _header(f)[1]:
             if k in files: raise ValueError(f"{path}: tensor {k} is in both {files[k].name} and {f.name}")
             files[k] = f
     return files
@@ -96,14 +115,13 @@ def safetensors_keys(path) -> dict:
 class _Reader:
     "get(name): one tensor of a (sharded) checkpoint at a time; each shard opened once."
     def __init__(self, files: dict): self.files, self.open = files, {}
-    def open_file(self, f):
-        "The open handle of shard `f`."
+    def get(self, key):
         from safetensors import safe_open
+        f = self.files[key]
         if f not in self.open:
             try: self.open[f] = safe_open(str(f), framework="pt")
             except Exception as e: raise ValueError(f"{f.name}: not a readable safetensors file ({e})") from e
-        return self.open[f]
-    def get(self, key): return self.open_file(self.files[key]).get_tensor(key)
+        return self.open[f].get_tensor(key)
 
 def read_safetensors(path, keys) -> dict:
     "The tensors `keys` of a checkpoint (file or sharded folder) that it holds: {key: tensor}; absent keys are left out."
@@ -111,36 +129,48 @@ def read_safetensors(path, keys) -> dict:
     r = _Reader(files)
     return {k: r.get(k) for k in keys if k in files}
 
-def iter_modelopt_nvfp4(path):
-    "(name, ModelOptNVFP4) for each NVFP4 layer of a ModelOpt checkpoint, one at a time (see `load_modelopt_nvfp4`)."
+def _iter_layers(path, marker: str, layer, none_found):
+    """(name, layer) for each tensor `NAME{marker}` of a checkpoint, one at a time: `layer(where, name, key, keys, reader)`
+    builds it (or returns None to skip it); `none_found(where, keys)` is the error when no layer came out."""
     path = Path(path)
     files = safetensors_keys(path)
-    keys, f = set(files), _Reader(files)
-    found = 0
+    keys, r, found = set(files), _Reader(files), 0
     for key in sorted(keys):
-        if not key.endswith(".weight_scale"): continue
-        name = key[: -len(".weight_scale")]
-        if f"{name}.weight" not in keys: raise ValueError(f"{path.name}: {key} has no {name}.weight")
-        w, s = f.get(f"{name}.weight"), f.get(key)
-        if w.dtype != torch.uint8: continue  # an FP8 or bf16 layer with a scale: not NVFP4
-        if s.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{path.name}: {key} must be float8_e4m3fn, got {s.dtype}")
-        if w.dim() != 2 or s.shape != (w.shape[0], w.shape[1] * 2 // BLOCK) or w.shape[1] % 8:
-            raise ValueError(f"{path.name}: {name}.weight {tuple(w.shape)} needs {key} of shape "
-                             f"{(w.shape[0], w.shape[1] * 2 // BLOCK)} (K/16), got {tuple(s.shape)}")
-        if f"{name}.weight_scale_2" not in keys:
-            raise ValueError(f"{path.name}: {name}.weight_scale_2 (the global scale) is missing")
-        g = f.get(f"{name}.weight_scale_2")
-        if g.numel() != 1 or g.dtype != torch.float32:
-            raise ValueError(f"{path.name}: {name}.weight_scale_2 must be one float32, got {g.dtype} {tuple(g.shape)}")
-        inp = f.get(f"{name}.input_scale").item() if f"{name}.input_scale" in keys else None
-        t = NVFP4Tensor(w, s, g.float().reshape(()), torch.Size([w.shape[0], w.shape[1] * 2]))
+        if not key.endswith(marker): continue
+        name = key[: -len(marker)]
+        out = layer(path.name, name, key, keys, r)
+        if out is None: continue
         found += 1
-        yield name, ModelOptNVFP4(t, inp)
-    if not found:
-        ex = ", ".join(sorted(keys)[:3]) + (", ..." if len(keys) > 3 else "")
-        raise ValueError(f"{path.name}: no NVFP4 weights among its {len(keys)} tensor(s) ({ex}); expected NAME.weight uint8 "
-                         "+ NAME.weight_scale float8_e4m3fn + NAME.weight_scale_2 float32 (the ModelOpt convention)")
+        yield name, out
+    if not found: raise ValueError(none_found(path.name, keys))
+
+def _modelopt_layer(where, name, key, keys, f):
+    "One ModelOpt NVFP4 layer (`key` is NAME.weight_scale), or None for an FP8 / bf16 layer with a scale."
+    if f"{name}.weight" not in keys: raise ValueError(f"{where}: {key} has no {name}.weight")
+    w, s = f.get(f"{name}.weight"), f.get(key)
+    if w.dtype != torch.uint8: return None  # an FP8 or bf16 layer with a scale: not NVFP4
+    if s.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{where}: {key} must be float8_e4m3fn, got {s.dtype}")
+    if w.dim() != 2 or s.shape != (w.shape[0], w.shape[1] * 2 // BLOCK) or w.shape[1] % 8:
+        raise ValueError(f"{where}: {name}.weight {tuple(w.shape)} needs {key} of shape "
+                         f"{(w.shape[0], w.shape[1] * 2 // BLOCK)} (K/16), got {tuple(s.shape)}")
+    if f"{name}.weight_scale_2" not in keys:
+        raise ValueError(f"{where}: {name}.weight_scale_2 (the global scale) is missing")
+    g = f.get(f"{name}.weight_scale_2")
+    if g.numel() != 1 or g.dtype != torch.float32:
+        raise ValueError(f"{where}: {name}.weight_scale_2 must be one float32, got {g.dtype} {tuple(g.shape)}")
+    inp = f.get(f"{name}.input_scale").item() if f"{name}.input_scale" in keys else None
+    t = NVFP4Tensor(w, s, g.float().reshape(()), torch.Size([w.shape[0], w.shape[1] * 2]))
+    return ModelOptNVFP4(t, inp)
+
+def _no_modelopt(where, keys) -> str:
+    ex = ", ".join(sorted(keys)[:3]) + (", ..." if len(keys) > 3 else "")
+    return (f"{where}: no NVFP4 weights among its {len(keys)} tensor(s) ({ex}); expected NAME.weight uint8 "
+            "+ NAME.weight_scale float8_e4m3fn + NAME.weight_scale_2 float32 (the ModelOpt convention)")
+
+def iter_modelopt_nvfp4(path):
+    "(name, ModelOptNVFP4) for each NVFP4 layer of a ModelOpt checkpoint, one at a time (see `load_modelopt_nvfp4`)."
+    return _iter_layers(path, ".weight_scale", _modelopt_layer, _no_modelopt)
 
 def load_modelopt_nvfp4(path) -> dict:
     """Read every NVFP4 layer of a ModelOpt checkpoint, a `.safetensors` file or a sharded folder (see
@@ -178,28 +208,24 @@ def save_compressed_tensors_nvfp4(path, weights: dict, input_scales: dict | None
         out[f"{name}.input_global_scale"] = torch.tensor([1.0 / float(v)], dtype=torch.float32)
     _save_whole(out, path, "save_compressed_tensors_nvfp4")
 
+def _ct_layer(where, name, key, keys, f):
+    "One compressed-tensors NVFP4 layer (`key` is NAME.weight_packed)."
+    for part in ("weight_scale", "weight_global_scale"):
+        if f"{name}.{part}" not in keys: raise ValueError(f"{where}: {name}.{part} is missing")
+    w, s, g = f.get(key), f.get(f"{name}.weight_scale"), f.get(f"{name}.weight_global_scale")
+    if w.dtype != torch.uint8 or w.dim() != 2: raise ValueError(f"{where}: {key} must be 2-D uint8, got {w.dtype} {tuple(w.shape)}")
+    if s.dtype != torch.float8_e4m3fn or tuple(s.shape) != (w.shape[0], w.shape[1] * 2 // BLOCK):
+        raise ValueError(f"{where}: {name}.weight_scale must be float8_e4m3fn {(w.shape[0], w.shape[1] * 2 // BLOCK)}, got {s.dtype} {tuple(s.shape)}")
+    if g.numel() != 1 or not torch.isfinite(g).all() or g.item() <= 0:
+        raise ValueError(f"{where}: {name}.weight_global_scale must be one positive finite number, got {g.flatten()[:2].tolist()}")
+    inp = f"{name}.input_global_scale"
+    t = NVFP4Tensor(w, s, (1.0 / g.float().reshape(())), torch.Size([w.shape[0], w.shape[1] * 2]))
+    return ModelOptNVFP4(t, 1.0 / f.get(inp).float().item() if inp in keys else None)
+
 def iter_compressed_tensors_nvfp4(path):
     "(name, ModelOptNVFP4) for each layer of a compressed-tensors `nvfp4-pack-quantized` checkpoint, one at a time."
-    path = Path(path)
-    files = safetensors_keys(path)
-    keys, f = set(files), _Reader(files)
-    found = 0
-    for key in sorted(keys):
-        if not key.endswith(".weight_packed"): continue
-        name = key[: -len(".weight_packed")]
-        for part in ("weight_scale", "weight_global_scale"):
-            if f"{name}.{part}" not in keys: raise ValueError(f"{path.name}: {name}.{part} is missing")
-        w, s, g = f.get(key), f.get(f"{name}.weight_scale"), f.get(f"{name}.weight_global_scale")
-        if w.dtype != torch.uint8 or w.dim() != 2: raise ValueError(f"{path.name}: {key} must be 2-D uint8, got {w.dtype} {tuple(w.shape)}")
-        if s.dtype != torch.float8_e4m3fn or tuple(s.shape) != (w.shape[0], w.shape[1] * 2 // BLOCK):
-            raise ValueError(f"{path.name}: {name}.weight_scale must be float8_e4m3fn {(w.shape[0], w.shape[1] * 2 // BLOCK)}, got {s.dtype} {tuple(s.shape)}")
-        if g.numel() != 1 or not torch.isfinite(g).all() or g.item() <= 0:
-            raise ValueError(f"{path.name}: {name}.weight_global_scale must be one positive finite number, got {g.flatten()[:2].tolist()}")
-        inp = f"{name}.input_global_scale"
-        t = NVFP4Tensor(w, s, (1.0 / g.float().reshape(())), torch.Size([w.shape[0], w.shape[1] * 2]))
-        found += 1
-        yield name, ModelOptNVFP4(t, 1.0 / f.get(inp).float().item() if inp in keys else None)
-    if not found: raise ValueError(f"{path.name}: no compressed-tensors NVFP4 weight (NAME.weight_packed)")
+    return _iter_layers(path, ".weight_packed", _ct_layer,
+                        lambda where, keys: f"{where}: no compressed-tensors NVFP4 weight (NAME.weight_packed)")
 
 def checkpoint_format(path) -> str:
     "'modelopt', 'compressed-tensors' or 'dsv4-mxfp4' (DSV4's released experts), from the tensor names and dtypes."
@@ -207,31 +233,29 @@ def checkpoint_format(path) -> str:
     keys = set(files)
     if any(k.endswith(".weight_packed") for k in keys): return "compressed-tensors"
     if any(k.endswith(".weight_scale_2") for k in keys): return "modelopt"
-    r = _Reader(files)
     for k in sorted(keys):
-        if k.endswith(".weight") and k[: -len("weight")] + "scale" in keys and r.open_file(files[k]).get_slice(k).get_dtype() == "I8":
-            return "dsv4-mxfp4"           # the header says int8: nothing is read"
+        if k.endswith(".weight") and k[: -len("weight")] + "scale" in keys and _header(files[k])[1][k][0] == "I8":
+            return "dsv4-mxfp4"           # the header says int8: nothing is read
     raise ValueError(f"{Path(path).name}: not an NVFP4 checkpoint this package reads (ModelOpt: NAME.weight_scale_2; "
                      "compressed-tensors: NAME.weight_packed)")
 
-def load_nvfp4_checkpoint(path, verbose: bool = False) -> tuple[str, dict]:
-    "(format, {name: ModelOptNVFP4}) of an NVFP4 checkpoint in either convention, the format detected (see above)."
+def iter_nvfp4_checkpoint(path) -> tuple[str, object]:
+    "(format, iterator of (name, ModelOptNVFP4)) of an NVFP4 checkpoint in either convention, the format detected."
     fmt = checkpoint_format(path)
     if fmt == "dsv4-mxfp4":
         raise NotImplementedError(f"{Path(path).name}: DSV4's released MXFP4 experts (int8 + float8_e8m0 per 32) are not "
                                   "served yet; convert them with `dsv4-nvfp4 quantize` from bf16, or wait for the MXFP4 path")
-    layers = dict(iter_modelopt_nvfp4(path) if fmt == "modelopt" else iter_compressed_tensors_nvfp4(path))
+    return fmt, (iter_modelopt_nvfp4(path) if fmt == "modelopt" else iter_compressed_tensors_nvfp4(path))
+
+def load_nvfp4_checkpoint(path, verbose: bool = False) -> tuple[str, dict]:
+    "(format, {name: ModelOptNVFP4}) of an NVFP4 checkpoint in either convention, the format detected (see above)."
+    fmt, it = iter_nvfp4_checkpoint(path)
+    layers = dict(it)
     if verbose: print(f"{path}: {fmt} NVFP4, {len(layers)} layer(s)")
     return fmt, layers
 
 # %% ../nbs/01a_checkpoint.ipynb #5e1f9a02
 DEFAULT_SKIP = r"(^|\.)(embed_tokens|embed|lm_head|head)\.weight$|norm|(^|\.)gate\.weight$"
-
-_ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-             torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-if hasattr(torch, "float8_e8m0fnu"): _ST_DTYPE[torch.float8_e8m0fnu] = "F8_E8M0"
-_SAFE_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
 
 class _Plan(NamedTuple):
     "One output tensor: how to make it (kind: copy / codes / scales / gs) from the input tensor `src`."
@@ -260,10 +284,9 @@ def _eligible(n, hdr, keys, pat) -> bool:
             and (dt in (torch.bfloat16, torch.float16, torch.float32)
                  or (dt == torch.float8_e4m3fn and _block_scale_name(n, keys) is not None)))
 
-def _plan_file(names, hdr, keys, skip) -> list:
-    "The output tensors of one input file, in order; FP8 weights' block scales (in any shard) are consumed, not copied."
-    pat, out = re.compile(skip) if skip else None, []
-    used = {_block_scale_name(n, keys) for n in keys if hdr[n][0] == torch.float8_e4m3fn and _eligible(n, hdr, keys, pat)}
+def _plan_file(names, hdr, keys, pat, used) -> list:
+    "The output tensors of one input file, in order; `used` are FP8 block scales (from any shard) consumed, not copied."
+    out = []
     for n in names:
         dt, shape = hdr[n]
         if _eligible(n, hdr, keys, pat):
@@ -275,7 +298,7 @@ def _plan_file(names, hdr, keys, skip) -> list:
             out.append(_Plan(n, "copy", n, dt, tuple(shape)))
     return [o for o in out if not (o.kind == "copy" and o.name in used)]   # an FP8 weight's block scales are consumed
 
-def _header(plan, metadata=None) -> bytes:
+def _plan_header(plan, metadata=None) -> bytes:
     "The safetensors header (8-byte length + JSON, padded to 8 bytes) of the planned tensors, in order."
     h, off = {}, 0
     for o in plan:
@@ -297,7 +320,6 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
                         overwrite: bool = False,
                        ) -> dict:                   # what was done: files, quantized / copied tensors, bytes in and out
     "Quantize every eligible linear weight of a checkpoint to ModelOpt NVFP4, streaming one tensor at a time (see above)."
-    from safetensors import safe_open
     src, dst = Path(src), Path(dst)
     files = safetensors_keys(src)
     if dst.exists() and not overwrite: raise FileExistsError(f"quantize_checkpoint: {dst} exists (pass overwrite=True to replace it)")
@@ -308,13 +330,13 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
     for k, f in files.items(): by_file.setdefault(f, []).append(k)
     keys = set(files)
     hdr = {}
-    for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as h:
-            for n in names:
-                sl = h.get_slice(n)
-                hdr[n] = (_SAFE_DTYPE[sl.get_dtype()], tuple(sl.get_shape()))
-    plans = {f: _plan_file(sorted(names), hdr, keys, skip) for f, names in sorted(by_file.items())}
-    _RAW.clear()                                                # headers are cached for this conversion only
+    for n, f in files.items():
+        dt, shape, _, _ = _header(f)[1][n]
+        if dt not in _SAFE_DTYPE: raise ValueError(f"quantize_checkpoint: {n} has dtype {dt}, which this torch cannot hold")
+        hdr[n] = (_SAFE_DTYPE[dt], shape)
+    pat = re.compile(skip) if skip else None
+    used = {_block_scale_name(n, keys) for n in keys if hdr[n][0] == torch.float8_e4m3fn and _eligible(n, hdr, keys, pat)}
+    plans = {f: _plan_file(sorted(names), hdr, keys, pat, used) for f, names in sorted(by_file.items())}
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     stats = dict(files=len(plans), quantized=0, copied=0, bytes_in=0, bytes_out=0, largest_tensor=0)
     bar = None
@@ -327,7 +349,7 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
         for f, plan in plans.items():
             out_path = (tmp / f.name) if src.is_dir() else tmp
             with open(out_path, "wb") as fo:
-                fo.write(_header(plan, {"format": "pt", "quantization": "modelopt nvfp4 (dsv4_nvfp4)"}))
+                fo.write(_plan_header(plan, {"format": "pt", "quantization": "modelopt nvfp4 (dsv4_nvfp4)"}))
                 done = {}                                       # a weight's scales / gs, written after its codes
                 for o in plan:
                     _emit(o, files, hdr, keys, done, rows_per_slab, fo, stats)
@@ -349,32 +371,22 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
         raise
     finally:
         if bar: bar.close()
-        _RAW.clear()
     return stats
-
-_RAW = {}
-
-def _raw_entry(f: Path, name: str):
-    "(absolute byte offset, dtype, shape) of tensor `name` in safetensors file `f`, from its header (cached per file)."
-    if f not in _RAW:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            _RAW[f] = (8 + n, json.loads(fh.read(n)))
-    base, h = _RAW[f]
-    e = h[name]
-    return base + e["data_offsets"][0], _SAFE_DTYPE[e["dtype"]], tuple(e["shape"])
 
 def _read(f: Path, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
     """Tensor `name` of file `f` (rows [a, b) of it), read with plain file reads: safetensors' own reader maps the file,
     and the mapped pages it touches count as resident memory, so a conversion's memory would grow with the file."""
-    off, dt, shape = _raw_entry(f, name)
-    row = math.prod(shape[1:]) * torch.empty(0, dtype=dt).element_size() if shape else torch.empty(0, dtype=dt).element_size()
-    a, b = (0, shape[0] if shape else 1) if a is None else (a, b)
+    base, entries = _header(f)
+    dts, shape, begin, _ = entries[name]
+    dt = _SAFE_DTYPE[dts]
+    row = math.prod(shape[1:]) * torch.empty(0, dtype=dt).element_size()    # bytes of one row (or of a 0-d tensor)
+    whole = a is None
+    a, b = (0, shape[0] if shape else 1) if whole else (a, b)
     with open(f, "rb") as fh:
-        fh.seek(off + a * row)
+        fh.seek(base + begin + a * row)
         buf = bytearray(fh.read((b - a) * row))
-    t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    return t.view(dt).view((b - a, *shape[1:]) if shape and a is not None else shape)
+    t = (torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)).view(dt)
+    return t.view(shape) if whole else t.view(b - a, *shape[1:])
 
 def _emit(o: _Plan, files: dict, hdr, keys, done: dict, rows: int, fo, stats):
     "Write output tensor `o` (its bytes only: the header is already written), reading a slab of rows at a time."

@@ -260,10 +260,8 @@ def quantize_command(src, dst, fmt: str = "modelopt", skip=None, overwrite: bool
 def inspect_command(path) -> list[str]:
     "`dsv4-nvfp4 inspect`: one line per NVFP4 layer of a checkpoint, then the totals."
     import torch
-    from dsv4_nvfp4.checkpoint import checkpoint_format, iter_compressed_tensors_nvfp4, iter_modelopt_nvfp4
-    fmt = checkpoint_format(path)
-    if fmt == "dsv4-mxfp4": raise ValueError(f"{path}: DSV4's released MXFP4 experts: inspect reads NVFP4 checkpoints only")
-    layers = iter_modelopt_nvfp4(path) if fmt == "modelopt" else iter_compressed_tensors_nvfp4(path)
+    from dsv4_nvfp4.checkpoint import iter_nvfp4_checkpoint
+    fmt, layers = iter_nvfp4_checkpoint(path)          # the format detected; MXFP4 experts refused by name
     lines, n, tot = [f"dsv4-nvfp4 inspect: {path} ({fmt} NVFP4)"], 0, 0
     lines.append(f"{'layer':56s} {'shape':>14s} {'MB':>8s} {'global':>10s} {'input':>10s}  block scales: min>0 / median / max, zero")
     for name, layer in layers:
