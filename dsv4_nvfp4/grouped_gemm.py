@@ -16,18 +16,18 @@ import torch.nn.functional as F
 from .checkpoint import ModelOptNVFP4
 from .formats import cdiv, e2m1_decode, round_up, unpack_fp4
 from .layout import assemble_weight_scales
-from .quant import BLOCK, NVFP4Experts, NVFP4Tensor, stack_experts
+from .quant import BLOCK, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, mxfp4_experts_to_nvfp4, stack_experts
 from .quantize_cuda import dequantize_nvfp4_cuda
 from .routing import check_offsets, group_sizes, random_topk, route_topk
 from .runtime import check_tensor, out_tensor
 
 # %% auto #0
-__all__ = ['ACT_DECODE', 'GEMM_PROBLEMS', 'PEER_BACKENDS', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4',
-           'PreparedWeights', 'prepare_weights', 'pick_config', 'cached_ones', 'act_decode_in_kernel',
+__all__ = ['ACT_DECODE', 'GEMM_PROBLEMS', 'PEER_BACKENDS', 'MXFP4_PROBLEMS', 'ref_grouped_gemm_nvfp4', 'wo_a_view',
+           'ref_wo_a_nvfp4', 'PreparedWeights', 'prepare_weights', 'pick_config', 'cached_ones', 'act_decode_in_kernel',
            'activation_operand', 'expert_offsets_operand', 'gemm_operands', 'grouped_gemm_nvfp4', 'wo_a_nvfp4',
            'synthetic_weights', 'find_peer_dir', 'bench_peers', 'peer_table', 'bench_gemm', 'gemm_table',
-           'launch_table', 'gemm_goals', 'plot_gemm', 'routing_load', 'plot_routing', 'explore_routing',
-           'plot_gemm_roofline', 'explore_gemm']
+           'launch_table', 'gemm_goals', 'plot_gemm', 'bench_mxfp4', 'mxfp4_table', 'routing_load', 'plot_routing',
+           'explore_routing', 'plot_gemm_roofline', 'explore_gemm']
 
 # %% ../nbs/04a_grouped_gemm.ipynb #80082d62
 def _unscaled(t, K: int) -> torch.Tensor:
@@ -151,16 +151,19 @@ class PreparedWeights:
         kp = round_up(self.k, BLOCK)
         return NVFP4Experts(self.w_fp4[..., :kp // 2], self.w_sf[..., :kp // BLOCK], self.w_gs, self.shape)
 
-def prepare_weights(experts,           # NVFP4Experts, or a list of NVFP4Tensor / ModelOptNVFP4 (N, K)
+def prepare_weights(experts,           # NVFP4Experts, a list of NVFP4Tensor / ModelOptNVFP4 / MXFP4Tensor (N, K), or MXFP4 (E, N, K)
                     *, k_tile: int = 128,  # the kernel's K tile: K is zero-padded to a multiple of it
                     sm90: bool | None = None,  # build the Hopper kernel's layout (default: when k_tile == 128)
                    ) -> PreparedWeights:
     """Lay out E experts' NVFP4 weights (N, K) once, at load time, for the grouped GEMM: K zero-padded to `k_tile`,
     plain and 32_4_4 scales, one global scale per expert, the ModelOpt `input_scale`s when every expert has one,
     and (sm90=True, the default for k_tile = 128) the Hopper kernel's slabs. Runs on the weights' device (CPU is fine);
-    call `.to("cuda")` on the result."""
+    call `.to("cuda")` on the result. MXFP4 weights (DSV4's released experts) become NVFP4 with the same values
+    (`mxfp4_experts_to_nvfp4`; a tensor it cannot hold exactly raises)."""
     if k_tile <= 0 or k_tile % 64: raise ValueError(f"prepare_weights: k_tile must be a positive multiple of 64, got {k_tile}")
     a_gs = None
+    if isinstance(experts, MXFP4Tensor) or (isinstance(experts, (list, tuple)) and experts and all(isinstance(m, MXFP4Tensor) for m in experts)):
+        experts = mxfp4_experts_to_nvfp4(experts)[0]
     if isinstance(experts, (list, tuple)):
         if experts and all(isinstance(m, ModelOptNVFP4) for m in experts):
             if all(m.input_scale is not None for m in experts):
@@ -168,7 +171,7 @@ def prepare_weights(experts,           # NVFP4Experts, or a list of NVFP4Tensor 
             experts = [m.weight for m in experts]
         experts = stack_experts(list(experts))
     if not isinstance(experts, NVFP4Experts):
-        raise TypeError(f"prepare_weights: expected NVFP4Experts or a list of NVFP4Tensor / ModelOptNVFP4, "
+        raise TypeError(f"prepare_weights: expected NVFP4Experts, a list of NVFP4Tensor / ModelOptNVFP4 / MXFP4Tensor or an MXFP4Tensor (E, N, K), "
                         f"got {type(experts).__name__}")
     E, N, K = experts.shape
     kt = round_up(K, k_tile)
@@ -656,6 +659,46 @@ def plot_gemm(res: dict, path=None):
     fig.tight_layout()
     if path: fig.savefig(path, dpi=110)
     return fig
+
+# %% ../nbs/04a_grouped_gemm.ipynb #af921890
+MXFP4_PROBLEMS = [("Flash L1 gate+up K=4096 N=4096", 256, 4096, 4096), ("Flash L2 down K=2048 N=4096", 256, 4096, 2048)]
+
+def bench_mxfp4(problems=None, tokens=(1, 8, 128, 2048), log=print) -> dict:
+    """DSV4's MXFP4 experts on our kernel against NVFP4 weights of the same bf16 source (both quantized on the GPU,
+    real codes and scales), graph-replayed: the same routed problems, the same activations."""
+    from dsv4_nvfp4.bench import Timer, gpu_info
+    from dsv4_nvfp4.quant import mxfp4_experts_to_nvfp4, quantize_experts, ref_quantize_mxfp4
+    timer, dev = Timer(), torch.device("cuda")
+    res = dict(info=gpu_info(), rows=[])
+    for name, E, N, K in problems or MXFP4_PROBLEMS:
+        g = torch.Generator(device=dev).manual_seed(0)
+        nv, mx = [], []
+        for e in range(E):                              # one expert at a time on the GPU
+            w = (torch.randn(1, N, K, generator=g, device=dev) * K ** -0.5).to(torch.bfloat16)
+            nv.append(quantize_experts(w)); mx.append(mxfp4_experts_to_nvfp4(ref_quantize_mxfp4(w))[0])
+        cat = lambda xs: NVFP4Experts(torch.cat([x.data for x in xs]), torch.cat([x.scale for x in xs]),
+                                      torch.cat([x.global_scale for x in xs]), (E, N, K))
+        pn, pm = prepare_weights(cat(nv)), prepare_weights(cat(mx))
+        del nv, mx
+        for T in tokens:
+            rt = route_topk(random_topk(T, E, 6, generator=torch.Generator().manual_seed(T)), E)
+            offs, R = rt.expert_offsets.to(dev), rt.perm.numel()
+            a = torch.randn(R, K, device=dev).to(torch.bfloat16)
+            out = torch.empty(R, N, dtype=torch.bfloat16, device=dev)
+            t_nv = timer(lambda: grouped_gemm_nvfp4(a, pn, offs, out=out))[0]
+            t_mx = timer(lambda: grouped_gemm_nvfp4(a, pm, offs, out=out))[0]
+            res["rows"].append(dict(problem=name, tokens=T, nvfp4_us=t_nv, mxfp4_us=t_mx, ratio=t_mx / t_nv))
+            log(f"  {name:32s} T={T:5d} NVFP4 {t_nv:8.1f} us  MXFP4 {t_mx:8.1f} us  {t_mx / t_nv:.3f}x")
+        del pn, pm; torch.cuda.empty_cache()
+    return res
+
+def mxfp4_table(res: dict) -> str:
+    "The MXFP4 rows next to NVFP4's, as Markdown."
+    i = res["info"]
+    rows = [(r["problem"], r["tokens"], f"{r['nvfp4_us']:.1f}", f"{r['mxfp4_us']:.1f}", f"{r['ratio']:.3f}") for r in res["rows"]]
+    head = ["problem", "tokens", "NVFP4 weights", "MXFP4 weights", "MXFP4 / NVFP4"]
+    return (f"{i['gpu']}, torch {i['torch']}; times in us\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
+            + "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in rows))
 
 # %% ../nbs/04a_grouped_gemm.ipynb #9a1b2c02
 def routing_load(T: int, E: int = 256, k: int = 6, skew: float = 0.0, seed: int = 0,

@@ -15,9 +15,10 @@ from .formats import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, check_float, e2m1_encode_
                                 e2m1_decode, in_live_kernel, pack_fp4, round_up, unpack_fp4)
 
 # %% auto #0
-__all__ = ['GS_MIN', 'BLOCK', 'DEFAULT_BLOCK', 'global_scale_from_amax', 'NVFP4Tensor', 'ref_quantize_nvfp4',
-           'ref_dequantize_nvfp4', 'ref_mxfp4_roundtrip', 'sqnr_db', 'block_report', 'plot_block', 'explore_block',
-           'NVFP4Experts', 'stack_experts', 'quantize_experts']
+__all__ = ['GS_MIN', 'BLOCK', 'DEFAULT_BLOCK', 'MX_BLOCK', 'E8M0_BIAS', 'E4M3_POW2', 'global_scale_from_amax', 'NVFP4Tensor',
+           'ref_quantize_nvfp4', 'ref_dequantize_nvfp4', 'ref_mxfp4_roundtrip', 'sqnr_db', 'block_report', 'plot_block',
+           'explore_block', 'NVFP4Experts', 'stack_experts', 'quantize_experts', 'MXFP4Tensor', 'ref_quantize_mxfp4',
+           'ref_dequantize_mxfp4', 'mxfp4_to_nvfp4', 'mxfp4_experts_to_nvfp4']
 
 # %% ../nbs/01_quantize.ipynb #d34b16c4
 GS_MIN = 2.0 ** -110  # smallest global scale: keeps 1/(s*gs) finite for every e4m3 scale s >= 2^-9
@@ -296,3 +297,115 @@ def quantize_experts(w: torch.Tensor,  # (E, N, K) float32 / bf16 / fp16 expert 
     "Quantize (E, N, K) expert weights with `ref_quantize_nvfp4`, each expert on its own (its own global scale from its amax), as ModelOpt does."
     if w.dim() != 3: raise ValueError(f"quantize_experts: expected (E, N, K), got {tuple(w.shape)}")
     return stack_experts([ref_quantize_nvfp4(w[e]) for e in range(w.shape[0])])
+
+# %% ../nbs/01_quantize.ipynb #23fe375f
+MX_BLOCK = 32          # MXFP4 block size along K
+E8M0_BIAS = 127        # an E8M0 byte b is the scale 2^(b - 127); 255 is NaN
+E4M3_POW2 = (-9, 8)    # the powers of two an E4M3 scale holds exactly: 2^-9 (subnormal) .. 2^8
+
+@dataclass
+class MXFP4Tensor:
+    "An MXFP4 tensor (DSV4's released experts): packed E2M1 codes and a power-of-two E8M0 scale per 32 along K."
+    data: torch.Tensor    # uint8 (..., K/2), element 2i in the low nibble (DSV4 files store int8: the same bytes)
+    scale: torch.Tensor   # uint8 (..., K/32): biased exponents, scale 2^(b - 127) (float8_e8m0fnu is viewed as uint8)
+    shape: torch.Size     # logical (..., K), K a multiple of 32
+
+    def __post_init__(self):
+        self.shape = torch.Size(self.shape)
+        if self.data.dtype in (torch.int8, torch.float4_e2m1fn_x2): self.data = self.data.view(torch.uint8)
+        if hasattr(torch, "float8_e8m0fnu") and self.scale.dtype == torch.float8_e8m0fnu: self.scale = self.scale.view(torch.uint8)
+        if self.data.dtype != torch.uint8: raise TypeError(f"MXFP4Tensor: data must be uint8 / int8 (packed codes), got {self.data.dtype}")
+        if self.scale.dtype != torch.uint8: raise TypeError(f"MXFP4Tensor: scale must be float8_e8m0fnu or uint8 exponents, got {self.scale.dtype}")
+        if len(self.shape) == 0 or self.shape[-1] % MX_BLOCK:
+            raise ValueError(f"MXFP4Tensor: the logical shape's last dimension must be a multiple of {MX_BLOCK}, got {tuple(self.shape)}")
+        lead, K = self.shape[:-1], self.shape[-1]
+        if self.data.shape != (*lead, K // 2) or self.scale.shape != (*lead, K // MX_BLOCK):
+            raise ValueError(f"MXFP4Tensor: logical shape {tuple(self.shape)} needs data {(*lead, K // 2)} and scale "
+                             f"{(*lead, K // MX_BLOCK)}, got {tuple(self.data.shape)} and {tuple(self.scale.shape)}")
+
+    @property
+    def device(self) -> torch.device: return self.data.device
+    @property
+    def nbytes(self) -> int: return self.data.nbytes + self.scale.nbytes
+    def codes(self) -> torch.Tensor:
+        "The unpacked E2M1 codes, uint8 (..., K)."
+        return unpack_fp4(self.data)
+    def exponents(self) -> torch.Tensor:
+        "The unbiased block exponents, int32 (..., K/32); a NaN scale (255) raises."
+        if self.scale.numel() and bool((self.scale == 255).any()):
+            raise ValueError(f"MXFP4Tensor: {int((self.scale == 255).sum())} block scale(s) are the E8M0 NaN (255)")
+        return self.scale.int() - E8M0_BIAS
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        "Decode to `dtype` (`ref_dequantize_mxfp4`)."
+        return ref_dequantize_mxfp4(self, dtype)
+    def __repr__(self):
+        return f"MXFP4Tensor(shape={tuple(self.shape)}, nbytes={self.nbytes}, device={self.data.device})"
+
+def ref_quantize_mxfp4(x: torch.Tensor,   # (..., K) float32 / bf16 / fp16, K a multiple of 32
+                      ) -> MXFP4Tensor:
+    """OCP MXFP4: per 32-block the exponent `floor(log2(amax)) - 2` (E2M1's largest exponent is 2), clamped to
+    [-127, 127] (an all-zero block gets -127), and the codes of `x / 2^e` rounded to nearest even, saturated at 6."""
+    x = check_float(x, "ref_quantize_mxfp4")
+    if x.dim() == 0 or x.shape[-1] % MX_BLOCK: raise ValueError(f"ref_quantize_mxfp4: K={x.shape[-1] if x.dim() else None} must be a multiple of {MX_BLOCK}")
+    if not torch.isfinite(x).all(): raise ValueError("ref_quantize_mxfp4: input contains NaN or Inf")
+    b = x.reshape(*x.shape[:-1], -1, MX_BLOCK)
+    amax = b.abs().amax(-1, keepdim=True)
+    e = (torch.floor(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny))) - 2).clamp(-127, 127)
+    codes = e2m1_encode_fp32(b / torch.exp2(e)).reshape(x.shape)
+    return MXFP4Tensor(pack_fp4(codes), (e[..., 0] + E8M0_BIAS).to(torch.uint8), x.shape)
+
+def ref_dequantize_mxfp4(t: MXFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    "The exact MXFP4 decode `e2m1 * 2^e` in fp32 (every such value is an fp32 number), cast to `dtype`."
+    vals = e2m1_decode(t.codes()).reshape(*t.scale.shape, MX_BLOCK)
+    return (vals * torch.exp2(t.exponents().float())[..., None]).reshape(t.shape).to(dtype)
+
+# %% ../nbs/01_quantize.ipynb #2e7590c7
+def mxfp4_to_nvfp4(t: MXFP4Tensor,
+                   strict: bool = True,      # refuse blocks the NVFP4 scale cannot hold (else re-round them, reported)
+                  ) -> tuple[NVFP4Tensor, dict]:  # (the same values as NVFP4, a report)
+    """MXFP4 as NVFP4 with the same values: the codes kept, global scale `2^m` (`m = e_max - 8`, at least the
+    exponent of `GS_MIN`), each 32-block's `2^(e - m)` as the E4M3 scale of its two 16-blocks. Exact when every live
+    block (a nonzero code) has `e - m >= -9`; the report says `exact`, the live blocks, the exponent range, `m`, the
+    blocks out of range and the largest absolute change (0 when exact)."""
+    if not isinstance(t, MXFP4Tensor): raise TypeError(f"mxfp4_to_nvfp4: expected an MXFP4Tensor, got {type(t).__name__}")
+    codes = t.codes()                                                    # (..., K)
+    e = t.exponents()                                                    # (..., K/32)
+    cb = codes.reshape(*e.shape, MX_BLOCK)
+    live = ((cb & 7) != 0).any(-1)                                       # blocks holding a nonzero value
+    n_live = int(live.sum())
+    lo_pow, hi_pow = E4M3_POW2
+    gs_min_exp = int(math.log2(GS_MIN))
+    if n_live:
+        emin, emax = int(e[live].min()), int(e[live].max())
+        m = max(emax - hi_pow, gs_min_exp)
+    else:
+        emin = emax = None; m = 0
+    rel = (e - m).clamp(lo_pow, hi_pow)
+    out = live & (e - m < lo_pow)                                        # live blocks under the smallest E4M3 power of two
+    n_out, err = int(out.sum()), 0.0
+    if n_out:
+        if strict:
+            raise ValueError(f"mxfp4_to_nvfp4: {n_out} of {n_live} blocks have a scale more than 2^{hi_pow - lo_pow} below the "
+                             f"tensor's largest (block exponents {emin}..{emax}): one E4M3 scale under one global scale holds "
+                             f"{hi_pow - lo_pow + 1} binades; strict=False re-rounds them at the smallest scale (error reported)")
+        vals = e2m1_decode(cb[out]).float() * torch.exp2(e[out].float())[:, None]     # (n_out, 32) the MXFP4 values
+        new = e2m1_encode_fp32(vals / 2.0 ** (m + lo_pow))
+        err = float((e2m1_decode(new) * 2.0 ** (m + lo_pow) - vals).abs().max())
+        cb = cb.clone(); cb[out] = new
+        codes = cb.reshape(codes.shape)
+    s = torch.where(live, torch.exp2(rel.float()), torch.zeros_like(rel, dtype=torch.float32))   # exact powers of two
+    nv = NVFP4Tensor(pack_fp4(codes) if n_out else t.data, s.repeat_interleave(2, -1).to(torch.float8_e4m3fn),
+                     torch.tensor(2.0 ** m, dtype=torch.float32, device=t.device), t.shape)
+    return nv, dict(exact=n_out == 0, live_blocks=n_live, exponents=(emin, emax), global_scale_exp=m, out_of_range=n_out, max_abs_err=err)
+
+def mxfp4_experts_to_nvfp4(experts,          # E MXFP4Tensors (N, K), or one MXFP4Tensor (E, N, K)
+                           strict: bool = True,
+                          ) -> tuple[NVFP4Experts, list]:  # (NVFP4Experts (E, N, K), each expert's report)
+    "MXFP4 expert weights as `NVFP4Experts` with the same values (`mxfp4_to_nvfp4` per expert: one global scale each)."
+    if isinstance(experts, MXFP4Tensor):
+        if len(experts.shape) != 3: raise ValueError(f"mxfp4_experts_to_nvfp4: expected (E, N, K), got {tuple(experts.shape)}")
+        experts = [MXFP4Tensor(experts.data[e], experts.scale[e], experts.shape[1:]) for e in range(experts.shape[0])]
+    if not isinstance(experts, (list, tuple)) or not experts or not all(isinstance(m, MXFP4Tensor) for m in experts):
+        raise TypeError("mxfp4_experts_to_nvfp4: expected a non-empty list of MXFP4Tensor (N, K) or one MXFP4Tensor (E, N, K)")
+    done = [mxfp4_to_nvfp4(m, strict) for m in experts]
+    return stack_experts([d[0] for d in done]), [d[1] for d in done]

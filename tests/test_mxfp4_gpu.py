@@ -1,0 +1,88 @@
+"""GPU: DSV4's MXFP4 expert weights on the NVFP4 kernels (carried over exactly, no re-quantization)."""
+import pytest
+import torch
+
+from dsv4_nvfp4 import grouped_gemm as GG
+from dsv4_nvfp4 import routing as R
+from dsv4_nvfp4.quant import mxfp4_experts_to_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
+from dsv4_nvfp4.formats import E2M1_VALUES, unpack_fp4
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+I32 = torch.int32
+
+
+def hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+if torch.cuda.is_available() and not hopper():
+    pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="the sm_90a kernel needs a Hopper GPU")]
+
+
+def mx_experts(E, N, K, seed):
+    "MXFP4 experts of the OCP rule on heavy-ish weights whose magnitudes differ per expert and per column."
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, N, K, generator=g) * torch.logspace(-2, 1, K)[torch.randperm(K, generator=g)] * (1 + 9 * torch.rand(E, 1, 1, generator=g))
+    return ref_quantize_mxfp4(w)
+
+
+def ref(a64, w64, offs):
+    out = torch.zeros(a64.shape[0], w64.shape[1], dtype=torch.float64, device=DEV)
+    o = [0] + offs.tolist()
+    for e in range(w64.shape[0]):
+        if o[e + 1] > o[e]: out[o[e]:o[e + 1]] = a64[o[e]:o[e + 1]] @ w64[e].T
+    return out
+
+
+def assert_close(got, want, what):
+    "The GEMM issue's tolerance: relative Frobenius <= 2e-3 and >= 99% of outputs within 1 bf16 ulp of float64."
+    assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got).all()), what
+    d = (got.double() - want).abs()
+    fro = (d.norm() / want.norm()).item()
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+    within = (d <= ulp).double().mean().item()
+    assert fro <= 2e-3 and within >= 0.99, f"{what}: Frobenius {fro:.2e}, within 1 ulp {100 * within:.3f}%"
+
+
+def test_mxfp4_weights_decode_exactly():
+    # one-hot rows return DSV4's MXFP4 values themselves, bit for bit (every E2M1 x 2^e is a bf16 number)
+    mx = mx_experts(2, 128, 256, seed=1)
+    pw = GG.prepare_weights(mx).to(DEV)
+    a = torch.eye(256, dtype=torch.bfloat16, device=DEV).repeat(2, 1)
+    offs = torch.tensor([256, 512], dtype=I32, device=DEV)
+    got = GG.grouped_gemm_nvfp4(a, pw, offs, check=True)
+    want = torch.cat([mx.dequantize()[0].T, mx.dequantize()[1].T]).to(torch.bfloat16).to(DEV)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} decoded weights differ"
+
+
+@pytest.mark.parametrize("K,N", [(4096, 4096), (2048, 4096), (7168, 6144)])
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_mxfp4_grouped_gemm_against_float64(K, N, mode):
+    E = 6
+    mx = mx_experts(E, N, K, seed=K + N)
+    pw = GG.prepare_weights(mx).to(DEV)
+    w64 = mx.dequantize().double().to(DEV)                       # the released values, not the prepared ones
+    for T, k in ((1, 1), (9, 2), (53, 3)):
+        g = torch.Generator().manual_seed(T)
+        rt = R.route_topk(R.random_topk(T, E, k, generator=g), E)
+        offs, rows = rt.expert_offsets.to(DEV), rt.perm.numel()
+        x = torch.randn(rows, K, generator=g) * 3
+        if mode == "w4a16":
+            a = x.to(torch.bfloat16).to(DEV)
+            got, want = GG.grouped_gemm_nvfp4(a, pw, offs, check=True), ref(a.double(), w64, offs.cpu())
+        else:
+            q = ref_quantize_nvfp4(x)
+            au = (E2M1_VALUES.double()[unpack_fp4(q.data).long()] * q.scale.double().repeat_interleave(16, -1))[:, :K]
+            got = GG.grouped_gemm_nvfp4(q.to(DEV), pw, offs, check=True)
+            want = ref(au.to(DEV), w64, offs.cpu()) * q.global_scale.double().item()
+        assert_close(got, want, f"MXFP4 {mode} K={K} N={N} T={T}")
+
+
+def test_mxfp4_and_its_nvfp4_carry_run_identically():
+    # the MXFP4 path is the NVFP4 kernel on the carried-over values: identical outputs, bit for bit
+    mx = mx_experts(4, 1024, 2048, seed=3)
+    pa, pb = GG.prepare_weights(mx).to(DEV), GG.prepare_weights(mxfp4_experts_to_nvfp4(mx)[0]).to(DEV)
+    offs = torch.tensor([3, 3, 40, 47], dtype=I32, device=DEV)
+    a = torch.randn(47, 2048, device=DEV).to(torch.bfloat16)
+    assert torch.equal(GG.grouped_gemm_nvfp4(a, pa, offs), GG.grouped_gemm_nvfp4(a, pb, offs))
