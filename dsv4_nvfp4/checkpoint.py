@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-from .quant import BLOCK, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4
+from .quant import BLOCK, MX_BLOCK, MXFP4Tensor, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4
 
 # %% auto #0
 __all__ = ['DEFAULT_SKIP', 'ModelOptNVFP4', 'save_modelopt_nvfp4', 'safetensors_keys', 'read_safetensors', 'iter_modelopt_nvfp4',
            'load_modelopt_nvfp4', 'modelopt_experts', 'save_compressed_tensors_nvfp4', 'iter_compressed_tensors_nvfp4',
-           'checkpoint_format', 'iter_nvfp4_checkpoint', 'load_nvfp4_checkpoint', 'quantize_checkpoint']
+           'iter_dsv4_mxfp4', 'save_dsv4_mxfp4', 'quantize_fp8_blocks', 'dequantize_fp8_blocks', 'checkpoint_format',
+           'iter_nvfp4_checkpoint', 'load_nvfp4_checkpoint', 'quantize_checkpoint']
 
 # %% ../nbs/01a_checkpoint.ipynb #e5c880aa
 @dataclass
@@ -122,6 +123,9 @@ class _Reader:
             try: self.open[f] = safe_open(str(f), framework="pt")
             except Exception as e: raise ValueError(f"{f.name}: not a readable safetensors file ({e})") from e
         return self.open[f].get_tensor(key)
+    def dtype(self, key) -> str:
+        "The safetensors dtype string of `key` (from the header: nothing read)."
+        return _header(self.files[key])[1][key][0]
 
 def read_safetensors(path, keys) -> dict:
     "The tensors `keys` of a checkpoint (file or sharded folder) that it holds: {key: tensor}; absent keys are left out."
@@ -227,6 +231,49 @@ def iter_compressed_tensors_nvfp4(path):
     return _iter_layers(path, ".weight_packed", _ct_layer,
                         lambda where, keys: f"{where}: no compressed-tensors NVFP4 weight (NAME.weight_packed)")
 
+def _dsv4_layer(where, name, key, keys, f):
+    "One DSV4 MXFP4 weight (`key` is NAME.scale beside an int8 NAME.weight), or None for an FP8 / bf16 weight with a scale."
+    wk = f"{name}.weight"
+    if wk not in keys or f.dtype(wk) != "I8": return None          # FP8 linears carry a `.scale` too (per 128 x 128)
+    w, s = f.get(wk), f.get(key)
+    if s.dtype not in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
+        raise ValueError(f"{where}: {key} must be float8_e8m0fnu (one exponent per {MX_BLOCK}), got {s.dtype}")
+    if w.dim() != 2 or tuple(s.shape) != (w.shape[0], w.shape[1] * 2 // MX_BLOCK) or (w.shape[1] * 2) % MX_BLOCK:
+        raise ValueError(f"{where}: {wk} {tuple(w.shape)} (two E2M1 codes a byte) needs {key} of shape "
+                         f"{(w.shape[0], w.shape[1] * 2 // MX_BLOCK)} (K/{MX_BLOCK}), got {tuple(s.shape)}")
+    return MXFP4Tensor(w, s, (w.shape[0], w.shape[1] * 2))
+
+def iter_dsv4_mxfp4(path):
+    "(name, MXFP4Tensor) for each MXFP4 weight of a checkpoint in DSV4's released format, one tensor at a time."
+    return _iter_layers(path, ".scale", _dsv4_layer,
+                        lambda where, keys: f"{where}: no MXFP4 weight (NAME.weight int8 + NAME.scale float8_e8m0 per {MX_BLOCK})")
+
+def save_dsv4_mxfp4(path, weights: dict, extra: dict | None = None):
+    "Write MXFP4 weights in DSV4's released convention (NAME.weight int8, NAME.scale float8_e8m0fnu), plus `extra` tensors as they are."
+    out = {}
+    for name, t in weights.items():
+        if not isinstance(t, MXFP4Tensor) or len(t.shape) != 2: raise TypeError(f"save_dsv4_mxfp4: {name} must be a 2-D MXFP4Tensor")
+        out[f"{name}.weight"] = t.data.view(torch.int8).contiguous().cpu()
+        out[f"{name}.scale"] = t.scale.view(torch.float8_e8m0fnu).contiguous().cpu()
+    out.update({k: v.contiguous().cpu() for k, v in (extra or {}).items()})
+    _save_whole(out, path, "save_dsv4_mxfp4")
+
+def quantize_fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """DSV4's FP8 linears: e4m3 values with one power-of-two scale per `block` x `block` tile (float8_e8m0fnu,
+    `2^ceil(log2(amax / 448))`, so nothing saturates): (weight e4m3 (N, K), scale e8m0 (ceil(N/128), ceil(K/128)))."""
+    w = w.float()
+    N, K = w.shape
+    nb, kb = -(-N // block), -(-K // block)
+    t = torch.nn.functional.pad(w, (0, kb * block - K, 0, nb * block - N)).reshape(nb, block, kb, block)
+    amax = t.abs().amax((1, 3)).clamp(min=2.0 ** -126)
+    e = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)
+    q = (t / torch.exp2(e)[:, None, :, None]).reshape(nb * block, kb * block)[:N, :K].to(torch.float8_e4m3fn)
+    return q, (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+def dequantize_fp8_blocks(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    "An FP8 weight with 128 x 128 block scales (e8m0 or fp32) as fp32 (exact)."
+    return _fp8_rows(w8, scale, 0)
+
 def checkpoint_format(path) -> str:
     "'modelopt', 'compressed-tensors' or 'dsv4-mxfp4' (DSV4's released experts), from the tensor names and dtypes."
     files = safetensors_keys(path)
@@ -240,15 +287,13 @@ def checkpoint_format(path) -> str:
                      "compressed-tensors: NAME.weight_packed)")
 
 def iter_nvfp4_checkpoint(path) -> tuple[str, object]:
-    "(format, iterator of (name, ModelOptNVFP4)) of an NVFP4 checkpoint in either convention, the format detected."
+    """(format, iterator of (name, layer)) of a 4-bit checkpoint, the format detected: `ModelOptNVFP4` layers for
+    ModelOpt and compressed-tensors, `MXFP4Tensor`s for DSV4's released experts."""
     fmt = checkpoint_format(path)
-    if fmt == "dsv4-mxfp4":
-        raise NotImplementedError(f"{Path(path).name}: DSV4's released MXFP4 experts (int8 + float8_e8m0 per 32) are not "
-                                  "served yet; convert them with `dsv4-nvfp4 quantize` from bf16, or wait for the MXFP4 path")
-    return fmt, (iter_modelopt_nvfp4(path) if fmt == "modelopt" else iter_compressed_tensors_nvfp4(path))
+    return fmt, {"modelopt": iter_modelopt_nvfp4, "compressed-tensors": iter_compressed_tensors_nvfp4, "dsv4-mxfp4": iter_dsv4_mxfp4}[fmt](path)
 
 def load_nvfp4_checkpoint(path, verbose: bool = False) -> tuple[str, dict]:
-    "(format, {name: ModelOptNVFP4}) of an NVFP4 checkpoint in either convention, the format detected (see above)."
+    "(format, {name: ModelOptNVFP4 | MXFP4Tensor}) of a checkpoint in any of the three conventions, the format detected (see above)."
     fmt, it = iter_nvfp4_checkpoint(path)
     layers = dict(it)
     if verbose: print(f"{path}: {fmt} NVFP4, {len(layers)} layer(s)")
@@ -284,16 +329,20 @@ def _eligible(n, hdr, keys, pat) -> bool:
             and (dt in (torch.bfloat16, torch.float16, torch.float32)
                  or (dt == torch.float8_e4m3fn and _block_scale_name(n, keys) is not None)))
 
-def _plan_file(names, hdr, keys, pat, used) -> list:
+_NAMES = {"modelopt": (".weight", ".weight_scale", ".weight_scale_2", "gs", ()),                # codes, scales, global
+           "compressed-tensors": (".weight_packed", ".weight_scale", ".weight_global_scale", "igs", (1,))}   # 1/gs there
+
+def _plan_file(names, hdr, keys, pat, used, fmt: str = "modelopt") -> list:
     "The output tensors of one input file, in order; `used` are FP8 block scales (from any shard) consumed, not copied."
     out = []
     for n in names:
         dt, shape = hdr[n]
         if _eligible(n, hdr, keys, pat):
             base = n[: -len(".weight")]
-            out += [_Plan(n, "codes", n, torch.uint8, (shape[0], shape[1] // 2)),
-                    _Plan(base + ".weight_scale", "scales", n, torch.float8_e4m3fn, (shape[0], shape[1] // BLOCK)),
-                    _Plan(base + ".weight_scale_2", "gs", n, torch.float32, ())]
+            cn, sn, gn, gk, gshape = _NAMES[fmt]
+            out += [_Plan(base + cn, "codes", n, torch.uint8, (shape[0], shape[1] // 2)),
+                    _Plan(base + sn, "scales", n, torch.float8_e4m3fn, (shape[0], shape[1] // BLOCK)),
+                    _Plan(base + gn, gk, n, torch.float32, gshape)]
         else:
             out.append(_Plan(n, "copy", n, dt, tuple(shape)))
     return [o for o in out if not (o.kind == "copy" and o.name in used)]   # an FP8 weight's block scales are consumed
@@ -318,9 +367,11 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
                         rows_per_slab: int = 256,   # rows quantized at a time (memory: about 20 x rows x K bytes)
                         progress: bool = True,      # a tqdm bar over the tensors
                         overwrite: bool = False,
+                        format: str = "modelopt",   # or "compressed-tensors" (nvfp4-pack-quantized names, 1/gs)
                        ) -> dict:                   # what was done: files, quantized / copied tensors, bytes in and out
-    "Quantize every eligible linear weight of a checkpoint to ModelOpt NVFP4, streaming one tensor at a time (see above)."
+    "Quantize every eligible linear weight of a checkpoint to NVFP4 (ModelOpt or compressed-tensors names), streaming one tensor at a time (see above)."
     src, dst = Path(src), Path(dst)
+    if format not in _NAMES: raise ValueError(f"quantize_checkpoint: format must be one of {sorted(_NAMES)}, got {format!r}")
     files = safetensors_keys(src)
     if dst.exists() and not overwrite: raise FileExistsError(f"quantize_checkpoint: {dst} exists (pass overwrite=True to replace it)")
     if not dst.parent.is_dir(): raise FileNotFoundError(f"quantize_checkpoint: the folder {dst.parent} does not exist")
@@ -336,7 +387,9 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
         hdr[n] = (_SAFE_DTYPE[dt], shape)
     pat = re.compile(skip) if skip else None
     used = {_block_scale_name(n, keys) for n in keys if hdr[n][0] == torch.float8_e4m3fn and _eligible(n, hdr, keys, pat)}
-    plans = {f: _plan_file(sorted(names), hdr, keys, pat, used) for f, names in sorted(by_file.items())}
+    plans = {f: _plan_file(sorted(names), hdr, keys, pat, used, format) for f, names in sorted(by_file.items())}
+    clash = sorted({o.name for p in plans.values() for o in p if o.kind != "copy"} & {o.name for p in plans.values() for o in p if o.kind == "copy"})
+    if clash: raise ValueError(f"quantize_checkpoint: {clash[0]} would be written twice (the input already holds a tensor of that name)")
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     stats = dict(files=len(plans), quantized=0, copied=0, bytes_in=0, bytes_out=0, largest_tensor=0)
     bar = None
@@ -349,7 +402,7 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
         for f, plan in plans.items():
             out_path = (tmp / f.name) if src.is_dir() else tmp
             with open(out_path, "wb") as fo:
-                fo.write(_plan_header(plan, {"format": "pt", "quantization": "modelopt nvfp4 (dsv4_nvfp4)"}))
+                fo.write(_plan_header(plan, {"format": "pt", "quantization": f"{format} nvfp4 (dsv4_nvfp4)"}))
                 done = {}                                       # a weight's scales / gs, written after its codes
                 for o in plan:
                     _emit(o, files, hdr, keys, done, rows_per_slab, fo, stats)
@@ -397,8 +450,9 @@ def _emit(o: _Plan, files: dict, hdr, keys, done: dict, rows: int, fo, stats):
         stats["copied"] += 1; stats["bytes_in"] += t.numel() * t.element_size(); stats["bytes_out"] += t.numel() * t.element_size()
         stats["largest_tensor"] = max(stats["largest_tensor"], t.numel() * t.element_size())
         return
-    if o.kind in ("scales", "gs"):
+    if o.kind in ("scales", "gs", "igs"):
         fo.write(done.pop((o.src, o.kind)))
+        if o.kind != "scales": done.pop((o.src, "igs" if o.kind == "gs" else "gs"))   # the other convention's, unused
         return
     # codes: amax over slabs of rows, then each slab quantized with that global scale
     fp8 = _block_scale_name(o.src, keys) if dt == torch.float8_e4m3fn else None
@@ -414,6 +468,7 @@ def _emit(o: _Plan, files: dict, hdr, keys, done: dict, rows: int, fo, stats):
         scales.append(q.scale.contiguous().view(torch.uint8).numpy().tobytes())
     done[(o.src, "scales")] = b"".join(scales)
     done[(o.src, "gs")] = gs.reshape(()).float().numpy().tobytes()
+    done[(o.src, "igs")] = (1.0 / gs.reshape(1).float()).numpy().tobytes()          # compressed-tensors stores 1/gs
     nbytes = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
     stats["quantized"] += 1; stats["bytes_in"] += nbytes; stats["bytes_out"] += N * shape[1] // 2 + N * shape[1] // BLOCK + 4
     stats["largest_tensor"] = max(stats["largest_tensor"], nbytes)

@@ -167,6 +167,8 @@ def demo_checkpoint(path) -> list[str]:
     from dsv4_nvfp4.quant import ref_quantize_nvfp4, sqnr_db
     t0 = time.perf_counter()
     fmt, layers = load_nvfp4_checkpoint(path)         # ModelOpt or compressed-tensors, detected
+    if fmt == "dsv4-mxfp4":
+        raise ValueError(f"{path}: DSV4's MXFP4 experts; `dsv4-nvfp4 inspect` reports them (demo --checkpoint re-quantizes NVFP4 layers)")
     lines = [f"dsv4-nvfp4 demo: {len(layers)} NVFP4 weight(s) in {path} ({fmt})"]
     tot_nvfp4 = tot_bf16 = 0
     for name, layer in layers.items():
@@ -247,11 +249,10 @@ def _peak_rss_mb() -> float:
 def quantize_command(src, dst, fmt: str = "modelopt", skip=None, overwrite: bool = False, progress: bool = True) -> list[str]:
     "`dsv4-nvfp4 quantize`: convert, then the report lines."
     from dsv4_nvfp4.checkpoint import DEFAULT_SKIP, quantize_checkpoint
-    if fmt != "modelopt": raise ValueError(f"quantize: format {fmt!r} is not supported (modelopt)")
     t0, base = time.perf_counter(), _rss_mb()
-    st = quantize_checkpoint(src, dst, skip=DEFAULT_SKIP if skip is None else skip, overwrite=overwrite, progress=progress)
+    st = quantize_checkpoint(src, dst, skip=DEFAULT_SKIP if skip is None else skip, overwrite=overwrite, progress=progress, format=fmt)
     peak = _peak_rss_mb() - base
-    return [f"dsv4-nvfp4 quantize: {src} -> {dst} ({st['files']} file(s)) in {time.perf_counter() - t0:.1f} s",
+    return [f"dsv4-nvfp4 quantize: {src} -> {dst} ({fmt}, {st['files']} file(s)) in {time.perf_counter() - t0:.1f} s",
             f"  {st['quantized']} weight(s) to NVFP4, {st['copied']} tensor(s) copied; {st['bytes_in'] / 1e6:.1f} MB -> "
             f"{st['bytes_out'] / 1e6:.1f} MB",
             f"  peak memory above the start: {peak:.0f} MB; largest input tensor {st['largest_tensor'] / 1e6:.1f} MB "
@@ -261,7 +262,22 @@ def inspect_command(path) -> list[str]:
     "`dsv4-nvfp4 inspect`: one line per NVFP4 layer of a checkpoint, then the totals."
     import torch
     from dsv4_nvfp4.checkpoint import iter_nvfp4_checkpoint
-    fmt, layers = iter_nvfp4_checkpoint(path)          # the format detected; MXFP4 experts refused by name
+    from dsv4_nvfp4.quant import MXFP4Tensor, mxfp4_to_nvfp4
+    fmt, layers = iter_nvfp4_checkpoint(path)          # the format detected (ModelOpt, compressed-tensors or DSV4's MXFP4)
+    if fmt == "dsv4-mxfp4":
+        lines, n, tot, carried = [f"dsv4-nvfp4 inspect: {path} (DSV4 MXFP4: E2M1 codes, a power-of-two scale per 32)"], 0, 0, 0
+        lines.append(f"{'layer':56s} {'shape':>14s} {'MB':>8s}  block exponents min / max, all-zero blocks; onto NVFP4")
+        for name, t in layers:
+            e = t.exponents()
+            nv, rep = mxfp4_to_nvfp4(t, strict=False)
+            carried += rep["exact"]
+            how = (f"exact (global scale 2^{rep['global_scale_exp']})" if rep["exact"] else
+                   f"{rep['out_of_range']} block(s) out of range, max error {rep['max_abs_err']:.3g}")
+            zero = 1 - rep["live_blocks"] / max(e.numel(), 1)
+            lines.append(f"{name[-56:]:56s} {str(tuple(t.shape)):>14s} {t.nbytes / 1e6:8.2f}  {int(e.min())} / {int(e.max())}, {zero:.1%}; {how}")
+            n, tot = n + 1, tot + t.nbytes
+        lines.append(f"{n} MXFP4 weight(s), {tot / 1e6:.1f} MB; {carried} of {n} run on the NVFP4 kernels with their exact values")
+        return lines
     lines, n, tot = [f"dsv4-nvfp4 inspect: {path} ({fmt} NVFP4)"], 0, 0
     lines.append(f"{'layer':56s} {'shape':>14s} {'MB':>8s} {'global':>10s} {'input':>10s}  block scales: min>0 / median / max, zero")
     for name, layer in layers:
@@ -292,11 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     qz = sub.add_parser("quantize", help="convert a bf16/fp16/fp32 (or FP8 block-scaled) safetensors checkpoint to NVFP4")
     qz.add_argument("src", type=Path, help="a .safetensors file or a (sharded) checkpoint folder")
     qz.add_argument("dst", type=Path, help="the output: a .safetensors file for a file, a folder for a folder")
-    qz.add_argument("--format", default="modelopt", choices=["modelopt"], help="output convention")
+    qz.add_argument("--format", default="modelopt", choices=["modelopt", "compressed-tensors"], help="output convention (compressed-tensors: nvfp4-pack-quantized names)")
     qz.add_argument("--skip", default=None, help="regex of weight names kept as they are (default: embeddings, LM head, norms, router)")
     qz.add_argument("--overwrite", action="store_true", help="replace an existing output")
     qz.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ins = sub.add_parser("inspect", help="list the NVFP4 layers of a checkpoint: shape, bytes, scales")
+    ins = sub.add_parser("inspect", help="list the 4-bit layers of a checkpoint (ModelOpt, compressed-tensors, DSV4 MXFP4): shape, bytes, scales")
     ins.add_argument("path", type=Path, help="a .safetensors file or a (sharded) checkpoint folder")
     args = p.parse_args(argv)
     if args.cmd is None:                             # no command: the commands, not an argparse error

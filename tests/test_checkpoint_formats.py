@@ -52,3 +52,17 @@ def test_what_the_library_compresses_we_load_bit_exact(tmp_path):
     assert fmt == "compressed-tensors"
     assert torch.equal(q.data, ref.data) and torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8))
     assert abs(q.global_scale.item() / ref.global_scale.item() - 1) < 2 ** -23
+
+
+def test_quantize_to_compressed_tensors_the_library_decompresses(tmp_path):
+    # `dsv4-nvfp4 quantize --format compressed-tensors` output: the library decodes it to the reference quantizer's values
+    g = torch.Generator().manual_seed(2)
+    src = {"m.l0.up_proj.weight": (torch.randn(96, 256, generator=g) * 0.1).bfloat16()}
+    save_file(src, str(tmp_path / "in.safetensors"))
+    CK.quantize_checkpoint(tmp_path / "in.safetensors", tmp_path / "ct.safetensors", progress=False, format="compressed-tensors")
+    from safetensors.torch import load_file
+    raw = load_file(str(tmp_path / "ct.safetensors"))
+    assert sorted(raw) == ["m.l0.up_proj.weight_global_scale", "m.l0.up_proj.weight_packed", "m.l0.up_proj.weight_scale"]
+    lib = NVFP4PackedCompressor.decompress({k.split(".")[-1]: v for k, v in raw.items()}, SCHEME)["weight"]
+    ref = ref_quantize_nvfp4(src["m.l0.up_proj.weight"]).dequantize().to(lib.dtype)
+    assert _ulps_bf16(lib, ref) <= 1

@@ -219,3 +219,24 @@ def test_inspect_and_demo_read_compressed_tensors_too(tmp_path, capsys):
     save_file({"e.weight": torch.zeros(4, 16, dtype=torch.int8), "e.scale": torch.zeros(4, 1, dtype=torch.uint8)}, str(tmp_path / "mx.safetensors"))
     assert run_main(["demo", "--checkpoint", str(tmp_path / "mx.safetensors")]) == 2
     assert "MXFP4" in capsys.readouterr().err
+
+
+def test_quantize_compressed_tensors_and_inspect_dsv4_mxfp4(tmp_path, capsys):
+    "`quantize --format compressed-tensors` writes that convention; `inspect` lists DSV4's MXFP4 experts and how they carry."
+    from dsv4_nvfp4.checkpoint import load_nvfp4_checkpoint, save_dsv4_mxfp4
+    from dsv4_nvfp4.quant import ref_quantize_mxfp4, ref_quantize_nvfp4
+    g = torch.Generator().manual_seed(0)
+    src = {"l.0.mlp.up_proj.weight": torch.randn(96, 128, generator=g).bfloat16()}
+    save_file(src, str(tmp_path / "in.safetensors"))
+    assert run_main(["quantize", str(tmp_path / "in.safetensors"), str(tmp_path / "ct.safetensors"), "--format", "compressed-tensors", "--no-progress"]) == 0
+    assert "(compressed-tensors, 1 file(s))" in capsys.readouterr().out
+    fmt, layers = load_nvfp4_checkpoint(tmp_path / "ct.safetensors")
+    r = ref_quantize_nvfp4(src["l.0.mlp.up_proj.weight"])
+    assert fmt == "compressed-tensors" and torch.equal(layers["l.0.mlp.up_proj"].weight.data, r.data)
+    w = torch.zeros(8, 96); w[:, :64] = torch.randn(8, 64, generator=g); w[0, 64:] = 2.0 ** -40   # one block 2^40 below
+    save_dsv4_mxfp4(tmp_path / "dsv4.safetensors", {"layers.0.ffn.experts.0.w1": ref_quantize_mxfp4(torch.randn(16, 64, generator=g)),
+                                                   "layers.0.ffn.experts.1.w1": ref_quantize_mxfp4(w)})
+    assert run_main(["inspect", str(tmp_path / "dsv4.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "(DSV4 MXFP4" in out and "experts.0.w1" in out and "(16, 64)" in out, out
+    assert "exact (global scale 2^" in out and "1 block(s) out of range" in out and "1 of 2 run on the NVFP4 kernels" in out, out
