@@ -23,7 +23,8 @@ from .quant import BLOCK, MX_BLOCK, MXFP4Tensor, NVFP4Tensor, global_scale_from_
 __all__ = ['DEFAULT_SKIP', 'ModelOptNVFP4', 'save_modelopt_nvfp4', 'safetensors_keys', 'read_safetensors', 'iter_modelopt_nvfp4',
            'load_modelopt_nvfp4', 'modelopt_experts', 'save_compressed_tensors_nvfp4', 'iter_compressed_tensors_nvfp4',
            'iter_dsv4_mxfp4', 'save_dsv4_mxfp4', 'quantize_fp8_blocks', 'dequantize_fp8_blocks', 'checkpoint_format',
-           'iter_nvfp4_checkpoint', 'load_nvfp4_checkpoint', 'quantize_checkpoint']
+           'iter_nvfp4_checkpoint', 'CheckpointReader', 'read_nvfp4_layers', 'load_nvfp4_checkpoint',
+           'quantize_checkpoint']
 
 # %% ../nbs/01a_checkpoint.ipynb #e5c880aa
 @dataclass
@@ -47,10 +48,11 @@ def _save_whole(tensors: dict, path, what: str):
 def save_modelopt_nvfp4(path,                      # .safetensors file to write
                         weights: dict,             # name -> 2D NVFP4Tensor with a per-tensor global scale
                         input_scales: dict | None = None,  # name -> activation global scale (float)
+                        extra: dict | None = None,  # other tensors written as they are (a router, norms)
                        ):
     """Write 2-D NVFP4 weights (N, K) with per-tensor global scales to `path` in the ModelOpt convention: `name.weight`
     uint8 (N, K/2), `name.weight_scale` e4m3 (N, K/16), `name.weight_scale_2` fp32, and `name.input_scale` fp32 for
-    each name in `input_scales`. K must be a multiple of 16."""
+    each name in `input_scales`, and the `extra` tensors as they are. K must be a multiple of 16."""
     out = {}
     for name, t in weights.items():
         if not isinstance(t, NVFP4Tensor): raise TypeError(f"save_modelopt_nvfp4: {name} is not an NVFP4Tensor")
@@ -62,6 +64,7 @@ def save_modelopt_nvfp4(path,                      # .safetensors file to write
         out[f"{name}.weight_scale_2"] = t.global_scale.reshape(()).cpu()
     for name, v in (input_scales or {}).items():
         out[f"{name}.input_scale"] = torch.tensor(float(v), dtype=torch.float32)
+    out.update({k: v.contiguous().cpu() for k, v in (extra or {}).items()})
     _save_whole(out, path, "save_modelopt_nvfp4")          # written whole, then renamed: never a half-written file
 
 _ST_DTYPE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
@@ -198,8 +201,8 @@ def modelopt_experts(ckpt: dict,     # name -> ModelOptNVFP4, as load_modelopt_n
     return [ckpt[n] for n in names]
 
 # %% ../nbs/01a_checkpoint.ipynb #4d2c8e02
-def save_compressed_tensors_nvfp4(path, weights: dict, input_scales: dict | None = None):
-    "Write 2-D NVFP4 weights with per-tensor global scales in compressed-tensors' `nvfp4-pack-quantized` convention."
+def save_compressed_tensors_nvfp4(path, weights: dict, input_scales: dict | None = None, extra: dict | None = None):
+    "Write 2-D NVFP4 weights with per-tensor global scales in compressed-tensors' `nvfp4-pack-quantized` convention (and `extra` tensors as they are)."
     out = {}
     for name, t in weights.items():
         if not isinstance(t, NVFP4Tensor): raise TypeError(f"save_compressed_tensors_nvfp4: {name} is not an NVFP4Tensor")
@@ -210,6 +213,7 @@ def save_compressed_tensors_nvfp4(path, weights: dict, input_scales: dict | None
         out[f"{name}.weight_global_scale"] = (1.0 / t.global_scale.reshape(1).float()).cpu()
     for name, v in (input_scales or {}).items():
         out[f"{name}.input_global_scale"] = torch.tensor([1.0 / float(v)], dtype=torch.float32)
+    out.update({k: v.contiguous().cpu() for k, v in (extra or {}).items()})
     _save_whole(out, path, "save_compressed_tensors_nvfp4")
 
 def _ct_layer(where, name, key, keys, f):
@@ -291,6 +295,27 @@ def iter_nvfp4_checkpoint(path) -> tuple[str, object]:
     ModelOpt and compressed-tensors, `MXFP4Tensor`s for DSV4's released experts."""
     fmt = checkpoint_format(path)
     return fmt, {"modelopt": iter_modelopt_nvfp4, "compressed-tensors": iter_compressed_tensors_nvfp4, "dsv4-mxfp4": iter_dsv4_mxfp4}[fmt](path)
+
+class CheckpointReader(_Reader):
+    "One checkpoint (a file or a sharded folder) read one tensor at a time: `keys`, `reader.get(key)`, `reader.dtype(key)`; each shard opened once."
+    def __init__(self, path):
+        self.path = Path(path)
+        super().__init__(safetensors_keys(path))
+    @property
+    def keys(self) -> set: return set(self.files)
+
+def read_nvfp4_layers(path, names) -> tuple[str, dict]:
+    """(format, {name: ModelOptNVFP4}) of just the NVFP4 layers `names` of a ModelOpt or compressed-tensors checkpoint,
+    one tensor at a time (a serving process reads its own layers, not the model); names it does not hold are left out."""
+    fmt = checkpoint_format(path)
+    if fmt == "dsv4-mxfp4": raise ValueError(f"{Path(path).name}: DSV4's MXFP4 experts, not NVFP4 layers (see iter_dsv4_mxfp4)")
+    r = CheckpointReader(path)
+    keys = r.keys
+    marker, build = {"modelopt": (".weight_scale", _modelopt_layer), "compressed-tensors": (".weight_packed", _ct_layer)}[fmt]
+    out = {}
+    for n in names:
+        if n + marker in keys and (t := build(r.path.name, n, n + marker, keys, r)) is not None: out[n] = t
+    return fmt, out
 
 def load_nvfp4_checkpoint(path, verbose: bool = False) -> tuple[str, dict]:
     "(format, {name: ModelOptNVFP4 | MXFP4Tensor}) of a checkpoint in any of the three conventions, the format detected (see above)."

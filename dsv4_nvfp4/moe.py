@@ -11,9 +11,11 @@ from typing import NamedTuple
 
 import torch
 
-from .checkpoint import ModelOptNVFP4, load_modelopt_nvfp4, read_safetensors
+from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
+                                   read_safetensors)
 from .grouped_gemm import act_decode_in_kernel, grouped_gemm_nvfp4, prepare_weights
-from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
+from .quant import (GS_MIN, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
+                              ref_quantize_nvfp4, stack_experts)
 from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes,
                                 local_groups, permute_rows, ref_dsv4_router, route_buffers, route_permute_fused, route_rows, route_topk,
                                 router_logits, ROUTE_FUSED_MAX_T)
@@ -345,13 +347,18 @@ def _synthetic(cls, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", h
 
 def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16", prefix: str = "layers.{layer}.ffn",
                    experts=None, shared: bool = True):
-    """A DSV4MoE from a ModelOpt NVFP4 file (or a dict like `load_modelopt_nvfp4`'s result plus the gate's raw tensors);
-    with `experts` (and `shared`) the expert-parallel slice holding those experts: the others are not needed."""
+    """A DSV4MoE from an NVFP4 checkpoint, ModelOpt or compressed-tensors (a file or a sharded folder; only this layer's
+    tensors are read), or a dict like `load_modelopt_nvfp4`'s result plus the gate's raw tensors; with `experts` (and
+    `shared`) the expert-parallel slice holding those experts: the others are not read."""
     p = prefix.format(layer=layer)
+    E = cfg.num_experts
+    g2l, _, _ = local_groups(E, experts, shared, "DSV4MoE.from_modelopt")
+    held = range(E) if g2l is None else (g2l >= 0).nonzero().flatten().tolist()
+    names = [f"{p}.experts.{e}" for e in held] + ([f"{p}.shared_experts"] if shared else [])
     raw = {}
     if isinstance(src, (str, Path)):
         path = Path(src)
-        nv = load_modelopt_nvfp4(path)                 # a file or a sharded folder
+        _, nv = read_nvfp4_layers(path, [f"{n}.{w}" for n in names for w in ("w1", "w2", "w3")])
         raw = read_safetensors(path, (f"{p}.gate.weight", f"{p}.gate.bias", f"{p}.gate.tid2eid"))
         where = path.name
     elif isinstance(src, dict):
@@ -360,16 +367,13 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
         where = "state dict"
     else:
         raise TypeError(f"DSV4MoE.from_modelopt: expected a path or a dict, got {type(src).__name__}")
-    E, H, I = cfg.num_experts, cfg.hidden, cfg.inter
+    H, I = cfg.hidden, cfg.inter
     def get(name, shape):
         if name not in nv: raise KeyError(f"DSV4MoE.from_modelopt: {where} has no NVFP4 layer {name!r}")
         t = nv[name]
         if tuple(t.weight.shape) != shape:
             raise ValueError(f"DSV4MoE.from_modelopt: {name} is {tuple(t.weight.shape)}, expected {shape}")
         return t
-    g2l, _, _ = local_groups(E, experts, shared, "DSV4MoE.from_modelopt")
-    held = range(E) if g2l is None else (g2l >= 0).nonzero().flatten().tolist()
-    names = [f"{p}.experts.{e}" for e in held] + ([f"{p}.shared_experts"] if shared else [])
     w1 = [get(f"{n}.w1", (I, H)).weight for n in names]
     w3 = [get(f"{n}.w3", (I, H)).weight for n in names]
     l2 = [get(f"{n}.w2", (H, I)) for n in names]
@@ -390,6 +394,110 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
     return cls(cfg, w13, stack_experts([t.weight for t in l2]), gate, None if bias is None else bias.float(), tid,
                act=act, a1_scales=a1, a2_scales=a2, experts=experts, shared=shared)
 
+def _dsv4_nvfp4(r, name, shape, where, strict, gs_exp=None):
+    """Weight `name` of a DSV4-format checkpoint as NVFP4 (N, K), with a report: MXFP4 (int8 + e8m0 per 32) carried
+    over exactly, FP8 (e4m3 + 128 x 128 block scales) or bf16 re-quantized (`gs_exp`: a shared global scale's exponent)."""
+    wk, sk = f"{name}.weight", f"{name}.scale"
+    if wk not in r.keys: raise KeyError(f"DSV4MoE.from_dsv4: {where} has no {wk}")
+    w = r.get(wk)
+    if w.dtype == torch.int8:
+        if sk not in r.keys: raise KeyError(f"DSV4MoE.from_dsv4: {where} has no {sk} (the MXFP4 scales of {wk})")
+        t = MXFP4Tensor(w, r.get(sk), (w.shape[0], w.shape[1] * 2))
+        if tuple(t.shape) != shape: raise ValueError(f"DSV4MoE.from_dsv4: {name} is {tuple(t.shape)}, expected {shape}")
+        return ("mxfp4", t)
+    if w.dtype == torch.float8_e4m3fn:
+        if sk not in r.keys: raise KeyError(f"DSV4MoE.from_dsv4: {where} has no {sk} (the block scales of {wk})")
+        x = dequantize_fp8_blocks(w, r.get(sk))
+    elif w.dtype in (torch.bfloat16, torch.float16, torch.float32): x = w.float()
+    else: raise TypeError(f"DSV4MoE.from_dsv4: {wk} is {w.dtype}: expected int8 (MXFP4), float8_e4m3fn or bf16")
+    if tuple(x.shape) != shape: raise ValueError(f"DSV4MoE.from_dsv4: {name} is {tuple(x.shape)}, expected {shape}")
+    return ("dense", x)
+
+def _carry_pair(a, b, strict, what):
+    "Two weights that share one global scale (w1 and w3 of an expert) as NVFP4, and the relative error of each."
+    if a[0] == b[0] == "mxfp4":
+        m = mxfp4_global_exp(a[1], b[1])
+        (qa, ra), (qb, rb) = mxfp4_to_nvfp4(a[1], strict, m), mxfp4_to_nvfp4(b[1], strict, m)
+        rel = lambda q, t, r: 0.0 if r["exact"] else ((q.dequantize() - t.dequantize()).norm() / t.dequantize().norm().clamp_min(1e-30)).item()
+        return qa, qb, rel(qa, a[1], ra), rel(qb, b[1], rb)
+    if "mxfp4" in (a[0], b[0]): raise ValueError(f"DSV4MoE.from_dsv4: {what}: w1 and w3 in different formats")
+    gs = global_scale_from_amax(torch.maximum(a[1].abs().max(), b[1].abs().max()))
+    qa, qb = ref_quantize_nvfp4(a[1], gs), ref_quantize_nvfp4(b[1], gs)
+    rel = lambda q, x: ((q.dequantize() - x).norm() / x.norm().clamp_min(1e-30)).item()
+    return qa, qb, rel(qa, a[1]), rel(qb, b[1])
+
+def _from_dsv4(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16", prefix: str = "layers.{layer}.ffn",
+               experts=None, shared: bool = True, strict: bool = True):
+    """A DSV4MoE from a checkpoint in DSV4's released format (a file or a sharded folder; only this layer's held
+    experts are read, one tensor at a time): the routed experts' MXFP4 weights carried onto NVFP4 with their exact
+    values (an expert's w1 and w3 under one global scale; a tensor the NVFP4 scales cannot hold raises, or with
+    `strict=False` is re-rounded), the shared expert's FP8 weights (e4m3, e8m0 per 128 x 128) decoded and re-quantized
+    to NVFP4 (the kernels run it as expert E), the router as stored. `layer.load_report` says what was exact and the
+    relative error of everything that was not. W4A16 only: the released files hold no static activation scales."""
+    if act != "w4a16":
+        raise ValueError("DSV4MoE.from_dsv4: the released checkpoint has no static activation scales (W4A4's a1/a2): "
+                         "use act='w4a16', or calibrate them as DSV4MoE.synthetic does")
+    p, E, H, I = prefix.format(layer=layer), cfg.num_experts, cfg.hidden, cfg.inter
+    r = CheckpointReader(src)
+    where = r.path.name
+    g2l, _, _ = local_groups(E, experts, shared, "DSV4MoE.from_dsv4")
+    held = range(E) if g2l is None else (g2l >= 0).nonzero().flatten().tolist()
+    names = [f"{p}.experts.{e}" for e in held] + ([f"{p}.shared_experts"] if shared else [])
+    w1, w3, w2, report = [], [], [], dict(format="dsv4-mxfp4", exact=[], rel_err={})
+    for n in names:
+        a, b = _dsv4_nvfp4(r, f"{n}.w1", (I, H), where, strict), _dsv4_nvfp4(r, f"{n}.w3", (I, H), where, strict)
+        qa, qb, ea, eb = _carry_pair(a, b, strict, n)
+        c = _dsv4_nvfp4(r, f"{n}.w2", (H, I), where, strict)
+        if c[0] == "mxfp4":
+            qc, rc = mxfp4_to_nvfp4(c[1], strict)
+            ec = 0.0 if rc["exact"] else ((qc.dequantize() - c[1].dequantize()).norm() / c[1].dequantize().norm()).item()
+        else:
+            qc = ref_quantize_nvfp4(c[1]); ec = ((qc.dequantize() - c[1]).norm() / c[1].norm().clamp_min(1e-30)).item()
+        w1.append(qa); w3.append(qb); w2.append(qc)
+        for k, e_, src_ in (("w1", ea, a[0]), ("w3", eb, b[0]), ("w2", ec, c[0])):
+            if src_ == "mxfp4" and e_ == 0.0: report["exact"].append(f"{n}.{k}")
+            else: report["rel_err"][f"{n}.{k}"] = e_
+    gk = f"{p}.gate.weight"
+    if gk not in r.keys: raise KeyError(f"DSV4MoE.from_dsv4: {where} has no {gk}")
+    gate = r.get(gk)
+    if tuple(gate.shape) != (E, H): raise ValueError(f"DSV4MoE.from_dsv4: {gk} is {tuple(gate.shape)}, expected {(E, H)}")
+    bias = r.get(f"{p}.gate.bias").float() if f"{p}.gate.bias" in r.keys else None
+    tid = r.get(f"{p}.gate.tid2eid") if f"{p}.gate.tid2eid" in r.keys else None
+    if bias is None and tid is None: raise KeyError(f"DSV4MoE.from_dsv4: {where} has neither {p}.gate.bias nor {p}.gate.tid2eid")
+    layer_ = cls(cfg, interleave_experts(stack_experts(w1), stack_experts(w3)), stack_experts(w2), gate, bias, tid,
+                 act=act, experts=experts, shared=shared)
+    layer_.load_report = report
+    return layer_
+
+def _from_checkpoint(cls, src, layer: int, cfg: MoEConfig = FLASH, **kw):
+    "A DSV4MoE from any checkpoint this package reads, the format detected: ModelOpt or compressed-tensors NVFP4 (`from_modelopt`) or DSV4's released MXFP4 (`from_dsv4`)."
+    fmt = checkpoint_format(src)
+    return (cls.from_dsv4 if fmt == "dsv4-mxfp4" else cls.from_modelopt)(src, layer, cfg, **kw)
+
+def _save_layer(self, path, layer: int, format: str = "modelopt", prefix: str = "layers.{layer}.ffn"):
+    """Write this layer's NVFP4 weights and router as a checkpoint file in `format` ("modelopt" or
+    "compressed-tensors"): the held experts under their global ids, the shared expert, `gate.*`; W4A4's static scales
+    as input scales (a1 for w1 and w3, a2 for w2). `from_checkpoint` reads it back to the same layer."""
+    from dsv4_nvfp4.checkpoint import save_compressed_tensors_nvfp4, save_modelopt_nvfp4
+    if format not in ("modelopt", "compressed-tensors"): raise ValueError(f"DSV4MoE.save: format must be 'modelopt' or 'compressed-tensors', got {format!r}")
+    p, I, H = prefix.format(layer=layer), self.cfg.inter, self.cfg.hidden
+    ids = list(range(self.cfg.num_experts)) if self.experts is None else self.experts.tolist()
+    names = [f"{p}.experts.{e}" for e in ids] + ([f"{p}.shared_experts"] if self.shared else [])
+    d1, d3 = deinterleave_l1(self.w13.data)
+    s1, s3 = deinterleave_l1(self.w13.scale)
+    ws, ins = {}, {}
+    for g, n in enumerate(names):
+        gs = self.w13.global_scale[g].reshape(()).clone()
+        ws[f"{n}.w1"] = NVFP4Tensor(d1[g].contiguous(), s1[g].contiguous(), gs, (I, H))
+        ws[f"{n}.w3"] = NVFP4Tensor(d3[g].contiguous(), s3[g].contiguous(), gs.clone(), (I, H))
+        ws[f"{n}.w2"] = self.w2.expert(g)
+        if self.act == "w4a4":
+            ins[f"{n}.w1"] = ins[f"{n}.w3"] = float(self.a1_scales[g]); ins[f"{n}.w2"] = float(self.a2_scales[g])
+    gate = {f"{p}.gate.weight": self.gate_weight}
+    if self.gate_bias is not None: gate[f"{p}.gate.bias"] = self.gate_bias
+    if self.tid2eid is not None: gate[f"{p}.gate.tid2eid"] = self.tid2eid
+    (save_modelopt_nvfp4 if format == "modelopt" else save_compressed_tensors_nvfp4)(path, ws, ins, gate)
+
 def _flash(cls, seed: int = 0, act: str = "w4a16", **kw):
     "A synthetic DSV4-Flash layer (256 + 1 experts, H 4096, I 2048); `device='cuda'` builds it in seconds."
     return cls.synthetic(FLASH, seed, act, **kw)
@@ -399,6 +507,8 @@ def _pro(cls, seed: int = 0, act: str = "w4a16", **kw):
     return cls.synthetic(PRO, seed, act, **kw)
 
 DSV4MoE.synthetic, DSV4MoE.from_modelopt = classmethod(_synthetic), classmethod(_from_modelopt)
+DSV4MoE.from_dsv4, DSV4MoE.from_checkpoint = classmethod(_from_dsv4), classmethod(_from_checkpoint)
+DSV4MoE.save = _save_layer
 DSV4MoE.flash, DSV4MoE.pro = classmethod(_flash), classmethod(_pro)
 
 # %% ../nbs/08_moe_layer.ipynb #04885a55

@@ -18,7 +18,7 @@ from .formats import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, check_float, e2m1_encode_
 __all__ = ['GS_MIN', 'BLOCK', 'DEFAULT_BLOCK', 'MX_BLOCK', 'E8M0_BIAS', 'E4M3_POW2', 'global_scale_from_amax', 'NVFP4Tensor',
            'ref_quantize_nvfp4', 'ref_dequantize_nvfp4', 'ref_mxfp4_roundtrip', 'sqnr_db', 'block_report', 'plot_block',
            'explore_block', 'NVFP4Experts', 'stack_experts', 'quantize_experts', 'MXFP4Tensor', 'ref_quantize_mxfp4',
-           'ref_dequantize_mxfp4', 'mxfp4_to_nvfp4', 'mxfp4_experts_to_nvfp4']
+           'ref_dequantize_mxfp4', 'mxfp4_global_exp', 'mxfp4_to_nvfp4', 'mxfp4_experts_to_nvfp4']
 
 # %% ../nbs/01_quantize.ipynb #d34b16c4
 GS_MIN = 2.0 ** -110  # smallest global scale: keeps 1/(s*gs) finite for every e4m3 scale s >= 2^-9
@@ -360,26 +360,35 @@ def ref_dequantize_mxfp4(t: MXFP4Tensor, dtype: torch.dtype = torch.float32) -> 
     return (vals * torch.exp2(t.exponents().float())[..., None]).reshape(t.shape).to(dtype)
 
 # %% ../nbs/01_quantize.ipynb #2e7590c7
+def _live_exponents(t: MXFP4Tensor):
+    "(unpacked codes, block exponents, live-block mask) of an MXFP4 tensor."
+    codes, e = t.codes(), t.exponents()
+    return codes, e, ((codes.reshape(*e.shape, MX_BLOCK) & 7) != 0).any(-1)
+
+def mxfp4_global_exp(*ts: MXFP4Tensor) -> int:
+    """The global scale exponent `m` that carries every one of `ts` onto NVFP4: the largest live block exponent minus 8
+    (at least the exponent of `GS_MIN`; 0 when nothing is live). Tensors that must share a global scale (an expert's w1
+    and w3, fused into one weight) are converted with one `m`."""
+    top = [int(e[live].max()) for _, e, live in map(_live_exponents, ts) if bool(live.any())]
+    return max(max(top) - E4M3_POW2[1], int(math.log2(GS_MIN))) if top else 0
+
 def mxfp4_to_nvfp4(t: MXFP4Tensor,
                    strict: bool = True,      # refuse blocks the NVFP4 scale cannot hold (else re-round them, reported)
+                   gs_exp: int | None = None,  # the global scale's exponent m (None: `mxfp4_global_exp(t)`)
                   ) -> tuple[NVFP4Tensor, dict]:  # (the same values as NVFP4, a report)
     """MXFP4 as NVFP4 with the same values: the codes kept, global scale `2^m` (`m = e_max - 8`, at least the
     exponent of `GS_MIN`), each 32-block's `2^(e - m)` as the E4M3 scale of its two 16-blocks. Exact when every live
     block (a nonzero code) has `e - m >= -9`; the report says `exact`, the live blocks, the exponent range, `m`, the
     blocks out of range and the largest absolute change (0 when exact)."""
     if not isinstance(t, MXFP4Tensor): raise TypeError(f"mxfp4_to_nvfp4: expected an MXFP4Tensor, got {type(t).__name__}")
-    codes = t.codes()                                                    # (..., K)
-    e = t.exponents()                                                    # (..., K/32)
+    codes, e, live = _live_exponents(t)                                  # (..., K), (..., K/32), blocks holding a nonzero value
     cb = codes.reshape(*e.shape, MX_BLOCK)
-    live = ((cb & 7) != 0).any(-1)                                       # blocks holding a nonzero value
     n_live = int(live.sum())
     lo_pow, hi_pow = E4M3_POW2
-    gs_min_exp = int(math.log2(GS_MIN))
-    if n_live:
-        emin, emax = int(e[live].min()), int(e[live].max())
-        m = max(emax - hi_pow, gs_min_exp)
-    else:
-        emin = emax = None; m = 0
+    emin, emax = (int(e[live].min()), int(e[live].max())) if n_live else (None, None)
+    m = mxfp4_global_exp(t) if gs_exp is None else int(gs_exp)
+    if n_live and emax - m > hi_pow:
+        raise ValueError(f"mxfp4_to_nvfp4: gs_exp = {m} puts the largest block scale at 2^{emax - m}, above E4M3's 2^{hi_pow}")
     rel = (e - m).clamp(lo_pow, hi_pow)
     out = live & (e - m < lo_pow)                                        # live blocks under the smallest E4M3 power of two
     n_out, err = int(out.sum()), 0.0
