@@ -14,6 +14,7 @@ import torch
 from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
                                    read_safetensors)
 from .grouped_gemm import act_decode_in_kernel, grouped_gemm_nvfp4, prepare_weights
+from .runtime import define_op, op_object, register_op_object
 from .quant import (GS_MIN, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_nvfp4, stack_experts)
 from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes,
@@ -24,7 +25,8 @@ from .swiglu import (calibrate_input_scales, check_swiglu_limit, deinterleave_l1
 
 # %% auto #0
 __all__ = ['FLASH', 'PRO', 'L2_ACT_DECODE', 'MOE_PROBLEMS', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe',
-           'ref_moe_bf16', 'CapturedMoE', 'TorchMoE', 'bench_moe', 'moe_table', 'moe_goals']
+           'ref_moe_bf16', 'CapturedMoE', 'moe_forward_op', 'moe_forward_routed_op', 'TorchMoE', 'bench_moe',
+           'moe_table', 'moe_goals']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
@@ -130,6 +132,7 @@ class DSV4MoE(torch.nn.Module):
         self.register_buffer("a1_scales", None if a1_scales is None else a1_scales.float().contiguous())
         self.register_buffer("a2_scales", None if a2_scales is None else a2_scales.float().contiguous())
         self._prepared, self._eager = {}, {}
+        self.op_key = register_op_object(self, "dsv4_moe")   # how the torch.compile ops name this layer
         self.bf16_weights = None           # (w1, w3, w2) unquantized, when the layer was built from them (synthetic)
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +154,8 @@ class DSV4MoE(torch.nn.Module):
         if input_ids is not None:
             if tuple(input_ids.shape) != (x.shape[0],): raise ValueError(f"DSV4MoE: input_ids must be ({x.shape[0]},), got {tuple(input_ids.shape)}")
             input_ids = input_ids.to(device=x.device, dtype=torch.int64).contiguous()
+        if torch.compiler.is_compiling():           # torch.compile / export: the forward is one custom op (see below)
+            return torch.ops.dsv4_nvfp4.moe_forward(x.contiguous(), input_ids, self.op_key)
         return self._forward_device(x.contiguous(), input_ids)
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
@@ -158,7 +163,7 @@ class DSV4MoE(torch.nn.Module):
                       ) -> torch.Tensor:
         """The layer with a given routing (weights (T, k), expert ids (T, k), e.g. from another rank's router): the
         shared expert is added as always. Ids out of [0, E) or repeated in a row raise (CPU; on the GPU with `check`:
-        without it, such a token's output is NaN and the others are computed)."""
+        without it, such a token's output is NaN and the others are computed; under torch.compile there is no check)."""
         what, c = "DSV4MoE.forward_routed", self.cfg
         self._check_x(x, None, what, need_ids=False)
         _check_given(topk_weights, topk_ids, x.shape[0], c, what)
@@ -166,6 +171,8 @@ class DSV4MoE(torch.nn.Module):
             check_expert_ids(topk_ids, c.num_experts, what)
             return ref_moe(x, self, routing=(topk_weights, topk_ids)).to(torch.bfloat16)
         given = (topk_weights.to(device=x.device, dtype=torch.float32).contiguous(), topk_ids.to(device=x.device, dtype=torch.int32).contiguous())
+        if torch.compiler.is_compiling():           # one custom op; the bad-routing check (a host read) is left out
+            return torch.ops.dsv4_nvfp4.moe_forward_routed(x.contiguous(), *given, self.op_key)
         y = self._forward_device(x.contiguous(), given=given)
         if check: check_bad(self._eager[x.device][0], what)
         return y
@@ -553,6 +560,19 @@ def _capture(self, max_tokens: int) -> CapturedMoE:
     return CapturedMoE(self, max_tokens)
 
 DSV4MoE.capture = _capture
+
+# %% ../nbs/08_moe_layer.ipynb #bb286f07
+@define_op("dsv4_nvfp4::moe_forward", "(Tensor x, Tensor? input_ids, str layer) -> Tensor",
+           lambda x, input_ids, layer: torch.empty_like(x))
+def moe_forward_op(x, input_ids, layer):
+    "The forward of the DSV4MoE filed under `layer` (its `op_key`) on the device, as one op: a new (T, H) bf16 tensor."
+    return op_object(layer)._forward_device(x, input_ids)
+
+@define_op("dsv4_nvfp4::moe_forward_routed", "(Tensor x, Tensor topk_weights, Tensor topk_ids, str layer) -> Tensor",
+           lambda x, topk_weights, topk_ids, layer: torch.empty_like(x))
+def moe_forward_routed_op(x, topk_weights, topk_ids, layer):
+    "`forward_routed` of the DSV4MoE filed under `layer`, as one op (fp32 weights and int32 ids on x's device)."
+    return op_object(layer)._forward_device(x, given=(topk_weights, topk_ids))
 
 # %% ../nbs/08_moe_layer.ipynb #2aedd6ea
 MOE_PROBLEMS = ([("Flash", MoEConfig(4096, 2048, 256, 6, 1.5), T) for T in (1, 8, 32, 128, 512, 2048, 8192)] +

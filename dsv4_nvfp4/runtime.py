@@ -24,11 +24,12 @@ from .formats import cdiv, round_up  # noqa: F401 (launchers use rt.cdiv / rt.ro
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")  # compile-checked in CI; sm_90a is the verified target
 
 # %% auto #0
-__all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'KERNEL_DEFINES', 'DTYPE_SUFFIX', 'KernelCompileError', 'KernelLaunchError',
-           'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir', 'show_cu',
-           'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult', 'compile_cubin',
-           'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'i64', 'i32', 'u32', 'f32',
-           'check_tensor', 'out_tensor', 'check_k16', 'launch_1d']
+__all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'KERNEL_DEFINES', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'KernelCompileError',
+           'KernelLaunchError', 'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir',
+           'show_cu', 'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult',
+           'compile_cubin', 'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'i64', 'i32',
+           'u32', 'f32', 'check_tensor', 'out_tensor', 'check_k16', 'launch_1d', 'register_op_object', 'op_object',
+           'define_op']
 
 # %% ../nbs/03_runtime.ipynb #2ee0e57b
 class KernelCompileError(RuntimeError):
@@ -514,3 +515,36 @@ def check_k16(K: int, what: str, name: str = "K (the last dim)"):
 def launch_1d(file: str, name: str, grid: int, block: int, args):
     "`launch` with a 1-D grid and block on the current stream, compiled with `KERNEL_DEFINES`."
     launch(file, name, (int(grid), 1, 1), (int(block), 1, 1), args, defines=KERNEL_DEFINES)
+
+# %% ../nbs/03_runtime.ipynb #7fe56b24
+import itertools, weakref
+
+OP_REGISTRY = weakref.WeakValueDictionary()     # key -> object that a custom op names by a string
+_OP_IDS = itertools.count()
+
+def register_op_object(obj, prefix: str = "obj") -> str:
+    "File `obj` (weakly) under a fresh string key for the custom ops that run it; returns the key."
+    key = f"{prefix}{next(_OP_IDS)}"
+    OP_REGISTRY[key] = obj
+    return key
+
+def op_object(key: str):
+    "The live object filed under `key` (RuntimeError when it is gone)."
+    obj = OP_REGISTRY.get(key)
+    if obj is None: raise RuntimeError(f"no live object is registered under {key!r} (was it garbage-collected?)")
+    return obj
+
+def define_op(qualname: str,   # "namespace::name"
+              schema: str,     # e.g. "(Tensor x, str key) -> Tensor"
+              fake,            # the fake (meta) implementation: shapes and dtypes only
+             ):
+    "Decorator: `torch.library.custom_op(qualname, schema=...)` with `fake` registered, once per process."
+    import torch
+    ns, name = qualname.split("::")
+    def deco(fn):
+        if hasattr(getattr(torch.ops, ns), name):            # defined already (by the package, before a notebook re-runs this)
+            return getattr(getattr(torch.ops, ns), name)
+        op = torch.library.custom_op(qualname, fn, mutates_args=(), schema=schema)
+        op.register_fake(fake)
+        return op
+    return deco
