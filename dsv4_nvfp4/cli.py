@@ -208,9 +208,15 @@ def _bench(what: str, sizes_mb, out: Path) -> int:
     if not torch.cuda.is_available():
         print("dsv4-nvfp4 bench: no CUDA device", file=sys.stderr); return 2
     log = lambda *m: print(*m, file=sys.stderr, flush=True)
+    if what == "ep":                                 # one process per GPU, under torchrun
+        from dsv4_nvfp4.ep import bench_ep_main
+        return bench_ep_main(out)
     if what == "gemm":
         from dsv4_nvfp4.grouped_gemm import bench_gemm, gemm_table, plot_gemm
         res, table, plot = bench_gemm(log=log), gemm_table, plot_gemm
+    elif what == "mxfp4":
+        from dsv4_nvfp4.grouped_gemm import bench_mxfp4, mxfp4_table
+        res, table, plot = bench_mxfp4(log=log), mxfp4_table, None
     elif what == "kv":
         from dsv4_nvfp4.gather import bench_kv_and_gather
         from dsv4_nvfp4.kv import kv_goals, kv_table, plot_kv
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--checkpoint", type=Path, help="an NVFP4 checkpoint (ModelOpt or compressed-tensors): a .safetensors file or a folder")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     bn = sub.add_parser("bench", help="benchmark on a CUDA GPU: the memory-bound kernels, the grouped GEMM, the expert MLP, the MoE layer or the KV compressor")
-    bn.add_argument("what", choices=["kernels", "gemm", "mlp", "moe", "kv"])
+    bn.add_argument("what", choices=["kernels", "gemm", "mxfp4", "mlp", "moe", "kv", "ep"], help="ep: under torchrun on 2+ GPUs")
     bn.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="kernels: input sizes")
     bn.add_argument("--out", type=Path, default=Path("."), help="folder for bench_<what>.{md,json,png}")
     qz = sub.add_parser("quantize", help="convert a bf16/fp16/fp32 (or FP8 block-scaled) safetensors checkpoint to NVFP4")

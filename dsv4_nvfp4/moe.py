@@ -256,6 +256,22 @@ class DSV4MoE(torch.nn.Module):
         return grouped_gemm_nvfp4(h, w2p, offs, out=rows_out[:R], workspace=None if h_dec is None else h_dec[:R],
                                   act_decode=L2_ACT_DECODE)
 
+    def expert_rows(self, xr: torch.Tensor,       # bf16 (R, H) expert-major rows (W4A4: code x block scale, as the permute stores them)
+                    row_scales: torch.Tensor,     # fp32 (R, 2): per row (gs_a, routing weight); gs_a is W4A4's a1 of the row's group
+                    offsets: torch.Tensor,        # int32 (G,) cumulative end offsets over this layer's groups
+                   ) -> torch.Tensor:             # bf16 (R, H): each row's weighted expert output (a new tensor)
+        """The fused L1 and L2 alone, over rows that are already expert-major (the expert-parallel layer's received rows):
+        what the forward does between its permute and its combine, row for row."""
+        R, dev = xr.shape[0], xr.device
+        if tuple(row_scales.shape) != (R, 2) or tuple(offsets.shape) != (self.num_groups,):
+            raise ValueError(f"DSV4MoE.expert_rows: row_scales must be ({R}, 2) and offsets ({self.num_groups},), got "
+                             f"{tuple(row_scales.shape)} and {tuple(offsets.shape)}")
+        if R == 0: return torch.empty(0, self.cfg.hidden, dtype=torch.bfloat16, device=dev)
+        cap = -(-R // (self.cfg.top_k + 1))
+        bufs = self._eager.get(dev)
+        if bufs is None or bufs[0].capacity < cap: bufs = self._eager[dev] = self.buffers(cap, dev)
+        return self._experts(xr.contiguous(), row_scales.float().contiguous(), offsets, bufs).clone()
+
 # %% ../nbs/08_moe_layer.ipynb #d079dfb3
 def _ref_route(x, layer, input_ids):
     "The float64 router of `layer` on the CPU: (weights float64 (T, k), ids int64 (T, k))."

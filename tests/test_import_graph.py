@@ -13,7 +13,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "dsv4_nvfp4"
 ORDER = ["formats", "quant", "checkpoint", "layout", "bench", "runtime", "quantize_cuda", "norm", "routing",
-         "sm90_layout", "grouped_gemm", "gemm_sm90", "gemm_sm100", "swiglu", "kv", "gather", "moe", "cli"]
+         "sm90_layout", "grouped_gemm", "gemm_sm90", "gemm_sm100", "swiglu", "kv", "gather", "moe", "ep", "cli"]
 DISPATCH = {("grouped_gemm", "gemm_sm90"), ("grouped_gemm", "gemm_sm100")}   # a dispatcher calls its backends
 
 

@@ -1,0 +1,49 @@
+"""Run by tests/test_ep_gpu.py under `torchrun --nproc-per-node 2`: EPMoE on NCCL against the one-GPU layer, bit for bit."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dsv4_nvfp4 import moe as M
+from dsv4_nvfp4.ep import EPMoE
+
+CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
+
+
+def main():
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    fails = []
+    for act in ("w4a16", "w4a4"):
+        lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)     # the same layer on every rank
+        for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
+            ep = EPMoE(lay, payload=payload).to(dev)
+            for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
+                Ts = (Ts * W)[:W]
+                g = torch.Generator(device=dev).manual_seed(sum(Ts))
+                x_all = (torch.randn(sum(Ts), CFG.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)
+                a = sum(Ts[:r]); x = x_all[a:a + Ts[r]]
+                want = lay(x_all)[a:a + Ts[r]]
+                if not torch.equal(ep(x), want): fails.append(f"{act} {payload} T={Ts}")
+                # skewed: four of every token's six experts on rank 0, two elsewhere
+                if x_all.shape[0]:
+                    w, _ = lay.route(x_all)
+                    per, gen = CFG.num_experts // W, torch.Generator().manual_seed(sum(Ts))
+                    ids = torch.stack([torch.cat([torch.randperm(per, generator=gen)[:4], per + torch.randperm(CFG.num_experts - per, generator=gen)[:2]])
+                                       for _ in range(x_all.shape[0])]).to(device=dev, dtype=torch.int32)
+                    want = lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]
+                    if not torch.equal(ep.forward_routed(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} skewed T={Ts}")
+    bad = torch.tensor([len(fails)], device=dev)
+    dist.all_reduce(bad)
+    if fails: print(f"rank {r}: FAIL " + "; ".join(fails), flush=True)
+    dist.barrier()
+    if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
+    dist.destroy_process_group()
+    return 0 if bad.item() == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

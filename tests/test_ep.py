@@ -1,0 +1,81 @@
+"""Expert parallelism on the CPU (gloo, 2 and 4 processes): the dispatch / combine of `EPMoE` against the single-process
+layer on the concatenated batch, bit for bit, for both payloads, ragged and skewed routing, an empty rank and T = 1."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsv4_nvfp4 import moe as M
+
+CFG = M.MoEConfig(hidden=256, inter=128, num_experts=8, top_k=3, routed_scaling_factor=1.5)
+TOKENS = {2: [5, 1], 4: [7, 0, 9, 1]}          # ragged, an empty rank, a single token
+
+
+def batches(W):
+    g = torch.Generator().manual_seed(W)
+    return [(torch.randn(T, CFG.hidden, generator=g) * 0.5).to(torch.bfloat16) for T in TOKENS[W]]
+
+
+def skewed(W, k=CFG.top_k):
+    "A given routing where rank 0 owns two of every token's three experts: one rank gets most of the rows."
+    out, g = [], torch.Generator().manual_seed(100 + W)
+    per = CFG.num_experts // W
+    for T in TOKENS[W]:
+        rows = []
+        for _ in range(T):
+            a = torch.randperm(per, generator=g)[:2].tolist()
+            rows.append(a + [e for e in torch.randperm(CFG.num_experts, generator=g).tolist() if e not in a][: k - 2])
+        w = torch.rand(T, k, generator=g) + 0.1
+        out.append((w / w.sum(1, keepdim=True) * 1.5, torch.tensor(rows, dtype=torch.int32).reshape(T, k)))
+    return out
+
+
+def _worker(rank, W, path, q):
+    from dsv4_nvfp4.ep import EPMoE
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=W)
+    try:
+        res = {}
+        xs, rt = batches(W), skewed(W)
+        for act, payload in (("w4a16", "bf16"), ("w4a4", "bf16"), ("w4a4", "nvfp4")):
+            ep = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act=act), payload=payload)
+            res[(act, payload)] = ep(xs[rank])
+            res[(act, payload, "skewed")] = ep.forward_routed(xs[rank], *rt[rank])
+        lay = M.DSV4MoE.synthetic(CFG, seed=3)
+        try: EPMoE(lay, payload="nvfp4")
+        except ValueError as e: res["nvfp4-w4a16"] = str(e)
+        q.put((rank, res))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_ep_layer_equals_the_single_process_layer(W):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        ps = [ctx.Process(target=_worker, args=(r, W, os.path.join(d, "store"), q)) for r in range(W)]
+        for p in ps: p.start()
+        got = dict(q.get(timeout=600) for _ in range(W))
+        for p in ps: p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in ps)
+    x, rt = torch.cat(batches(W)), skewed(W)
+    w, ids = torch.cat([r[0] for r in rt]), torch.cat([r[1] for r in rt])
+    for act, payload in (("w4a16", "bf16"), ("w4a4", "bf16"), ("w4a4", "nvfp4")):
+        lay = M.DSV4MoE.synthetic(CFG, seed=3, act=act)
+        ep = torch.cat([got[r][(act, payload)] for r in range(W)])
+        assert torch.equal(ep, lay(x)), f"{act} {payload}: {(ep != lay(x)).sum().item()} values differ"
+        sk = torch.cat([got[r][(act, payload, "skewed")] for r in range(W)])
+        assert torch.equal(sk, lay.forward_routed(x, w, ids)), f"{act} {payload} skewed routing"
+    assert "act='w4a4'" in got[0]["nvfp4-w4a16"]
+
+
+def test_partition_and_payload_bytes():
+    from dsv4_nvfp4.ep import ep_experts, payload_bytes
+    assert [list(ep_experts(8, 4, r)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="evenly"): ep_experts(10, 4, 0)
+    b = payload_bytes(7168)
+    assert b["bf16"] / b["nvfp4"] >= 3.5 and b["nvfp4"] == 7168 // 2 + 7168 // 16 + 8
