@@ -301,8 +301,7 @@ class CheckpointReader(_Reader):
     def __init__(self, path):
         self.path = Path(path)
         super().__init__(safetensors_keys(path))
-    @property
-    def keys(self) -> set: return set(self.files)
+        self.keys = frozenset(self.files)              # the tensor names (built once: a model has ~10^5)
 
 def read_nvfp4_layers(path, names) -> tuple[str, dict]:
     """(format, {name: ModelOptNVFP4}) of just the NVFP4 layers `names` of a ModelOpt or compressed-tensors checkpoint,

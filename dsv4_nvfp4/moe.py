@@ -135,6 +135,11 @@ class DSV4MoE(torch.nn.Module):
         self.op_key = register_op_object(self, "dsv4_moe")   # how the torch.compile ops name this layer
         self.bf16_weights = None           # (w1, w3, w2) unquantized, when the layer was built from them (synthetic)
 
+    def __setstate__(self, state):
+        "A copy (copy.deepcopy, pickle) is a layer of its own: its own op key, not the original's."
+        super().__setstate__(state)
+        self.op_key = register_op_object(self, "dsv4_moe")
+
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         "(weights fp32 (T, k), ids int32 (T, k)) from the router (hash routing when the layer has a tid2eid table)."
         c = self.cfg
@@ -417,9 +422,9 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
     return cls(cfg, w13, stack_experts([t.weight for t in l2]), gate, None if bias is None else bias.float(), tid,
                act=act, a1_scales=a1, a2_scales=a2, experts=experts, shared=shared)
 
-def _dsv4_nvfp4(r, name, shape, where, strict, gs_exp=None):
-    """Weight `name` of a DSV4-format checkpoint as NVFP4 (N, K), with a report: MXFP4 (int8 + e8m0 per 32) carried
-    over exactly, FP8 (e4m3 + 128 x 128 block scales) or bf16 re-quantized (`gs_exp`: a shared global scale's exponent)."""
+def _dsv4_weight(r, name, shape, where):
+    """Weight `name` (N, K) of a DSV4-format checkpoint as ("mxfp4", MXFP4Tensor) for int8 codes with e8m0 scales per
+    32, or ("dense", fp32 values) for FP8 (e4m3 + 128 x 128 block scales, decoded exactly) or bf16."""
     wk, sk = f"{name}.weight", f"{name}.scale"
     if wk not in r.keys: raise KeyError(f"DSV4MoE.from_dsv4: {where} has no {wk}")
     w = r.get(wk)
@@ -468,9 +473,9 @@ def _from_dsv4(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16",
     names = [f"{p}.experts.{e}" for e in held] + ([f"{p}.shared_experts"] if shared else [])
     w1, w3, w2, report = [], [], [], dict(format="dsv4-mxfp4", exact=[], rel_err={})
     for n in names:
-        a, b = _dsv4_nvfp4(r, f"{n}.w1", (I, H), where, strict), _dsv4_nvfp4(r, f"{n}.w3", (I, H), where, strict)
+        a, b = _dsv4_weight(r, f"{n}.w1", (I, H), where), _dsv4_weight(r, f"{n}.w3", (I, H), where)
         qa, qb, ea, eb = _carry_pair(a, b, strict, n)
-        c = _dsv4_nvfp4(r, f"{n}.w2", (H, I), where, strict)
+        c = _dsv4_weight(r, f"{n}.w2", (H, I), where)
         if c[0] == "mxfp4":
             qc, rc = mxfp4_to_nvfp4(c[1], strict)
             ec = 0.0 if rc["exact"] else ((qc.dequantize() - c[1].dequantize()).norm() / c[1].dequantize().norm()).item()
