@@ -302,7 +302,8 @@ def bench_ep_main(out=".", tokens=(1, 128, 2048, 8192)) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         print("dsv4-nvfp4 bench ep: run it under torchrun on 2+ GPUs: torchrun --nproc-per-node 2 -m dsv4_nvfp4.cli bench ep", file=sys.stderr)
         return 2
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")                  # no NVLink multicast
+    for k_ in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):   # no NVLink multicast
+        os.environ[k_] = "0" if k_ == "NCCL_NVLS_ENABLE" else "1"
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     try:

@@ -12,7 +12,7 @@ CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scali
 
 
 def main():
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")   # no NVLink multicast
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
