@@ -20,10 +20,10 @@ from .runtime import check_k16, check_tensor, out_tensor
 
 # %% auto #0
 __all__ = ['ROW_KERNEL_MAX_K', 'Q_CU', 'DQ_CU', 'G_CU', 'SwizzledNVFP4', 'global_scale_arg', 'codes_scales_out',
-           'quantize_nvfp4_cuda', 'dequantize_nvfp4_cuda', 'quantize_nvfp4', 'dequantize_nvfp4',
-           'ref_gather_dequant_nvfp4', 'gather_dequant_nvfp4', 'dequant_rows_nvfp4', 'torch_quantize',
-           'torch_quantize_tensor_gs', 'torch_quantize_row_gs', 'torch_quantize_swizzled', 'torch_dequant',
-           'torch_gather_dequant', 'bench_quantize']
+           'quantize_nvfp4_cuda', 'dequantize_nvfp4_cuda', 'quantize_nvfp4', 'dequantize_nvfp4', 'quantize_nvfp4_op',
+           'dequantize_nvfp4_op', 'ref_gather_dequant_nvfp4', 'gather_dequant_nvfp4', 'dequant_rows_nvfp4',
+           'torch_quantize', 'torch_quantize_tensor_gs', 'torch_quantize_row_gs', 'torch_quantize_swizzled',
+           'torch_dequant', 'torch_gather_dequant', 'bench_quantize']
 
 # %% ../nbs/03a_quantize_cuda.ipynb #8959e9d0
 ROW_KERNEL_MAX_K = 16384      # one 16-block per thread, <= 1024 threads: the row kernels hold a row in registers
@@ -259,6 +259,27 @@ def dequantize_nvfp4(t,                                   # NVFP4Tensor (or Swiz
     if not isinstance(t, NVFP4Tensor): raise TypeError(f"dequantize_nvfp4: expected an NVFP4Tensor, got {type(t).__name__}")
     _verbose("dequantize_nvfp4: CPU reference")
     return ref_dequantize_nvfp4(t, dtype)
+
+# %% ../nbs/03a_quantize_cuda.ipynb #66774bab
+def _quantize_fake(x, global_scale, per_row):
+    lead, K = tuple(x.shape[:-1]), x.shape[-1]
+    gs = lead if per_row or (global_scale is not None and global_scale.dim() > 0) else ()
+    return (x.new_empty(*lead, K // 2, dtype=torch.uint8), x.new_empty(*lead, K // 16, dtype=torch.float8_e4m3fn),
+            x.new_empty(gs, dtype=torch.float32))
+
+@rt.define_op("dsv4_nvfp4::quantize_nvfp4", "(Tensor x, Tensor? global_scale, bool per_row) -> (Tensor, Tensor, Tensor)", _quantize_fake)
+def quantize_nvfp4_op(x, global_scale, per_row):
+    "`quantize_nvfp4` as a custom op: (data uint8 (..., K/2), scale e4m3 (..., K/16), global scale fp32 `()` or per row)."
+    check_k16(x.shape[-1], "dsv4_nvfp4::quantize_nvfp4")
+    q = quantize_nvfp4(x.contiguous(), global_scale, per_row=per_row)
+    return q.data, q.scale, (q.global_scale.clone() if global_scale is not None else q.global_scale)
+
+@rt.define_op("dsv4_nvfp4::dequantize_nvfp4", "(Tensor data, Tensor scale, Tensor global_scale, ScalarType dtype) -> Tensor",
+              lambda data, scale, global_scale, dtype: data.new_empty(*data.shape[:-1], 2 * data.shape[-1], dtype=dtype))
+def dequantize_nvfp4_op(data, scale, global_scale, dtype):
+    "`dequantize_nvfp4` as a custom op: (..., K = 2 data.shape[-1]) of `dtype`."
+    K = 2 * data.shape[-1]
+    return dequantize_nvfp4(NVFP4Tensor(data, scale, global_scale, tuple(data.shape[:-1]) + (K,)), dtype)
 
 # %% ../nbs/03a_quantize_cuda.ipynb #1226471b
 def ref_gather_dequant_nvfp4(t: NVFP4Tensor,       # (N_src, K) NVFP4 rows

@@ -52,3 +52,17 @@ def test_graph_count_is_one(layers):
     assert ex.graph_break_count == 0 and ex.graph_count == 1, ex
     ops = [n.target for g in ex.graphs for n in g.graph.nodes if n.op == "call_function"]
     assert torch.ops.dsv4_nvfp4.moe_forward.default in ops or torch.ops.dsv4_nvfp4.moe_forward in ops, ops
+
+
+def test_quantize_ops_on_the_gpu():
+    "The quantize / dequantize custom ops on CUDA tensors: opcheck, the kernels' bits, and a compiled round trip."
+    from dsv4_nvfp4 import quantize_cuda as QC
+    x = (torch.randn(33, 4096, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16).to(DEV)
+    for gs, per_row in ((None, False), (None, True), (torch.tensor(0.01, device=DEV), False)):
+        torch.library.opcheck(torch.ops.dsv4_nvfp4.quantize_nvfp4.default, (x, gs, per_row))
+        d, s, g = torch.ops.dsv4_nvfp4.quantize_nvfp4(x, gs, per_row)
+        r = QC.quantize_nvfp4(x, gs, per_row=per_row)
+        assert torch.equal(d, r.data) and torch.equal(s.view(torch.uint8), r.scale.view(torch.uint8)) and torch.equal(g, r.global_scale)
+    f = lambda x: torch.ops.dsv4_nvfp4.dequantize_nvfp4(*torch.ops.dsv4_nvfp4.quantize_nvfp4(x, None, True), torch.bfloat16)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
