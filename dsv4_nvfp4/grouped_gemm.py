@@ -667,18 +667,16 @@ def bench_mxfp4(problems=None, tokens=(1, 8, 128, 2048), log=print) -> dict:
     """DSV4's MXFP4 experts on our kernel against NVFP4 weights of the same bf16 source (both quantized on the GPU,
     real codes and scales), graph-replayed: the same routed problems, the same activations."""
     from dsv4_nvfp4.bench import Timer, gpu_info
-    from dsv4_nvfp4.quant import mxfp4_experts_to_nvfp4, quantize_experts, ref_quantize_mxfp4
+    from dsv4_nvfp4.quant import mxfp4_to_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
     timer, dev = Timer(), torch.device("cuda")
     res = dict(info=gpu_info(), rows=[])
     for name, E, N, K in problems or MXFP4_PROBLEMS:
         g = torch.Generator(device=dev).manual_seed(0)
         nv, mx = [], []
         for e in range(E):                              # one expert at a time on the GPU
-            w = (torch.randn(1, N, K, generator=g, device=dev) * K ** -0.5).to(torch.bfloat16)
-            nv.append(quantize_experts(w)); mx.append(mxfp4_experts_to_nvfp4(ref_quantize_mxfp4(w))[0])
-        cat = lambda xs: NVFP4Experts(torch.cat([x.data for x in xs]), torch.cat([x.scale for x in xs]),
-                                      torch.cat([x.global_scale for x in xs]), (E, N, K))
-        pn, pm = prepare_weights(cat(nv)), prepare_weights(cat(mx))
+            w = (torch.randn(N, K, generator=g, device=dev) * K ** -0.5).to(torch.bfloat16)
+            nv.append(ref_quantize_nvfp4(w)); mx.append(mxfp4_to_nvfp4(ref_quantize_mxfp4(w))[0])
+        pn, pm = prepare_weights(nv), prepare_weights(mx)           # each expert its own global scale
         del nv, mx
         for T in tokens:
             rt = route_topk(random_topk(T, E, 6, generator=torch.Generator().manual_seed(T)), E)

@@ -383,12 +383,10 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
     g2l, _, _ = local_groups(E, experts, shared, "DSV4MoE.from_modelopt")
     held = range(E) if g2l is None else (g2l >= 0).nonzero().flatten().tolist()
     names = [f"{p}.experts.{e}" for e in held] + ([f"{p}.shared_experts"] if shared else [])
-    raw = {}
     if isinstance(src, (str, Path)):
         path = Path(src)
         _, nv = read_nvfp4_layers(path, [f"{n}.{w}" for n in names for w in ("w1", "w2", "w3")])
-        raw = read_safetensors(path, (f"{p}.gate.weight", f"{p}.gate.bias", f"{p}.gate.tid2eid"))
-        where = path.name
+        raw, where = path, path.name                  # the router is read by _read_gate
     elif isinstance(src, dict):
         nv = {k: v for k, v in src.items() if isinstance(v, ModelOptNVFP4)}
         raw = {k: v for k, v in src.items() if isinstance(v, torch.Tensor)}
@@ -406,11 +404,7 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
     w3 = [get(f"{n}.w3", (I, H)).weight for n in names]
     l2 = [get(f"{n}.w2", (H, I)) for n in names]
     w13 = interleave_experts(stack_experts(w1), stack_experts(w3), unify=True)
-    if f"{p}.gate.weight" not in raw: raise KeyError(f"DSV4MoE.from_modelopt: {where} has no {p}.gate.weight")
-    gate = raw[f"{p}.gate.weight"]
-    if tuple(gate.shape) != (E, H): raise ValueError(f"DSV4MoE.from_modelopt: {p}.gate.weight is {tuple(gate.shape)}, expected {(E, H)}")
-    bias, tid = raw.get(f"{p}.gate.bias"), raw.get(f"{p}.gate.tid2eid")
-    if bias is None and tid is None: raise KeyError(f"DSV4MoE.from_modelopt: {where} has neither {p}.gate.bias nor {p}.gate.tid2eid")
+    gate, bias, tid = _read_gate(raw, p, E, H, "DSV4MoE.from_modelopt")
     a1 = a2 = None
     if act == "w4a4":                  # ModelOpt's input_scale is amax / (6 * 448): our global scale
         def scales(kind, what):
@@ -419,7 +413,7 @@ def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a
             return torch.tensor([nv[f"{n}.{kind}"].input_scale for n in names], dtype=torch.float32)
         a1 = torch.maximum(scales("w1", "the static scale of x"), scales("w3", "the static scale of x"))   # one x feeds both
         a2 = scales("w2", "the static scale of h")
-    return cls(cfg, w13, stack_experts([t.weight for t in l2]), gate, None if bias is None else bias.float(), tid,
+    return cls(cfg, w13, stack_experts([t.weight for t in l2]), gate, bias, tid,
                act=act, a1_scales=a1, a2_scales=a2, experts=experts, shared=shared)
 
 def _dsv4_weight(r, name, shape, where):
@@ -441,18 +435,35 @@ def _dsv4_weight(r, name, shape, where):
     if tuple(x.shape) != shape: raise ValueError(f"DSV4MoE.from_dsv4: {name} is {tuple(x.shape)}, expected {shape}")
     return ("dense", x)
 
-def _carry_pair(a, b, strict, what):
-    "Two weights that share one global scale (w1 and w3 of an expert) as NVFP4, and the relative error of each."
-    if a[0] == b[0] == "mxfp4":
-        m = mxfp4_global_exp(a[1], b[1])
-        (qa, ra), (qb, rb) = mxfp4_to_nvfp4(a[1], strict, m), mxfp4_to_nvfp4(b[1], strict, m)
-        rel = lambda q, t, r: 0.0 if r["exact"] else ((q.dequantize() - t.dequantize()).norm() / t.dequantize().norm().clamp_min(1e-30)).item()
-        return qa, qb, rel(qa, a[1], ra), rel(qb, b[1], rb)
-    if "mxfp4" in (a[0], b[0]): raise ValueError(f"DSV4MoE.from_dsv4: {what}: w1 and w3 in different formats")
-    gs = global_scale_from_amax(torch.maximum(a[1].abs().max(), b[1].abs().max()))
-    qa, qb = ref_quantize_nvfp4(a[1], gs), ref_quantize_nvfp4(b[1], gs)
+def _as_nvfp4(w, strict, scale=None):
+    """(NVFP4Tensor, relative error, exact) of a weight from `_dsv4_weight`: MXFP4 carried over (`scale`: the global
+    scale's exponent), dense values quantized (`scale`: the global scale; None: from the amax)."""
     rel = lambda q, x: ((q.dequantize() - x).norm() / x.norm().clamp_min(1e-30)).item()
-    return qa, qb, rel(qa, a[1]), rel(qb, b[1])
+    kind, t = w
+    if kind == "mxfp4":
+        q, rep = mxfp4_to_nvfp4(t, strict, scale)
+        return q, 0.0 if rep["exact"] else rel(q, t.dequantize()), rep["exact"]
+    q = ref_quantize_nvfp4(t, scale)
+    return q, rel(q, t), False
+
+def _as_nvfp4_pair(a, b, strict, what):
+    "w1 and w3 of an expert as NVFP4 under one global scale (the fused weight has one): `_as_nvfp4` of each."
+    if a[0] != b[0]: raise ValueError(f"DSV4MoE.from_dsv4: {what}: w1 and w3 in different formats")
+    scale = (mxfp4_global_exp(a[1], b[1]) if a[0] == "mxfp4" else
+             global_scale_from_amax(torch.maximum(a[1].abs().max(), b[1].abs().max())))
+    return _as_nvfp4(a, strict, scale), _as_nvfp4(b, strict, scale)
+
+def _read_gate(src, p, E, H, what):
+    "The router of layer prefix `p`: (gate weight (E, H), fp32 bias or None, tid2eid or None), checked; `src` a path or a dict."
+    keys = (f"{p}.gate.weight", f"{p}.gate.bias", f"{p}.gate.tid2eid")
+    raw = read_safetensors(src, keys) if isinstance(src, (str, Path)) else src
+    where = Path(src).name if isinstance(src, (str, Path)) else "state dict"
+    if keys[0] not in raw: raise KeyError(f"{what}: {where} has no {keys[0]}")
+    gate = raw[keys[0]]
+    if tuple(gate.shape) != (E, H): raise ValueError(f"{what}: {keys[0]} is {tuple(gate.shape)}, expected {(E, H)}")
+    bias, tid = raw.get(keys[1]), raw.get(keys[2])
+    if bias is None and tid is None: raise KeyError(f"{what}: {where} has neither {keys[1]} nor {keys[2]}")
+    return gate, None if bias is None else bias.float(), tid
 
 def _from_dsv4(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16", prefix: str = "layers.{layer}.ffn",
                experts=None, shared: bool = True, strict: bool = True):
@@ -473,25 +484,13 @@ def _from_dsv4(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16",
     names = [f"{p}.experts.{e}" for e in held] + ([f"{p}.shared_experts"] if shared else [])
     w1, w3, w2, report = [], [], [], dict(format="dsv4-mxfp4", exact=[], rel_err={})
     for n in names:
-        a, b = _dsv4_weight(r, f"{n}.w1", (I, H), where), _dsv4_weight(r, f"{n}.w3", (I, H), where)
-        qa, qb, ea, eb = _carry_pair(a, b, strict, n)
-        c = _dsv4_weight(r, f"{n}.w2", (H, I), where)
-        if c[0] == "mxfp4":
-            qc, rc = mxfp4_to_nvfp4(c[1], strict)
-            ec = 0.0 if rc["exact"] else ((qc.dequantize() - c[1].dequantize()).norm() / c[1].dequantize().norm()).item()
-        else:
-            qc = ref_quantize_nvfp4(c[1]); ec = ((qc.dequantize() - c[1]).norm() / c[1].norm().clamp_min(1e-30)).item()
-        w1.append(qa); w3.append(qb); w2.append(qc)
-        for k, e_, src_ in (("w1", ea, a[0]), ("w3", eb, b[0]), ("w2", ec, c[0])):
-            if src_ == "mxfp4" and e_ == 0.0: report["exact"].append(f"{n}.{k}")
-            else: report["rel_err"][f"{n}.{k}"] = e_
-    gk = f"{p}.gate.weight"
-    if gk not in r.keys: raise KeyError(f"DSV4MoE.from_dsv4: {where} has no {gk}")
-    gate = r.get(gk)
-    if tuple(gate.shape) != (E, H): raise ValueError(f"DSV4MoE.from_dsv4: {gk} is {tuple(gate.shape)}, expected {(E, H)}")
-    bias = r.get(f"{p}.gate.bias").float() if f"{p}.gate.bias" in r.keys else None
-    tid = r.get(f"{p}.gate.tid2eid") if f"{p}.gate.tid2eid" in r.keys else None
-    if bias is None and tid is None: raise KeyError(f"DSV4MoE.from_dsv4: {where} has neither {p}.gate.bias nor {p}.gate.tid2eid")
+        ws = [_dsv4_weight(r, f"{n}.{k}", shp, where) for k, shp in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I)))]
+        done = (*_as_nvfp4_pair(ws[0], ws[1], strict, n), _as_nvfp4(ws[2], strict))
+        for lst, k, (q, err, exact) in zip((w1, w3, w2), ("w1", "w3", "w2"), done):
+            lst.append(q)
+            if exact: report["exact"].append(f"{n}.{k}")
+            else: report["rel_err"][f"{n}.{k}"] = err
+    gate, bias, tid = _read_gate(r.path, p, E, H, "DSV4MoE.from_dsv4")
     layer_ = cls(cfg, interleave_experts(stack_experts(w1), stack_experts(w3)), stack_experts(w2), gate, bias, tid,
                  act=act, experts=experts, shared=shared)
     layer_.load_report = report

@@ -370,7 +370,11 @@ def mxfp4_global_exp(*ts: MXFP4Tensor) -> int:
     (at least the exponent of `GS_MIN`; 0 when nothing is live). Tensors that must share a global scale (an expert's w1
     and w3, fused into one weight) are converted with one `m`."""
     top = [int(e[live].max()) for _, e, live in map(_live_exponents, ts) if bool(live.any())]
-    return max(max(top) - E4M3_POW2[1], int(math.log2(GS_MIN))) if top else 0
+    return _global_exp(max(top)) if top else 0
+
+def _global_exp(emax: int) -> int:
+    "The global scale exponent that puts block exponent `emax` on E4M3's largest power of two (not under GS_MIN's)."
+    return max(emax - E4M3_POW2[1], int(math.log2(GS_MIN)))
 
 def mxfp4_to_nvfp4(t: MXFP4Tensor,
                    strict: bool = True,      # refuse blocks the NVFP4 scale cannot hold (else re-round them, reported)
@@ -386,7 +390,7 @@ def mxfp4_to_nvfp4(t: MXFP4Tensor,
     n_live = int(live.sum())
     lo_pow, hi_pow = E4M3_POW2
     emin, emax = (int(e[live].min()), int(e[live].max())) if n_live else (None, None)
-    m = mxfp4_global_exp(t) if gs_exp is None else int(gs_exp)
+    m = (_global_exp(emax) if n_live else 0) if gs_exp is None else int(gs_exp)   # mxfp4_global_exp(t), from what is here
     if n_live and emax - m > hi_pow:
         raise ValueError(f"mxfp4_to_nvfp4: gs_exp = {m} puts the largest block scale at 2^{emax - m}, above E4M3's 2^{hi_pow}")
     rel = (e - m).clamp(lo_pow, hi_pow)

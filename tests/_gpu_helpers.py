@@ -173,3 +173,29 @@ def near_rounding_boundary(ref_q, y_ref: torch.Tensor, tol: float):
     qs = yb.abs().amax(-1) / (6.0 * g)
     near_scale = _near_any(qs, emids, tol)                                       # (..., N/16)
     return (near_code | near_scale[..., None]).reshape(*lead, N), near_scale
+
+
+# ================================================================================================================
+# The grouped GEMM (tests/test_gemm_gpu.py, tests/test_mxfp4_gpu.py)
+def hopper():
+    "Whether the current GPU is a Hopper (sm_90), which the sm_90a kernel needs."
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def ref_grouped(a64, w64, offs):
+    "float64 grouped GEMM: rows [offs[e-1], offs[e]) of a64 times w64[e]^T, on a64's device (offs: cumulative ends)."
+    out = torch.zeros(a64.shape[0], w64.shape[1], dtype=torch.float64, device=a64.device)
+    o = [0] + offs.tolist()
+    for e in range(w64.shape[0]):
+        if o[e + 1] > o[e]: out[o[e]:o[e + 1]] = a64[o[e]:o[e + 1]] @ w64[e].T
+    return out
+
+
+def assert_gemm_close(got, want, what):
+    "The GEMM issue's tolerance: relative Frobenius <= 2e-3 and >= 99% of the outputs within 1 bf16 ulp of float64."
+    assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got).all()), what
+    d = (got.double() - want).abs()
+    fro = (d.norm() / want.norm()).item()
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+    within = (d <= ulp).double().mean().item()
+    assert fro <= 2e-3 and within >= 0.99, f"{what}: Frobenius {fro:.2e}, within 1 ulp {100 * within:.3f}%"

@@ -1,5 +1,6 @@
 """Expert parallelism on the CPU (gloo, 2 and 4 processes): the dispatch / combine of `EPMoE` against the single-process
 layer on the concatenated batch, bit for bit, for both payloads, ragged and skewed routing, an empty rank and T = 1."""
+import io
 import os
 import tempfile
 
@@ -46,7 +47,8 @@ def _worker(rank, W, path, q):
         lay = M.DSV4MoE.synthetic(CFG, seed=3)
         try: EPMoE(lay, payload="nvfp4")
         except ValueError as e: res["nvfp4-w4a16"] = str(e)
-        q.put((rank, res))
+        buf = io.BytesIO(); torch.save(res, buf)
+        q.put((rank, buf.getvalue()))      # plain bytes: tensors in a Queue travel as fds, gone once the worker exits
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -59,7 +61,7 @@ def test_ep_layer_equals_the_single_process_layer(W):
     with tempfile.TemporaryDirectory() as d:
         ps = [ctx.Process(target=_worker, args=(r, W, os.path.join(d, "store"), q)) for r in range(W)]
         for p in ps: p.start()
-        got = dict(q.get(timeout=600) for _ in range(W))
+        got = {r: torch.load(io.BytesIO(b)) for r, b in (q.get(timeout=600) for _ in range(W))}
         for p in ps: p.join(timeout=60)
     assert all(p.exitcode == 0 for p in ps)
     x, rt = torch.cat(batches(W)), skewed(W)

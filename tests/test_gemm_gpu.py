@@ -15,14 +15,11 @@ from dsv4_nvfp4 import routing as R
 from dsv4_nvfp4 import gemm_sm90 as S90
 from dsv4_nvfp4.formats import E2M1_VALUES
 from dsv4_nvfp4.quant import ref_quantize_nvfp4
+from _gpu_helpers import assert_gemm_close as assert_close, hopper, ref_grouped as ref
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
 I32 = torch.int32
-
-
-def hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 if torch.cuda.is_available() and not hopper():
@@ -38,23 +35,6 @@ def wdeq(pw, gs=True):
     w = x * pw.w_sf.to(DEV).double().repeat_interleave(16, -1)
     if gs: w = w * pw.w_gs.to(DEV).double().view(E, 1, 1)
     return w[..., :K]
-
-
-def ref(a64, wd, offs):
-    out = torch.zeros(a64.shape[0], wd.shape[1], dtype=torch.float64, device=DEV)
-    o = [0] + offs.tolist()
-    for e in range(wd.shape[0]):
-        if o[e + 1] > o[e]: out[o[e]:o[e + 1]] = a64[o[e]:o[e + 1]] @ wd[e].T
-    return out
-
-
-def assert_close(got, want, what):
-    assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got).all()), what
-    d = (got.double() - want).abs()
-    fro = (d.norm() / want.norm()).item()
-    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
-    within = (d <= ulp).double().mean().item()
-    assert fro <= 2e-3 and within >= 0.99, f"{what}: Frobenius {fro:.2e}, within 1 ulp {100 * within:.3f}%"
 
 
 def experts(E, N, K, seed):

@@ -6,14 +6,11 @@ from dsv4_nvfp4 import grouped_gemm as GG
 from dsv4_nvfp4 import routing as R
 from dsv4_nvfp4.quant import mxfp4_experts_to_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from dsv4_nvfp4.formats import E2M1_VALUES, unpack_fp4
+from _gpu_helpers import assert_gemm_close as assert_close, hopper, ref_grouped as ref
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
 I32 = torch.int32
-
-
-def hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 if torch.cuda.is_available() and not hopper():
@@ -25,24 +22,6 @@ def mx_experts(E, N, K, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(E, N, K, generator=g) * torch.logspace(-2, 1, K)[torch.randperm(K, generator=g)] * (1 + 9 * torch.rand(E, 1, 1, generator=g))
     return ref_quantize_mxfp4(w)
-
-
-def ref(a64, w64, offs):
-    out = torch.zeros(a64.shape[0], w64.shape[1], dtype=torch.float64, device=DEV)
-    o = [0] + offs.tolist()
-    for e in range(w64.shape[0]):
-        if o[e + 1] > o[e]: out[o[e]:o[e + 1]] = a64[o[e]:o[e + 1]] @ w64[e].T
-    return out
-
-
-def assert_close(got, want, what):
-    "The GEMM issue's tolerance: relative Frobenius <= 2e-3 and >= 99% of outputs within 1 bf16 ulp of float64."
-    assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got).all()), what
-    d = (got.double() - want).abs()
-    fro = (d.norm() / want.norm()).item()
-    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
-    within = (d <= ulp).double().mean().item()
-    assert fro <= 2e-3 and within >= 0.99, f"{what}: Frobenius {fro:.2e}, within 1 ulp {100 * within:.3f}%"
 
 
 def test_mxfp4_weights_decode_exactly():
