@@ -89,11 +89,13 @@ class EPMoE(torch.nn.Module):
     runs the received rows through the local experts, sends the rows back and combines them with the shared expert's
     row in slot order, as the single-GPU layer does: the same output bit for bit on the GPU. The payload is the bf16
     row, or (`payload="nvfp4"`, a W4A4 layer) its NVFP4 codes and block scales under the destination expert's static
-    scale, 3.56x fewer bytes, W4A4's own numerics. On the CPU (gloo) the experts run the float64 reference."""
+    scale, 3.56x fewer bytes, W4A4's own numerics. With `overlap` (the default) the shared expert runs on a side
+    stream while the rows travel and the routed experts run. On the CPU (gloo) the experts run the float64 reference."""
 
     def __init__(self, layer: DSV4MoE,         # the whole layer, or a slice holding at least this rank's experts + the shared one
                  group=None,                   # the process group (default: the world)
-                 payload: str = "bf16"):
+                 payload: str = "bf16",
+                 overlap: bool = True):         # the shared expert on a side stream, beside the all-to-alls (GPU)
         super().__init__()
         if not dist.is_initialized(): raise RuntimeError("EPMoE: torch.distributed is not initialized (init_process_group first)")
         if payload not in PAYLOADS: raise ValueError(f"EPMoE: payload must be one of {PAYLOADS}, got {payload!r}")
@@ -110,7 +112,7 @@ class EPMoE(torch.nn.Module):
                               a1_scales=part.a1_scales, a2_scales=part.a2_scales, experts=list(ex), shared=False)
         self.shared_expert = layer.local([], shared=True)          # the router and the shared expert
         self.cfg, self.group, self.world, self.rank, self.payload = c, group, W, r, payload
-        self.experts, self.per_rank = ex, len(ex)
+        self.experts, self.per_rank, self.overlap, self._side = ex, len(ex), overlap, {}
         self.register_buffer("a1_all", None)                      # a buffer: .to(device) moves it with the layer
         if payload == "nvfp4":                                     # every expert's static x scale: each rank has its own
             dev = layer.gate_weight.device
@@ -148,6 +150,11 @@ class EPMoE(torch.nn.Module):
         w, ids = topk_weights.float().to(x.device).contiguous(), topk_ids.int().to(x.device).contiguous()
         if ids.numel() and not bool(((ids >= 0) & (ids < c.num_experts)).all()):   # one host read (the plan has the other)
             raise ValueError(f"EPMoE: expert ids must be in [0, {c.num_experts})")
+        side = self._side_stream(x) if self.overlap and x.is_cuda else None
+        if side is not None:                                                 # the shared expert beside everything below
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side): shared = self._shared_rows(x, w, ids)
         plan = dispatch_plan(ids, self.per_rank, self.group)
         e_send, w_send = ids.reshape(-1)[plan.order], w.reshape(-1)[plan.order]
         meta = exchange(torch.stack([e_send, w_send.view(torch.int32)], 1), plan.recv, plan.send, self.group)
@@ -160,7 +167,16 @@ class EPMoE(torch.nn.Module):
         back = exchange(rows, plan.send, plan.recv, self.group)              # (T k, H) in sorted-slot order
         slots = torch.empty_like(back)
         slots[plan.order] = back
-        return self._combine(slots.view(T, c.top_k, H), self._shared_rows(x, w, ids))
+        if side is None: shared = self._shared_rows(x, w, ids)
+        else:
+            main.wait_stream(side)
+            shared.record_stream(main)                                       # made on the side stream, freed on this one
+        return self._combine(slots.view(T, c.top_k, H), shared)
+
+    def _side_stream(self, x):
+        s = self._side.get(x.device)
+        if s is None: s = self._side[x.device] = torch.cuda.Stream(x.device)
+        return s
 
     # --- the pieces (each on the GPU through the kernels, on the CPU through the float64 reference) ---
     def _rows_bf16(self, xr, wr, er):
@@ -229,7 +245,7 @@ def _timed(fn, iters: int, group=None) -> float:
 def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print) -> dict:
     """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4, the same on every
     rank) as `EPMoE` over W GPUs, bf16 and NVFP4 payloads, against the whole layer on one GPU over the same total batch
-    (W T tokens); with T tokens per rank: latency, tokens/s, each payload's dispatch bytes, the dispatch all-to-all's
+    (W T tokens); with T tokens per rank: latency (the shared expert overlapped on a side stream, and serial), each payload's dispatch bytes, the dispatch all-to-all's
     time and bandwidth, and an `all_to_all_single` of the same bytes (uniform split) timed in the same run. Checks the
     EP output against the one-GPU layer bit for bit on the way. Returns the rows on rank 0 (None elsewhere)."""
     from dsv4_nvfp4.moe import FLASH
@@ -252,6 +268,9 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             dist.all_reduce(same, op=dist.ReduceOp.MIN)
             row[f"bit_exact_{p}"] = bool(same.item())
             row[f"t_ep_{p}_ms"] = _timed(lambda: ep(x), iters)
+            ep.overlap = False                                           # what the side stream buys
+            row[f"t_ep_{p}_serial_ms"] = _timed(lambda: ep(x), iters)
+            ep.overlap = True
             # the dispatch alone: this routing's plan, its payload, one all_to_all_single
             w, ids = ep.route(x)
             plan = dispatch_plan(ids, ep.per_rank)
@@ -272,13 +291,14 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
 
 def ep_table(res: dict) -> str:
     "The EP benchmark as Markdown."
-    head = ["T / rank", "1 GPU ms", "EP bf16 ms", "EP NVFP4 ms", "x 1 GPU (bf16 / NVFP4)", "dispatch MB (bf16 / NVFP4)",
+    head = ["T / rank", "1 GPU ms", "EP bf16 ms", "EP NVFP4 ms", "x 1 GPU (bf16 / NVFP4)", "serial ms (bf16 / NVFP4)", "dispatch MB (bf16 / NVFP4)",
             "a2a ms (bf16 / NVFP4)", "a2a GB/s (bf16 / NVFP4)", "even a2a GB/s (bf16 / NVFP4)", "bit-exact"]
     bw = lambda r, p, k: r[f"bytes_{p}"] / res["world"] / r[k] / 1e6        # per-rank bytes / time
     out = []
     for r in res["rows"]:
         out.append([r["tokens_per_rank"], f"{r['t_one_ms']:.3f}", f"{r['t_ep_bf16_ms']:.3f}", f"{r['t_ep_nvfp4_ms']:.3f}",
                     f"{r['x_one']['bf16']:.2f} / {r['x_one']['nvfp4']:.2f}",
+                    f"{r['t_ep_bf16_serial_ms']:.3f} / {r['t_ep_nvfp4_serial_ms']:.3f}",
                     f"{r['bytes_bf16'] / 1e6:.2f} / {r['bytes_nvfp4'] / 1e6:.2f}",
                     f"{r['t_a2a_bf16_ms']:.3f} / {r['t_a2a_nvfp4_ms']:.3f}",
                     f"{bw(r, 'bf16', 't_a2a_bf16_ms'):.0f} / {bw(r, 'nvfp4', 't_a2a_nvfp4_ms'):.0f}",
