@@ -243,7 +243,7 @@ def _timed(fn, iters: int, group=None) -> float:
     return t.item()
 
 def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print) -> dict:
-    """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4, the same on every
+    """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4 with fixed static scales, the same on every
     rank) as `EPMoE` over W GPUs, bf16 and NVFP4 payloads, against the whole layer on one GPU over the same total batch
     (W T tokens); with T tokens per rank: latency (the shared expert overlapped on a side stream, and serial), each payload's dispatch bytes, the dispatch all-to-all's
     time and bandwidth, and an `all_to_all_single` of the same bytes (uniform split) timed in the same run. Checks the
@@ -252,7 +252,13 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     cfg = cfg or FLASH
     W, r = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
-    lay = DSV4MoE.synthetic(cfg, seed=0, act="w4a4", device=dev, keep_bf16=False, calib_tokens=16).to(dev)
+    t0 = time.perf_counter()
+    base = DSV4MoE.synthetic(cfg, seed=0, device=dev, keep_bf16=False)      # built on the GPU; W4A4's static scales
+    E1 = cfg.num_experts + 1                                                  # fixed, as notebook 08's benchmark does
+    lay = DSV4MoE(cfg, base.w13, base.w2, base.gate_weight, base.gate_bias, act="w4a4", a1_scales=torch.full((E1,), 3.0 / 2688),
+                  a2_scales=torch.full((E1,), 1e-3)).to(dev)
+    del base
+    if r == 0: log(f"  layer built in {time.perf_counter() - t0:.1f} s")
     eps = {p: EPMoE(lay, payload=p).to(dev) for p in PAYLOADS}
     rows = []
     for T in tokens:
@@ -319,6 +325,7 @@ def bench_ep_main(out=".", tokens=(1, 128, 2048, 8192)) -> int:
     for k_ in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):   # no NVLink multicast
         os.environ[k_] = "0" if k_ == "NCCL_NVLS_ENABLE" else "1"
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))  # torchrun sets 1
     dist.init_process_group("nccl")
     try:
         res = bench_ep(tokens, log=lambda *m: print(*m, file=sys.stderr, flush=True))

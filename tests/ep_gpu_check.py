@@ -5,6 +5,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout, installed or not
 from dsv4_nvfp4 import moe as M
 from dsv4_nvfp4.ep import EPMoE
 
