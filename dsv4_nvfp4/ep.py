@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from .moe import DSV4MoE, MoEConfig, ref_moe
 from .quant import NVFP4Tensor, ref_quantize_nvfp4
+from .routing import combine_tokens
 from .swiglu import ref_expert_mlp
 
 # %% auto #0
@@ -34,25 +35,40 @@ class DispatchPlan(NamedTuple):
     "Where each routed slot of this rank's tokens goes: the slots sorted by destination rank, and the counts."
     order: torch.Tensor          # int64 (T k,): slot indices (t k + j) sorted by destination rank, stable
     token: torch.Tensor          # int64 (T k,): the token of each sorted slot
+    pos: torch.Tensor            # int64 (T k,): the sorted position of each slot (the inverse of `order`)
     send: list                   # rows sent to each rank
     recv: list                   # rows received from each rank
 
 def dispatch_plan(ids: torch.Tensor, experts_per_rank: int, group=None) -> DispatchPlan:
     """Sort this rank's routed slots by the rank that owns their expert (slot order kept within a rank) and exchange
-    the counts with `all_to_all_single` (one host read: the receive sizes)."""
+    the counts with `all_to_all_single`. A counting sort (one-hot prefix sums over the W ranks: no sort, no bincount,
+    whose size check reads the device) and one host read: the send and receive counts, and each rank's count of
+    expert ids outside [0, W E/W), which travel with the counts so that every rank raises, not only the one that has
+    them (the others would wait in the next all-to-all)."""
     T, k = ids.shape
-    dest = ids.reshape(-1).long() // experts_per_rank
-    W = dist.get_world_size(group)
-    order = torch.argsort(dest, stable=True)
-    send = torch.bincount(dest, minlength=W)
-    if send.numel() != W: raise ValueError(f"dispatch_plan: expert ids reach rank {send.numel() - 1} of a world of {W}")
+    W, dev = dist.get_world_size(group), ids.device
+    flat = ids.reshape(-1).long()
+    dest = flat // experts_per_rank
+    dest = torch.where((flat < 0) | (dest >= W), W, dest)               # bucket W: ids out of range
+    hit = (dest[:, None] == torch.arange(W + 1, device=dev)).to(torch.int32)   # (T k, W + 1)
+    counts = hit.sum(0, dtype=torch.long)
+    start = counts.cumsum(0) - counts
+    pos = start[dest] + hit.cumsum(0, dtype=torch.int32).gather(1, dest[:, None]).squeeze(1) - 1   # rank within its bucket
+    order = torch.empty_like(pos)
+    order[pos] = torch.arange(pos.numel(), device=dev)
+    send = torch.stack([counts[:W], counts[W].expand(W)], 1)           # (W, 2): rows for rank r, this rank's bad ids
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return DispatchPlan(order, order // k, send.tolist(), recv.tolist())
+    host = torch.cat([counts[:W], recv.reshape(-1)]).tolist()           # the one host read
+    bad = host[W + 1::2]
+    if any(bad): raise ValueError(f"dispatch_plan: expert ids outside [0, {W * experts_per_rank}) on rank(s) "
+                                  f"{[r for r, b in enumerate(bad) if b]} ({sum(bad)} of them)")
+    return DispatchPlan(order, order // k, pos, host[:W], host[W::2])
 
-def exchange(t: torch.Tensor, out_rows: list, in_rows: list, group=None) -> torch.Tensor:
-    "`all_to_all_single` of the rows of `t` (sent `in_rows[r]` to rank r, in rank order): the rows received, `out_rows[r]` from rank r."
-    out = t.new_empty((sum(out_rows),) + tuple(t.shape[1:]))
+def exchange(t: torch.Tensor, out_rows: list, in_rows: list, group=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`all_to_all_single` of the rows of `t` (sent `in_rows[r]` to rank r, in rank order): the rows received,
+    `out_rows[r]` from rank r (into `out` if given: contiguous, `sum(out_rows)` rows)."""
+    if out is None: out = t.new_empty((sum(out_rows),) + tuple(t.shape[1:]))
     dist.all_to_all_single(out, t.contiguous(), out_rows, in_rows, group=group)
     return out
 
@@ -81,6 +97,11 @@ def ep_traffic(cfg: MoEConfig, world: int) -> dict:
 
 # %% ../nbs/08a_expert_parallel.ipynb #6cf93a22
 PAYLOADS = ("bf16", "nvfp4")
+
+class _Slots(NamedTuple):
+    "What `combine_tokens` reads of a routing: the row of each (token, slot), the shared expert's last."
+    rows: torch.Tensor; inv: torch.Tensor; hidden: int; capacity: int; top_k: int; num_experts: int
+_rf = torch.profiler.record_function                # labels of the phases in a profile
 
 class EPMoE(torch.nn.Module):
     """One rank's share of a DSV4 MoE layer under expert parallelism: rank r of W owns the routed experts
@@ -148,30 +169,39 @@ class EPMoE(torch.nn.Module):
         if tuple(topk_ids.shape) != (T, c.top_k) or tuple(topk_weights.shape) != (T, c.top_k):
             raise ValueError(f"EPMoE: topk_weights / topk_ids must be ({T}, {c.top_k}), got {tuple(topk_weights.shape)} / {tuple(topk_ids.shape)}")
         w, ids = topk_weights.float().to(x.device).contiguous(), topk_ids.int().to(x.device).contiguous()
-        if ids.numel() and not bool(((ids >= 0) & (ids < c.num_experts)).all()):   # one host read (the plan has the other)
-            raise ValueError(f"EPMoE: expert ids must be in [0, {c.num_experts})")
         side = self._side_stream(x) if self.overlap and x.is_cuda else None
         if side is not None:                                                 # the shared expert beside everything below
             main = torch.cuda.current_stream(x.device)
             side.wait_stream(main)
             with torch.cuda.stream(side): shared = self._shared_rows(x, w, ids)
-        plan = dispatch_plan(ids, self.per_rank, self.group)
-        e_send, w_send = ids.reshape(-1)[plan.order], w.reshape(-1)[plan.order]
-        meta = exchange(torch.stack([e_send, w_send.view(torch.int32)], 1), plan.recv, plan.send, self.group)
-        e_r, w_r = meta[:, 0].contiguous(), meta[:, 1].contiguous().view(torch.float32)
-        xs = x[plan.token]
-        if self.payload == "bf16":
-            rows = self._rows_bf16(exchange(xs, plan.recv, plan.send, self.group), w_r, e_r)
-        else:
-            rows = self._rows_nvfp4(exchange(self._pack(xs, e_send), plan.recv, plan.send, self.group), w_r, e_r)
-        back = exchange(rows, plan.send, plan.recv, self.group)              # (T k, H) in sorted-slot order
-        slots = torch.empty_like(back)
-        slots[plan.order] = back
-        if side is None: shared = self._shared_rows(x, w, ids)
-        else:
-            main.wait_stream(side)
-            shared.record_stream(main)                                       # made on the side stream, freed on this one
-        return self._combine(slots.view(T, c.top_k, H), shared)
+        with _rf("ep.plan"):                                                 # the one host read; bad ids raise here
+            try: plan = dispatch_plan(ids, self.per_rank, self.group)
+            except ValueError as e: raise ValueError(f"EPMoE: expert ids must be in [0, {c.num_experts}) ({e})") from None
+        with _rf("ep.meta"):                                                 # (expert id, weight bits) of each sent row
+            ms = torch.stack([ids.reshape(-1), w.reshape(-1).view(torch.int32)], 1)[plan.order]
+            e_send, meta = ms[:, 0], exchange(ms, plan.recv, plan.send, self.group)
+            e_r, w_r = meta[:, 0], meta[:, 1].view(torch.float32)
+        with _rf("ep.dispatch"):
+            xs = x[plan.token]
+            xr = exchange(xs if self.payload == "bf16" else self._pack(xs, e_send), plan.recv, plan.send, self.group)
+        with _rf("ep.experts"): rows = (self._rows_bf16 if self.payload == "bf16" else self._rows_nvfp4)(xr, w_r, e_r)
+        if not x.is_cuda:                                                    # gloo: the float64 rows, the float64 sum
+            back = exchange(rows, plan.send, plan.recv, self.group)
+            slots = torch.stack([back[plan.pos.view(T, c.top_k)[:, j]] for j in range(c.top_k)] + [self._shared_rows(x, w, ids)], 1)
+            return slots.sum(1).to(torch.bfloat16)
+        with _rf("ep.combine"):
+            Tk = T * c.top_k                                                 # the rows come back in sorted-slot order,
+            rows_all = torch.empty(Tk + T, H, dtype=torch.bfloat16, device=x.device)   # the shared rows after them
+            exchange(rows, plan.send, plan.recv, self.group, out=rows_all[:Tk])
+            if side is None: shared = self._shared_rows(x, w, ids)
+            else:
+                main.wait_stream(side)
+                shared.record_stream(main)                                   # made on the side stream, freed on this one
+            rows_all[Tk:] = shared
+            tok = torch.arange(Tk, Tk + T, device=x.device)[:, None]
+            inv = torch.cat([plan.pos.view(T, c.top_k), tok], 1).to(torch.int32)
+            out = torch.empty(T, H, dtype=torch.bfloat16, device=x.device)
+            return combine_tokens(rows_all, _Slots(rows_all, inv, H, T, c.top_k, c.num_experts), out)   # the layer's combine
 
     def _side_stream(self, x):
         s = self._side.get(x.device)
@@ -186,14 +216,6 @@ class EPMoE(torch.nn.Module):
     def _shared_rows(self, x, w, ids):
         if x.is_cuda: return self.shared_expert.forward_routed(x, w, ids, check=False)
         return ref_moe(x, self.shared_expert, routing=(w, ids))
-
-    def _combine(self, slots, shared):
-        "Slot order, as the single-GPU combine: fp32 adds then bf16 on the GPU; the reference's float64 sum on the CPU."
-        if slots.dtype == torch.float64:
-            return torch.cat([slots, shared[:, None]], 1).sum(1).to(torch.bfloat16)
-        acc = slots[:, 0].float()
-        for j in range(1, slots.shape[1]): acc = acc + slots[:, j].float()
-        return (acc + shared.float()).to(torch.bfloat16)
 
     def _pack(self, xs, e_send):
         "NVFP4 payload of the sent rows: codes and block scales (uint8 (n, H/2 + H/16)) under each row's destination a1."
@@ -212,7 +234,8 @@ class EPMoE(torch.nn.Module):
         H, n = self.cfg.hidden, pk.shape[0]
         g = (er.long() - self.experts.start)
         order = torch.argsort(g, stable=True)
-        offs = torch.cumsum(torch.bincount(g, minlength=self.per_rank), 0).to(torch.int32)
+        counts = torch.zeros(self.per_rank, dtype=torch.long, device=pk.device).index_add_(0, g, torch.ones_like(g))  # no host read
+        offs = torch.cumsum(counts, 0).to(torch.int32)
         a1 = self.a1_all[er.long()]
         data, scale = pk[:, : H // 2], pk[:, H // 2:].contiguous().view(torch.float8_e4m3fn)
         out = torch.empty(n, H, dtype=torch.float64 if not pk.is_cuda else torch.bfloat16, device=pk.device)
@@ -221,7 +244,7 @@ class EPMoE(torch.nn.Module):
             from dsv4_nvfp4.quantize_cuda import dequantize_nvfp4_cuda
             xr = dequantize_nvfp4_cuda(data[order].contiguous(), scale[order].contiguous(), torch.ones(n, device=pk.device))  # code x block scale: exact in bf16
             rs = torch.stack([a1[order], wr[order]], 1).contiguous()
-            out[order] = self.routed.expert_rows(xr, rs, offs.to(pk.device))
+            out[order] = self.routed.expert_rows(xr, rs, offs)
         else:
             xq = NVFP4Tensor(data[order].contiguous(), scale[order].contiguous(), a1[order].contiguous(), (n, H))
             lay = self.routed

@@ -29,6 +29,9 @@ def main():
                 a = sum(Ts[:r]); x = x_all[a:a + Ts[r]]
                 want = lay(x_all)[a:a + Ts[r]]
                 if not torch.equal(ep(x), want): fails.append(f"{act} {payload} T={Ts}")
+                ep.overlap = False                                              # the shared expert in line: the same bits
+                if not torch.equal(ep(x), want): fails.append(f"{act} {payload} serial T={Ts}")
+                ep.overlap = True
                 # skewed: four of every token's six experts on rank 0, two elsewhere
                 if x_all.shape[0]:
                     w, _ = lay.route(x_all)

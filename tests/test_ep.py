@@ -47,6 +47,11 @@ def _worker(rank, W, path, q):
         lay = M.DSV4MoE.synthetic(CFG, seed=3)
         try: EPMoE(lay, payload="nvfp4")
         except ValueError as e: res["nvfp4-w4a16"] = str(e)
+        ep = EPMoE(lay)
+        w1, ids1 = rt[rank][0][:1], rt[rank][1][:1].clone()
+        if rank == W - 1: ids1[0, 0] = CFG.num_experts            # one rank has a bad id: every rank raises (none hangs)
+        try: ep.forward_routed(xs[rank][:1], w1, ids1); res["bad"] = "no error"
+        except ValueError as e: res["bad"] = str(e)
         buf = io.BytesIO(); torch.save(res, buf)
         q.put((rank, buf.getvalue()))      # plain bytes: tensors in a Queue travel as fds, gone once the worker exits
         dist.barrier()
@@ -73,6 +78,7 @@ def test_ep_layer_equals_the_single_process_layer(W):
         sk = torch.cat([got[r][(act, payload, "skewed")] for r in range(W)])
         assert torch.equal(sk, lay.forward_routed(x, w, ids)), f"{act} {payload} skewed routing"
     assert "act='w4a4'" in got[0]["nvfp4-w4a16"]
+    assert all("expert ids must be in [0, 8)" in got[r]["bad"] for r in range(W)), [got[r]["bad"] for r in range(W)]
 
 
 def test_partition_and_payload_bytes():
