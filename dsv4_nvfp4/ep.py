@@ -50,10 +50,10 @@ def dispatch_plan(ids: torch.Tensor, experts_per_rank: int, group=None) -> Dispa
     flat = ids.reshape(-1).long()
     dest = flat // experts_per_rank
     dest = torch.where((flat < 0) | (dest >= W), W, dest)               # bucket W: ids out of range
-    hit = (dest[:, None] == torch.arange(W + 1, device=dev)).to(torch.int32)   # (T k, W + 1)
-    counts = hit.sum(0, dtype=torch.long)
-    start = counts.cumsum(0) - counts
-    pos = start[dest] + hit.cumsum(0, dtype=torch.int32).gather(1, dest[:, None]).squeeze(1) - 1   # rank within its bucket
+    hit = (torch.arange(W + 1, device=dev)[:, None] == dest[None, :]).to(torch.int32)   # (W + 1, T k): the scans run
+    counts = hit.sum(1, dtype=torch.long)                               # along the inner dimension (a cumsum over dim 0
+    start = counts.cumsum(0) - counts                                   # of a (T k, 3) tensor took 0.9-1.3 ms on the H200)
+    pos = start[dest] + hit.cumsum(1, dtype=torch.int32).gather(0, dest[None, :]).squeeze(0) - 1   # rank within its bucket
     order = torch.empty_like(pos)
     order[pos] = torch.arange(pos.numel(), device=dev)
     send = torch.stack([counts[:W], counts[W].expand(W)], 1)           # (W, 2): rows for rank r, this rank's bad ids
