@@ -32,38 +32,51 @@ def ep_experts(num_experts: int, world: int, rank: int) -> range:
     return range(rank * n, (rank + 1) * n)
 
 class DispatchPlan(NamedTuple):
-    "Where each routed slot of this rank's tokens goes: the slots sorted by destination rank, and the counts."
-    order: torch.Tensor          # int64 (T k,): slot indices (t k + j) sorted by destination rank, stable
+    "Where each routed slot of this rank's tokens goes: the slots sorted by (micro-batch, destination rank), and the counts."
+    order: torch.Tensor          # int64 (T k,): slot indices (t k + j) sorted by (micro-batch, destination rank), stable
     token: torch.Tensor          # int64 (T k,): the token of each sorted slot
     pos: torch.Tensor            # int64 (T k,): the sorted position of each slot (the inverse of `order`)
-    send: list                   # rows sent to each rank
-    recv: list                   # rows received from each rank
+    send: list                   # rows sent to each rank, all micro-batches
+    recv: list                   # rows received from each rank, all micro-batches
+    chunk_send: list             # (C, W): rows of micro-batch c sent to rank r (contiguous in the sorted order)
+    chunk_recv: list             # (C, W): rows of micro-batch c received from rank r
 
-def dispatch_plan(ids: torch.Tensor, experts_per_rank: int, group=None) -> DispatchPlan:
+def dispatch_plan(ids: torch.Tensor, experts_per_rank: int, group=None, chunks: int = 1) -> DispatchPlan:
     """Sort this rank's routed slots by the rank that owns their expert (slot order kept within a rank) and exchange
-    the counts with `all_to_all_single`. A counting sort (one-hot prefix sums over the W ranks: no sort, no bincount,
+    the counts with `all_to_all_single`; with `chunks` C > 1 the tokens are cut into C micro-batches of consecutive
+    tokens and the slots sorted by (micro-batch, rank), so each micro-batch's rows are one contiguous block, sent and
+    returned by its own all-to-all. A counting sort (one-hot prefix sums over the C W buckets: no sort, no bincount,
     whose size check reads the device) and one host read: the send and receive counts, and each rank's count of
     expert ids outside [0, W E/W), which travel with the counts so that every rank raises, not only the one that has
     them (the others would wait in the next all-to-all)."""
     T, k = ids.shape
     W, dev = dist.get_world_size(group), ids.device
+    C = max(1, int(chunks))
     flat = ids.reshape(-1).long()
     dest = flat // experts_per_rank
-    dest = torch.where((flat < 0) | (dest >= W), W, dest)               # bucket W: ids out of range
-    hit = (torch.arange(W + 1, device=dev)[:, None] == dest[None, :]).to(torch.int32)   # (W + 1, T k): the scans run
+    per = -(-T // C) if T else 1                                        # tokens per micro-batch
+    dest = (torch.arange(T * k, device=dev) // (k * per)) * W + dest if C > 1 else dest
+    bad_ids = (flat < 0) | (flat >= W * experts_per_rank)
+    NB = C * W                                                          # buckets; bucket NB: ids out of range
+    dest = torch.where(bad_ids, NB, dest)
+    hit = (torch.arange(NB + 1, device=dev)[:, None] == dest[None, :]).to(torch.int32)  # (NB + 1, T k): the scans run
     counts = hit.sum(1, dtype=torch.long)                               # along the inner dimension (a cumsum over dim 0
     start = counts.cumsum(0) - counts                                   # of a (T k, 3) tensor took 0.9-1.3 ms on the H200)
     pos = start[dest] + hit.cumsum(1, dtype=torch.int32).gather(0, dest[None, :]).squeeze(0) - 1   # rank within its bucket
     order = torch.empty_like(pos)
     order[pos] = torch.arange(pos.numel(), device=dev)
-    send = torch.stack([counts[:W], counts[W].expand(W)], 1)           # (W, 2): rows for rank r, this rank's bad ids
+    # to rank r: (rows of micro-batch 0, ..., C - 1 for r, this rank's bad ids)
+    send = torch.cat([counts[:NB].view(C, W).T, counts[NB:].expand(W, 1)], 1).contiguous()   # (W, C + 1)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    host = torch.cat([counts[:W], recv.reshape(-1)]).tolist()           # the one host read
-    bad = host[W + 1::2]
+    host = torch.cat([counts[:NB], recv.reshape(-1)]).tolist()          # the one host read
+    got = [host[NB + s * (C + 1): NB + (s + 1) * (C + 1)] for s in range(W)]   # from rank s
+    bad = [g[C] for g in got]
     if any(bad): raise ValueError(f"dispatch_plan: expert ids outside [0, {W * experts_per_rank}) on rank(s) "
                                   f"{[r for r, b in enumerate(bad) if b]} ({sum(bad)} of them)")
-    return DispatchPlan(order, order // k, pos, host[:W], host[W::2])
+    cs = [host[c * W:(c + 1) * W] for c in range(C)]
+    cr = [[got[s][c] for s in range(W)] for c in range(C)]
+    return DispatchPlan(order, order // k, pos, [sum(col) for col in zip(*cs)], [sum(col) for col in zip(*cr)], cs, cr)
 
 def exchange(t: torch.Tensor, out_rows: list, in_rows: list, group=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`all_to_all_single` of the rows of `t` (sent `in_rows[r]` to rank r, in rank order): the rows received,
@@ -98,6 +111,18 @@ def ep_traffic(cfg: MoEConfig, world: int) -> dict:
 # %% ../nbs/08a_expert_parallel.ipynb #6cf93a22
 PAYLOADS = ("bf16", "nvfp4")
 
+class _Pending(NamedTuple):
+    "An all-to-all in flight: `wait()` orders the current stream after it (NCCL) or blocks (gloo) and gives its output."
+    out: torch.Tensor; work: object
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out
+
+def _a2a(t, out_rows, in_rows, group, out=None) -> _Pending:
+    "`exchange`, asynchronous."
+    if out is None: out = t.new_empty((sum(out_rows),) + tuple(t.shape[1:]))
+    return _Pending(out, dist.all_to_all_single(out, t.contiguous(), out_rows, in_rows, group=group, async_op=True))
+
 class _Slots(NamedTuple):
     "What `combine_tokens` reads of a routing: the row of each (token, slot), the shared expert's last."
     rows: torch.Tensor; inv: torch.Tensor; hidden: int; capacity: int; top_k: int; num_experts: int
@@ -110,13 +135,18 @@ class EPMoE(torch.nn.Module):
     runs the received rows through the local experts, sends the rows back and combines them with the shared expert's
     row in slot order, as the single-GPU layer does: the same output bit for bit on the GPU. The payload is the bf16
     row, or (`payload="nvfp4"`, a W4A4 layer) its NVFP4 codes and block scales under the destination expert's static
-    scale, 3.56x fewer bytes, W4A4's own numerics. With `overlap` (the default) the shared expert runs on a side
-    stream while the rows travel and the routed experts run. On the CPU (gloo) the experts run the float64 reference."""
+    scale, 3.56x fewer bytes, W4A4's own numerics. With `overlap` the shared expert runs on a side stream while the
+    rows travel and the routed experts run (measured 1-9% slower at 128-8192 tokens per rank on 2 H200s, in both runs: off by default); with `micro_batches` C > 1 the tokens go in C
+    micro-batches, each with its own all-to-alls, so that micro-batch m's rows travel back while the experts compute
+    micro-batch m + 1 (the output is the same, bit for bit). On the CPU (gloo) the experts run the float64 reference."""
 
     def __init__(self, layer: DSV4MoE,         # the whole layer, or a slice holding at least this rank's experts + the shared one
                  group=None,                   # the process group (default: the world)
                  payload: str = "bf16",
-                 overlap: bool = True):         # the shared expert on a side stream, beside the all-to-alls (GPU)
+                 overlap: bool = False,        # the shared expert on a side stream, beside the all-to-alls (GPU; measured
+                                               # slower on 2 H200s, so off by default)
+                 micro_batches: int = 1):      # C > 1: the tokens in C micro-batches, the return all-to-all of one
+                                               # beside the experts of the next (every rank must use the same C)
         super().__init__()
         if not dist.is_initialized(): raise RuntimeError("EPMoE: torch.distributed is not initialized (init_process_group first)")
         if payload not in PAYLOADS: raise ValueError(f"EPMoE: payload must be one of {PAYLOADS}, got {payload!r}")
@@ -133,7 +163,9 @@ class EPMoE(torch.nn.Module):
                               a1_scales=part.a1_scales, a2_scales=part.a2_scales, experts=list(ex), shared=False)
         self.shared_expert = layer.local([], shared=True)          # the router and the shared expert
         self.cfg, self.group, self.world, self.rank, self.payload = c, group, W, r, payload
+        if int(micro_batches) < 1: raise ValueError(f"EPMoE: micro_batches must be >= 1, got {micro_batches}")
         self.experts, self.per_rank, self.overlap, self._side = ex, len(ex), overlap, {}
+        self.micro_batches = int(micro_batches)
         self.register_buffer("a1_all", None)                      # a buffer: .to(device) moves it with the layer
         if payload == "nvfp4":                                     # every expert's static x scale: each rank has its own
             dev = layer.gate_weight.device
@@ -175,24 +207,32 @@ class EPMoE(torch.nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side): shared = self._shared_rows(x, w, ids)
         with _rf("ep.plan"):                                                 # the one host read; bad ids raise here
-            try: plan = dispatch_plan(ids, self.per_rank, self.group)
+            try: plan = dispatch_plan(ids, self.per_rank, self.group, chunks=self.micro_batches)
             except ValueError as e: raise ValueError(f"EPMoE: expert ids must be in [0, {c.num_experts}) ({e})") from None
-        with _rf("ep.meta"):                                                 # (expert id, weight bits) of each sent row
+        Tk, dev, pieces = T * c.top_k, x.device, list(zip(plan.chunk_send, plan.chunk_recv))
+        with _rf("ep.dispatch"):                        # every micro-batch's (expert id, weight bits) and rows, issued at once
             ms = torch.stack([ids.reshape(-1), w.reshape(-1).view(torch.int32)], 1)[plan.order]
-            e_send, meta = ms[:, 0], exchange(ms, plan.recv, plan.send, self.group)
-            e_r, w_r = meta[:, 0], meta[:, 1].view(torch.float32)
-        with _rf("ep.dispatch"):
             xs = x[plan.token]
-            xr = exchange(xs if self.payload == "bf16" else self._pack(xs, e_send), plan.recv, plan.send, self.group)
-        with _rf("ep.experts"): rows = (self._rows_bf16 if self.payload == "bf16" else self._rows_nvfp4)(xr, w_r, e_r)
+            pay = xs if self.payload == "bf16" else self._pack(xs, ms[:, 0])
+            sent, a = [], 0
+            for cs, cr in pieces:
+                b = a + sum(cs)
+                sent.append((_a2a(ms[a:b], cr, cs, self.group), _a2a(pay[a:b], cr, cs, self.group), a, b))
+                a = b
+        # the rows come back in sorted-slot order (on the GPU the shared rows after them): micro-batch m's return
+        # all-to-all runs while the experts compute micro-batch m + 1
+        rows_all = torch.empty(Tk + (T if x.is_cuda else 0), H, dtype=torch.bfloat16 if x.is_cuda else torch.float64, device=dev)
+        back = []
+        for (mt, pt, a, b), (cs, cr) in zip(sent, pieces):
+            with _rf("ep.experts"):
+                meta, xr = mt.wait(), pt.wait()
+                rows = (self._rows_bf16 if self.payload == "bf16" else self._rows_nvfp4)(xr, meta[:, 1].view(torch.float32), meta[:, 0])
+            with _rf("ep.combine"): back.append((_a2a(rows, cs, cr, self.group, out=rows_all[a:b]), rows))
+        for p_, _ in back: p_.wait()
         if not x.is_cuda:                                                    # gloo: the float64 rows, the float64 sum
-            back = exchange(rows, plan.send, plan.recv, self.group)
-            slots = torch.stack([back[plan.pos.view(T, c.top_k)[:, j]] for j in range(c.top_k)] + [self._shared_rows(x, w, ids)], 1)
+            slots = torch.stack([rows_all[plan.pos.view(T, c.top_k)[:, j]] for j in range(c.top_k)] + [self._shared_rows(x, w, ids)], 1)
             return slots.sum(1).to(torch.bfloat16)
         with _rf("ep.combine"):
-            Tk = T * c.top_k                                                 # the rows come back in sorted-slot order,
-            rows_all = torch.empty(Tk + T, H, dtype=torch.bfloat16, device=x.device)   # the shared rows after them
-            exchange(rows, plan.send, plan.recv, self.group, out=rows_all[:Tk])
             if side is None: shared = self._shared_rows(x, w, ids)
             else:
                 main.wait_stream(side)
@@ -265,10 +305,10 @@ def _timed(fn, iters: int, group=None) -> float:
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
 
-def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print) -> dict:
+def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print, micro_batches=(1, 2, 4)) -> dict:
     """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4 with fixed static scales, the same on every
     rank) as `EPMoE` over W GPUs, bf16 and NVFP4 payloads, against the whole layer on one GPU over the same total batch
-    (W T tokens); with T tokens per rank: latency (the shared expert overlapped on a side stream, and serial), each payload's dispatch bytes, the dispatch all-to-all's
+    (W T tokens); with T tokens per rank: latency (in 1, 2 and 4 micro-batches; and with the shared expert on a side stream), each payload's dispatch bytes, the dispatch all-to-all's
     time and bandwidth, and an `all_to_all_single` of the same bytes (uniform split) timed in the same run. Checks the
     EP output against the one-GPU layer bit for bit on the way. Returns the rows on rank 0 (None elsewhere)."""
     from dsv4_nvfp4.moe import FLASH
@@ -292,14 +332,19 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
         want = lay(x_all)                                            # the one-GPU layer on the whole batch
         row["t_one_ms"] = _timed(lambda: lay(x_all), iters)
         for p, ep in eps.items():
-            y = ep(x)
-            same = torch.tensor([int(torch.equal(y, want[r * T:(r + 1) * T]))], device=dev)
+            ok = True
+            for mb in micro_batches:                                     # what the micro-batches buy
+                ep.micro_batches = mb
+                ok &= torch.equal(ep(x), want[r * T:(r + 1) * T])
+                row[f"t_ep_{p}_mb{mb}_ms"] = _timed(lambda: ep(x), iters)
+            ep.micro_batches = 1
+            same = torch.tensor([int(ok)], device=dev)
             dist.all_reduce(same, op=dist.ReduceOp.MIN)
             row[f"bit_exact_{p}"] = bool(same.item())
-            row[f"t_ep_{p}_ms"] = _timed(lambda: ep(x), iters)
-            ep.overlap = False                                           # what the side stream buys
-            row[f"t_ep_{p}_serial_ms"] = _timed(lambda: ep(x), iters)
-            ep.overlap = True
+            row[f"t_ep_{p}_ms"] = row[f"t_ep_{p}_mb1_ms"]
+            ep.overlap = True                                            # what the side stream buys (or costs)
+            row[f"t_ep_{p}_side_ms"] = _timed(lambda: ep(x), iters)
+            ep.overlap = False
             # the dispatch alone: this routing's plan, its payload, one all_to_all_single
             w, ids = ep.route(x)
             plan = dispatch_plan(ids, ep.per_rank)
@@ -312,22 +357,26 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             n = max(1, int(nbytes.item()) // W // W * W)                 # the same bytes, split evenly
             flat, out = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
             row[f"t_a2a_even_{p}_ms"] = _timed(lambda: dist.all_to_all_single(out, flat), iters)
-        row["x_one"] = {p: row["t_one_ms"] / row[f"t_ep_{p}_ms"] for p in PAYLOADS}      # throughput ratio, same total batch
+        row["x_one"] = {p: row["t_one_ms"] / min(row[f"t_ep_{p}_mb{mb}_ms"] for mb in micro_batches) for p in PAYLOADS}   # throughput ratio, same total batch, best C
         rows.append(row)
         if r == 0: log(f"  T/rank={T:5d}  one GPU {row['t_one_ms']:.3f} ms  EP bf16 {row['t_ep_bf16_ms']:.3f} ms  "
                        f"EP nvfp4 {row['t_ep_nvfp4_ms']:.3f} ms  exact {row['bit_exact_bf16']}/{row['bit_exact_nvfp4']}")
-    return dict(rows=rows, gpu=torch.cuda.get_device_name(), world=W) if r == 0 else None
+    return dict(rows=rows, gpu=torch.cuda.get_device_name(), world=W, micro_batches=list(micro_batches)) if r == 0 else None
 
 def ep_table(res: dict) -> str:
     "The EP benchmark as Markdown."
-    head = ["T / rank", "1 GPU ms", "EP bf16 ms", "EP NVFP4 ms", "x 1 GPU (bf16 / NVFP4)", "serial ms (bf16 / NVFP4)", "dispatch MB (bf16 / NVFP4)",
-            "a2a ms (bf16 / NVFP4)", "a2a GB/s (bf16 / NVFP4)", "even a2a GB/s (bf16 / NVFP4)", "bit-exact"]
+    mbs = [m for m in res.get("micro_batches", [1]) if m != 1]
+    alt = "side" if "t_ep_bf16_side_ms" in res["rows"][0] else "serial"   # the records before the default turned serial
+    head = (["T / rank", "1 GPU ms", "EP bf16 ms", "EP NVFP4 ms"] + [f"{m} micro-batches ms (bf16 / NVFP4)" for m in mbs]
+            + ["x 1 GPU, best (bf16 / NVFP4)", ("shared on a side stream" if alt == "side" else "serial") + " ms (bf16 / NVFP4)", "dispatch MB (bf16 / NVFP4)",
+            "a2a ms (bf16 / NVFP4)", "a2a GB/s (bf16 / NVFP4)", "even a2a GB/s (bf16 / NVFP4)", "bit-exact"])
     bw = lambda r, p, k: r[f"bytes_{p}"] / res["world"] / r[k] / 1e6        # per-rank bytes / time
     out = []
     for r in res["rows"]:
-        out.append([r["tokens_per_rank"], f"{r['t_one_ms']:.3f}", f"{r['t_ep_bf16_ms']:.3f}", f"{r['t_ep_nvfp4_ms']:.3f}",
+        out.append([r["tokens_per_rank"], f"{r['t_one_ms']:.3f}", f"{r['t_ep_bf16_ms']:.3f}", f"{r['t_ep_nvfp4_ms']:.3f}"]
+                   + [f"{r[f't_ep_bf16_mb{m}_ms']:.3f} / {r[f't_ep_nvfp4_mb{m}_ms']:.3f}" for m in mbs] + [
                     f"{r['x_one']['bf16']:.2f} / {r['x_one']['nvfp4']:.2f}",
-                    f"{r['t_ep_bf16_serial_ms']:.3f} / {r['t_ep_nvfp4_serial_ms']:.3f}",
+                    f"{r[f't_ep_bf16_{alt}_ms']:.3f} / {r[f't_ep_nvfp4_{alt}_ms']:.3f}",
                     f"{r['bytes_bf16'] / 1e6:.2f} / {r['bytes_nvfp4'] / 1e6:.2f}",
                     f"{r['t_a2a_bf16_ms']:.3f} / {r['t_a2a_nvfp4_ms']:.3f}",
                     f"{bw(r, 'bf16', 't_a2a_bf16_ms'):.0f} / {bw(r, 'nvfp4', 't_a2a_nvfp4_ms'):.0f}",

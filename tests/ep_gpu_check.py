@@ -29,9 +29,12 @@ def main():
                 a = sum(Ts[:r]); x = x_all[a:a + Ts[r]]
                 want = lay(x_all)[a:a + Ts[r]]
                 if not torch.equal(ep(x), want): fails.append(f"{act} {payload} T={Ts}")
-                ep.overlap = False                                              # the shared expert in line: the same bits
-                if not torch.equal(ep(x), want): fails.append(f"{act} {payload} serial T={Ts}")
-                ep.overlap = True
+                ep.overlap = True                                               # the shared expert on a side stream: the same bits
+                if not torch.equal(ep(x), want): fails.append(f"{act} {payload} side stream T={Ts}")
+                ep.overlap = False
+                ep.micro_batches = 3                                            # micro-batched all-to-alls: the same bits
+                if not torch.equal(ep(x), want): fails.append(f"{act} {payload} 3 micro-batches T={Ts}")
+                ep.micro_batches = 1
                 # skewed: four of every token's six experts on rank 0, two elsewhere
                 if x_all.shape[0]:
                     w, _ = lay.route(x_all)

@@ -1,5 +1,6 @@
 """Expert parallelism on the CPU (gloo, 2 and 4 processes): the dispatch / combine of `EPMoE` against the single-process
-layer on the concatenated batch, bit for bit, for both payloads, ragged and skewed routing, an empty rank and T = 1."""
+layer on the concatenated batch, bit for bit, for both payloads, ragged and skewed routing, an empty rank, T = 1 and
+micro-batches (some empty)."""
 import io
 import os
 import tempfile
@@ -44,6 +45,8 @@ def _worker(rank, W, path, q):
             ep = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act=act), payload=payload)
             res[(act, payload)] = ep(xs[rank])
             res[(act, payload, "skewed")] = ep.forward_routed(xs[rank], *rt[rank])
+            mb = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act=act), payload=payload, micro_batches=3)   # some micro-batches empty
+            res[(act, payload, "mb3")] = mb.forward_routed(xs[rank], *rt[rank])
         lay = M.DSV4MoE.synthetic(CFG, seed=3)
         try: EPMoE(lay, payload="nvfp4")
         except ValueError as e: res["nvfp4-w4a16"] = str(e)
@@ -77,6 +80,8 @@ def test_ep_layer_equals_the_single_process_layer(W):
         assert torch.equal(ep, lay(x)), f"{act} {payload}: {(ep != lay(x)).sum().item()} values differ"
         sk = torch.cat([got[r][(act, payload, "skewed")] for r in range(W)])
         assert torch.equal(sk, lay.forward_routed(x, w, ids)), f"{act} {payload} skewed routing"
+        mb = torch.cat([got[r][(act, payload, "mb3")] for r in range(W)])
+        assert torch.equal(mb, lay.forward_routed(x, w, ids)), f"{act} {payload} in 3 micro-batches"
     assert "act='w4a4'" in got[0]["nvfp4-w4a16"]
     assert all("expert ids must be in [0, 8)" in got[r]["bad"] for r in range(W)), [got[r]["bad"] for r in range(W)]
 
