@@ -126,6 +126,7 @@ def _a2a(t, out_rows, in_rows, group, out=None) -> _Pending:
 class _Slots(NamedTuple):
     "What `combine_tokens` reads of a routing: the row of each (token, slot), the shared expert's last."
     rows: torch.Tensor; inv: torch.Tensor; hidden: int; capacity: int; top_k: int; num_experts: int
+
 _rf = torch.profiler.record_function                # labels of the phases in a profile
 
 class EPMoE(torch.nn.Module):
@@ -136,9 +137,10 @@ class EPMoE(torch.nn.Module):
     row in slot order, as the single-GPU layer does: the same output bit for bit on the GPU. The payload is the bf16
     row, or (`payload="nvfp4"`, a W4A4 layer) its NVFP4 codes and block scales under the destination expert's static
     scale, 3.56x fewer bytes, W4A4's own numerics. With `overlap` the shared expert runs on a side stream while the
-    rows travel and the routed experts run (measured 1-9% slower at 128-8192 tokens per rank on 2 H200s, in both runs: off by default); with `micro_batches` C > 1 the tokens go in C
-    micro-batches, each with its own all-to-alls, so that micro-batch m's rows travel back while the experts compute
-    micro-batch m + 1 (the output is the same, bit for bit). On the CPU (gloo) the experts run the float64 reference."""
+    rows travel and the routed experts run (measured 1-9% slower at 128-8192 tokens per rank on 2 H200s, in both
+    runs: off by default). With `micro_batches` C > 1 the tokens go in C micro-batches, each with its own
+    all-to-alls, so that micro-batch m's rows travel back while the experts compute micro-batch m + 1 (the output is
+    the same, bit for bit). On the CPU (gloo) the experts run the float64 reference."""
 
     def __init__(self, layer: DSV4MoE,         # the whole layer, or a slice holding at least this rank's experts + the shared one
                  group=None,                   # the process group (default: the world)
