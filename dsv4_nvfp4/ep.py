@@ -212,23 +212,24 @@ class EPMoE(torch.nn.Module):
             try: plan = dispatch_plan(ids, self.per_rank, self.group, chunks=self.micro_batches)
             except ValueError as e: raise ValueError(f"EPMoE: expert ids must be in [0, {c.num_experts}) ({e})") from None
         Tk, dev, pieces = T * c.top_k, x.device, list(zip(plan.chunk_send, plan.chunk_recv))
-        with _rf("ep.dispatch"):                        # every micro-batch's (expert id, weight bits) and rows, issued at once
-            ms = torch.stack([ids.reshape(-1), w.reshape(-1).view(torch.int32)], 1)[plan.order]
-            xs = x[plan.token]
-            pay = xs if self.payload == "bf16" else self._pack(xs, ms[:, 0])
+        with _rf("ep.dispatch"):                        # every micro-batch's rows, issued at once; each row carries its
+            ms = torch.stack([ids.reshape(-1), w.reshape(-1).view(torch.int32)], 1)[plan.order]   # (expert id, weight bits)
+            if self.payload == "bf16": pay = torch.cat([x[plan.token], ms.view(torch.bfloat16)], 1)   # (n, H + 4) bf16
+            else: pay = self._pack(x[plan.token], ms)                                                 # (n, H/2 + H/16 + 8) uint8
             sent, a = [], 0
             for cs, cr in pieces:
                 b = a + sum(cs)
-                sent.append((_a2a(ms[a:b], cr, cs, self.group), _a2a(pay[a:b], cr, cs, self.group), a, b))
+                sent.append((_a2a(pay[a:b], cr, cs, self.group), a, b))
                 a = b
         # the rows come back in sorted-slot order (on the GPU the shared rows after them): micro-batch m's return
         # all-to-all runs while the experts compute micro-batch m + 1
         rows_all = torch.empty(Tk + (T if x.is_cuda else 0), H, dtype=torch.bfloat16 if x.is_cuda else torch.float64, device=dev)
         back = []
-        for (mt, pt, a, b), (cs, cr) in zip(sent, pieces):
+        for (pt, a, b), (cs, cr) in zip(sent, pieces):
             with _rf("ep.experts"):
-                meta, xr = mt.wait(), pt.wait()
-                rows = (self._rows_bf16 if self.payload == "bf16" else self._rows_nvfp4)(xr, meta[:, 1].view(torch.float32), meta[:, 0])
+                pr = pt.wait()
+                meta = pr[:, -(8 // pr.element_size()):].contiguous().view(torch.int32)   # (n, 2): expert id, weight bits
+                rows = (self._rows_bf16 if self.payload == "bf16" else self._rows_nvfp4)(pr, meta[:, 1].view(torch.float32), meta[:, 0])
             with _rf("ep.combine"): back.append((_a2a(rows, cs, cr, self.group, out=rows_all[a:b]), rows))
         for p_, _ in back: p_.wait()
         if not x.is_cuda:                                                    # gloo: the float64 rows, the float64 sum
@@ -251,7 +252,8 @@ class EPMoE(torch.nn.Module):
         return s
 
     # --- the pieces (each on the GPU through the kernels, on the CPU through the float64 reference) ---
-    def _rows_bf16(self, xr, wr, er):
+    def _rows_bf16(self, pr, wr, er):
+        xr = pr[:, : self.cfg.hidden]                                       # the row without its 4 bf16 of metadata
         if xr.is_cuda: return self.routed.forward_routed(xr, wr[:, None], er[:, None], check=False)
         return ref_moe(xr, self.routed, routing=(wr[:, None], er[:, None]))          # float64 rows
 
@@ -259,17 +261,18 @@ class EPMoE(torch.nn.Module):
         if x.is_cuda: return self.shared_expert.forward_routed(x, w, ids, check=False)
         return ref_moe(x, self.shared_expert, routing=(w, ids))
 
-    def _pack(self, xs, e_send):
-        "NVFP4 payload of the sent rows: codes and block scales (uint8 (n, H/2 + H/16)) under each row's destination a1."
-        gs = self.a1_all[e_send.long()].to(xs.device)
+    def _pack(self, xs, ms):
+        """NVFP4 payload of the sent rows: codes and block scales under each row's destination a1, then the row's
+        (expert id, weight bits) `ms`: uint8 (n, H/2 + H/16 + 8)."""
+        gs = self.a1_all[ms[:, 0].long()].to(xs.device)
         if xs.is_cuda:
             from dsv4_nvfp4.quantize_cuda import quantize_nvfp4_cuda
             q = quantize_nvfp4_cuda(xs.contiguous(), gs, per_row=True) if xs.shape[0] else None
         else:
             q = ref_quantize_nvfp4(xs.float(), gs) if xs.shape[0] else None
         H = self.cfg.hidden
-        if q is None: return torch.empty(0, H // 2 + H // 16, dtype=torch.uint8, device=xs.device)
-        return torch.cat([q.data, q.scale.view(torch.uint8)], 1)
+        if q is None: return torch.empty(0, H // 2 + H // 16 + 8, dtype=torch.uint8, device=xs.device)
+        return torch.cat([q.data, q.scale.view(torch.uint8), ms.contiguous().view(torch.uint8)], 1)
 
     def _rows_nvfp4(self, pk, wr, er):
         "The received NVFP4 rows through the local experts: exactly what the single-GPU W4A4 permute would feed them."
@@ -279,7 +282,7 @@ class EPMoE(torch.nn.Module):
         counts = torch.zeros(self.per_rank, dtype=torch.long, device=pk.device).index_add_(0, g, torch.ones_like(g))  # no host read
         offs = torch.cumsum(counts, 0).to(torch.int32)
         a1 = self.a1_all[er.long()]
-        data, scale = pk[:, : H // 2], pk[:, H // 2:].contiguous().view(torch.float8_e4m3fn)
+        data, scale = pk[:, : H // 2], pk[:, H // 2: H // 2 + H // 16].contiguous().view(torch.float8_e4m3fn)
         out = torch.empty(n, H, dtype=torch.float64 if not pk.is_cuda else torch.bfloat16, device=pk.device)
         if n == 0: return out
         if pk.is_cuda:
