@@ -137,7 +137,7 @@ class EPMoE(torch.nn.Module):
     row in slot order, as the single-GPU layer does: the same output bit for bit on the GPU. The payload is the bf16
     row, or (`payload="nvfp4"`, a W4A4 layer) its NVFP4 codes and block scales under the destination expert's static
     scale, 3.56x fewer bytes, W4A4's own numerics. With `overlap` the shared expert runs on a side stream while the
-    rows travel and the routed experts run (measured 1-9% slower at 128-8192 tokens per rank on 2 H200s, in both
+    plan is made and the rows travel (measured, beside the routed experts too, 1-9% slower at 128-8192 tokens per rank on 2 H200s, in both
     runs: off by default). With `micro_batches` C > 1 the tokens go in C micro-batches, each with its own
     all-to-alls, so that micro-batch m's rows travel back while the experts compute micro-batch m + 1 (the output is
     the same, bit for bit). On the CPU (gloo) the experts run the float64 reference."""
@@ -170,18 +170,20 @@ class EPMoE(torch.nn.Module):
         self.micro_batches = int(micro_batches)
         self.register_buffer("a1_all", None)                      # a buffer: .to(device) moves it with the layer
         if payload == "nvfp4":                                     # every expert's static x scale: each rank has its own
-            dev = layer.gate_weight.device
+            nccl = dist.get_backend(group) == "nccl"               # NCCL gathers device tensors (a checkpoint loads on the CPU)
+            dev = torch.device("cuda", torch.cuda.current_device()) if nccl else layer.gate_weight.device
             mine = part.a1_scales.float().to(dev).contiguous()
             parts = [torch.empty_like(mine) for _ in range(W)]
             dist.all_gather(parts, mine, group=group)
             self.a1_all = torch.cat(parts)                         # (E,)
 
     @classmethod
-    def from_checkpoint(cls, path, layer: int, cfg: MoEConfig, group=None, payload: str = "bf16", **kw):
+    def from_checkpoint(cls, path, layer: int, cfg: MoEConfig, group=None, payload: str = "bf16", overlap: bool = False,
+                        micro_batches: int = 1, **kw):
         "This rank's share of layer `layer` of a checkpoint (any format `DSV4MoE.from_checkpoint` reads): only its experts are read."
         W, r = dist.get_world_size(group), dist.get_rank(group)
         lay = DSV4MoE.from_checkpoint(path, layer, cfg, experts=list(ep_experts(cfg.num_experts, W, r)), shared=True, **kw)
-        return cls(lay, group, payload)
+        return cls(lay, group, payload, overlap=overlap, micro_batches=micro_batches)
 
     def route(self, x: torch.Tensor, input_ids=None):
         "(weights fp32 (T, k), ids int32 (T, k)) of this rank's tokens (no tokens: empty, no launch)."
@@ -194,6 +196,9 @@ class EPMoE(torch.nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         "This rank's tokens through the layer: (T, H) bf16. Every rank of the group must call it (T may be 0)."
         self.shared_expert._check_x(x, input_ids, "EPMoE")
+        if input_ids is not None:                                  # hash routing: the ids where the router runs
+            if tuple(input_ids.shape) != (x.shape[0],): raise ValueError(f"EPMoE: input_ids must be ({x.shape[0]},), got {tuple(input_ids.shape)}")
+            input_ids = input_ids.to(device=x.device, dtype=torch.int64)
         return self.forward_routed(x, *self.route(x, input_ids))
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -210,7 +215,9 @@ class EPMoE(torch.nn.Module):
             with torch.cuda.stream(side): shared = self._shared_rows(x, w, ids)
         with _rf("ep.plan"):                                                 # the one host read; bad ids raise here
             try: plan = dispatch_plan(ids, self.per_rank, self.group, chunks=self.micro_batches)
-            except ValueError as e: raise ValueError(f"EPMoE: expert ids must be in [0, {c.num_experts}) ({e})") from None
+            except ValueError as e:
+                if side is not None: main.wait_stream(side)                  # the side stream still reads w and ids
+                raise ValueError(f"EPMoE: expert ids must be in [0, {c.num_experts}) ({e})") from None
         Tk, dev, pieces = T * c.top_k, x.device, list(zip(plan.chunk_send, plan.chunk_recv))
         with _rf("ep.dispatch"):                        # every micro-batch's rows, issued at once; each row carries its
             ms = torch.stack([ids.reshape(-1), w.reshape(-1).view(torch.int32)], 1)[plan.order]   # (expert id, weight bits)
@@ -224,7 +231,8 @@ class EPMoE(torch.nn.Module):
         # the rows come back in sorted-slot order (on the GPU the shared rows after them): micro-batch m's return
         # all-to-all runs while the experts compute micro-batch m + 1
         rows_all = torch.empty(Tk + (T if x.is_cuda else 0), H, dtype=torch.bfloat16 if x.is_cuda else torch.float64, device=dev)
-        back = []
+        if side is not None: main.wait_stream(side)     # the shared expert overlaps the plan and the dispatch, not the routed
+        back = []                                       # experts (whose first launches may share cached tensors made there)
         for (pt, a, b), (cs, cr) in zip(sent, pieces):
             with _rf("ep.experts"):
                 pr = pt.wait()
@@ -237,9 +245,7 @@ class EPMoE(torch.nn.Module):
             return slots.sum(1).to(torch.bfloat16)
         with _rf("ep.combine"):
             if side is None: shared = self._shared_rows(x, w, ids)
-            else:
-                main.wait_stream(side)
-                shared.record_stream(main)                                   # made on the side stream, freed on this one
+            else: shared.record_stream(main)                                 # made on the side stream, freed on this one
             rows_all[Tk:] = shared
             tok = torch.arange(Tk, Tk + T, device=x.device)[:, None]
             inv = torch.cat([plan.pos.view(T, c.top_k), tok], 1).to(torch.int32)
