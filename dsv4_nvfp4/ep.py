@@ -81,9 +81,19 @@ def dispatch_plan(ids: torch.Tensor, experts_per_rank: int, group=None, chunks: 
 def exchange(t: torch.Tensor, out_rows: list, in_rows: list, group=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`all_to_all_single` of the rows of `t` (sent `in_rows[r]` to rank r, in rank order): the rows received,
     `out_rows[r]` from rank r (into `out` if given: contiguous, `sum(out_rows)` rows)."""
+    return _a2a(t, out_rows, in_rows, group, out).wait()
+
+class _Pending(NamedTuple):
+    "An all-to-all in flight: `wait()` orders the current stream after it (NCCL) or blocks (gloo) and gives its output."
+    out: torch.Tensor; work: object
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out
+
+def _a2a(t, out_rows, in_rows, group, out=None) -> _Pending:
+    "`exchange`, asynchronous."
     if out is None: out = t.new_empty((sum(out_rows),) + tuple(t.shape[1:]))
-    dist.all_to_all_single(out, t.contiguous(), out_rows, in_rows, group=group)
-    return out
+    return _Pending(out, dist.all_to_all_single(out, t.contiguous(), out_rows, in_rows, group=group, async_op=True))
 
 # %% ../nbs/08a_expert_parallel.ipynb #27dabd36
 def payload_bytes(hidden: int) -> dict:
@@ -110,18 +120,6 @@ def ep_traffic(cfg: MoEConfig, world: int) -> dict:
 
 # %% ../nbs/08a_expert_parallel.ipynb #6cf93a22
 PAYLOADS = ("bf16", "nvfp4")
-
-class _Pending(NamedTuple):
-    "An all-to-all in flight: `wait()` orders the current stream after it (NCCL) or blocks (gloo) and gives its output."
-    out: torch.Tensor; work: object
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.out
-
-def _a2a(t, out_rows, in_rows, group, out=None) -> _Pending:
-    "`exchange`, asynchronous."
-    if out is None: out = t.new_empty((sum(out_rows),) + tuple(t.shape[1:]))
-    return _Pending(out, dist.all_to_all_single(out, t.contiguous(), out_rows, in_rows, group=group, async_op=True))
 
 class _Slots(NamedTuple):
     "What `combine_tokens` reads of a routing: the row of each (token, slot), the shared expert's last."
