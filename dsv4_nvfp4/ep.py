@@ -16,12 +16,13 @@ from typing import NamedTuple
 
 from .moe import DSV4MoE, MoEConfig, ref_moe
 from .quant import NVFP4Tensor, ref_quantize_nvfp4
-from .routing import combine_tokens
+from .routing import (ROUTE_FUSED_MAX_T, combine_tokens, permute_rows, route_permute_fused, route_rows,
+                                router_logits)
 from .swiglu import ref_expert_mlp
 
 # %% auto #0
 __all__ = ['PAYLOADS', 'ep_experts', 'DispatchPlan', 'dispatch_plan', 'exchange', 'payload_bytes', 'ep_traffic', 'EPMoE',
-           'bench_ep', 'ep_table', 'bench_ep_main']
+           'CapturedEP', 'bench_ep', 'ep_table', 'bench_ep_main']
 
 # %% ../nbs/08a_expert_parallel.ipynb #f0d734f3
 def ep_experts(num_experts: int, world: int, rank: int) -> range:
@@ -230,7 +231,10 @@ class EPMoE(torch.nn.Module):
         # all-to-all runs while the experts compute micro-batch m + 1
         rows_all = torch.empty(Tk + (T if x.is_cuda else 0), H, dtype=torch.bfloat16 if x.is_cuda else torch.float64, device=dev)
         if side is not None: main.wait_stream(side)     # the shared expert overlaps the plan and the dispatch, not the routed
-        back = []                                       # experts (whose first launches may share cached tensors made there)
+                                                        # experts (whose first launches may share cached tensors made there)
+        elif x.is_cuda:                                 # in line: on this stream while the dispatch travels on NCCL's
+            with _rf("ep.shared"): shared = self._shared_rows(x, w, ids)
+        back = []
         for (pt, a, b), (cs, cr) in zip(sent, pieces):
             with _rf("ep.experts"):
                 pr = pt.wait()
@@ -242,8 +246,7 @@ class EPMoE(torch.nn.Module):
             slots = torch.stack([rows_all[plan.pos.view(T, c.top_k)[:, j]] for j in range(c.top_k)] + [self._shared_rows(x, w, ids)], 1)
             return slots.sum(1).to(torch.bfloat16)
         with _rf("ep.combine"):
-            if side is None: shared = self._shared_rows(x, w, ids)
-            else: shared.record_stream(main)                                 # made on the side stream, freed on this one
+            if side is not None: shared.record_stream(main)                  # made on the side stream, freed on this one
             rows_all[Tk:] = shared
             tok = torch.arange(Tk, Tk + T, device=x.device)[:, None]
             inv = torch.cat([plan.pos.view(T, c.top_k), tok], 1).to(torch.int32)
@@ -268,7 +271,7 @@ class EPMoE(torch.nn.Module):
     def _pack(self, xs, ms):
         """NVFP4 payload of the sent rows: codes and block scales under each row's destination a1, then the row's
         (expert id, weight bits) `ms`: uint8 (n, H/2 + H/16 + 8)."""
-        gs = self.a1_all[ms[:, 0].long()].to(xs.device)
+        gs = self.a1_all[ms[:, 0].long().clamp(min=0)].to(xs.device)        # a padding row (id -1, `capture`): any scale
         if xs.is_cuda:
             from dsv4_nvfp4.quantize_cuda import quantize_nvfp4_cuda
             q = quantize_nvfp4_cuda(xs.contiguous(), gs, per_row=True) if xs.shape[0] else None
@@ -279,13 +282,16 @@ class EPMoE(torch.nn.Module):
         return torch.cat([q.data, q.scale.view(torch.uint8), ms.contiguous().view(torch.uint8)], 1)
 
     def _rows_nvfp4(self, pk, wr, er):
-        "The received NVFP4 rows through the local experts: exactly what the single-GPU W4A4 permute would feed them."
+        """The received NVFP4 rows through the local experts: exactly what the single-GPU W4A4 permute would feed them.
+        Rows whose id is not a local expert (`capture`'s padding) sort after the last group: not computed, their
+        output rows undefined."""
         H, n = self.cfg.hidden, pk.shape[0]
-        g = (er.long() - self.experts.start)
+        g = er.long() - self.experts.start
+        g = torch.where((g >= 0) & (g < self.per_rank), g, self.per_rank)
         order = torch.argsort(g, stable=True)
-        counts = torch.zeros(self.per_rank, dtype=torch.long, device=pk.device).index_add_(0, g, torch.ones_like(g))  # no host read
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        a1 = self.a1_all[er.long()]
+        counts = torch.zeros(self.per_rank + 1, dtype=torch.long, device=pk.device).index_add_(0, g, torch.ones_like(g))  # no host read
+        offs = torch.cumsum(counts[:-1], 0).to(torch.int32)
+        a1 = self.a1_all[er.long().clamp(min=0)]
         data, scale = pk[:, : H // 2], pk[:, H // 2: H // 2 + H // 16].contiguous().view(torch.float8_e4m3fn)
         out = torch.empty(n, H, dtype=torch.float64 if not pk.is_cuda else torch.bfloat16, device=pk.device)
         if n == 0: return out
@@ -300,6 +306,206 @@ class EPMoE(torch.nn.Module):
             out[order] = ref_expert_mlp(xq, lay.w13, lay.w2, offs, act="w4a4", swiglu_limit=self.cfg.swiglu_limit,
                                         route_weight=wr[order], a2_scales=lay.a2_scales.cpu())
         return out
+
+# %% ../nbs/08a_expert_parallel.ipynb #c5783207
+class CapturedEP:
+    """`EPMoE`'s forward with fixed shapes and no host read, recorded in one CUDA graph on the GPU (make it with
+    `EPMoE.capture`). Every rank holds up to `max_tokens` tokens, and every (source, destination) pair of ranks
+    exchanges exactly `capacity` row slots, so the all-to-alls have fixed sizes and no counts are read on the host.
+    The default capacity, `max_tokens x min(k, E/W)`, is what one rank's tokens can send to one rank at most: no
+    routing overflows it, and the output equals `EPMoE`'s (and the one-GPU layer's) bit for bit, at the price of
+    sending up to W times the rows (the padding travels too). A smaller capacity sends less; a routed slot that does
+    not fit is dropped, its token's output is NaN (never silently wrong) and `dropped` counts it (`check` raises).
+    The dispatch and the return travel on a side stream; the shared expert runs meanwhile. Collective: every rank
+    calls it (T may be 0) with the same `max_tokens` and `capacity`. On the CPU (gloo) the same fixed-shape steps run
+    eagerly with the float64 experts, so the gloo tests hold the logic."""
+
+    def __init__(self, ep: "EPMoE", max_tokens: int, capacity: int | None = None,
+                 given: bool = False,            # the routing comes with each call (`topk_weights`, `topk_ids`), no router
+                 graph: bool = True):            # False: run the fixed-shape steps eagerly (the CPU always does)
+        c, W, k, H = ep.cfg, ep.world, ep.cfg.top_k, ep.cfg.hidden
+        if max_tokens < 1: raise ValueError(f"EPMoE.capture: max_tokens must be >= 1, got {max_tokens}")
+        full = max_tokens * min(k, ep.per_rank)
+        cap = full if capacity is None else int(capacity)
+        if not 1 <= cap <= full: raise ValueError(f"EPMoE.capture: capacity must be in [1, {full}] (max_tokens x min(k, E/W)), got {capacity}")
+        sh = ep.shared_expert
+        dev = sh.gate_weight.device
+        cuda = dev.type == "cuda"
+        if (dist.get_backend(ep.group) == "nccl") != cuda:
+            raise ValueError("EPMoE.capture: the layer must be on the GPU under NCCL (EPMoE(...).to('cuda')), on the CPU under gloo")
+        mine = torch.tensor([max_tokens, cap, int(given)], device=dev)      # the all-to-alls' sizes must agree
+        every = [torch.empty_like(mine) for _ in range(W)]
+        dist.all_gather(every, mine, group=ep.group)
+        if any(not torch.equal(e, every[0]) for e in every):
+            raise ValueError(f"EPMoE.capture: every rank must capture the same (max_tokens, capacity, given); got {[e.tolist() for e in every]}")
+        self.ep, self.max_tokens, self.capacity, self.given, self.cuda = ep, max_tokens, cap, given, cuda
+        Tm, R = max_tokens, W * cap
+        z = lambda *s, dt=torch.bfloat16: torch.zeros(*s, dtype=dt, device=dev)
+        self.x, self.n, self.out = z(Tm, H), z((), dt=torch.long), z(Tm, H)
+        self.w, self.ids = (z(Tm, k, dt=torch.float32), z(Tm, k, dt=torch.int32)) if given else (None, None)
+        self.input_ids = z(Tm, dt=torch.long) if sh.tid2eid is not None and not given else None
+        self.dropped_ = z((), dt=torch.long)                                # routed slots dropped by the capacity, all calls
+        self.slot_token = torch.arange(Tm * k, device=dev) // k
+        self.buckets = torch.arange(W + 1, device=dev)[:, None]
+        self.none = torch.tensor([[-1, 0]], dtype=torch.int32, device=dev)  # a padding row's (expert id, weight bits)
+        self.graph = None
+        if not cuda: return
+        self.sbufs = sh.buffers(Tm, dev)                                     # the router's and the shared expert's buffers
+        self.rbufs = ep.routed.buffers(R, dev) if ep.payload == "bf16" else None
+        # the rows back: [0, R) the returned slots, R a NaN row (dropped slots point at it), then the shared rows
+        self.rows_all = z(max(R + 1 + Tm, Tm * (k + 1)), H)
+        self.rows_all[R] = float("nan")
+        self.shared_slot = torch.arange(R + 1, R + 1 + Tm, device=dev, dtype=torch.int32)[:, None]
+        self.recv = z(R, H) if ep.payload == "bf16" else z(R, H // 2 + H // 16 + 8, dt=torch.uint8)
+        self.recv_meta = z(R, 2, dt=torch.int32)
+        # a row that reaches no local expert: an expert of another rank (no row); with one rank an invalid id
+        # (the router gives it a NaN row on expert 0, never read)
+        self.sentinel = (ep.experts.stop % c.num_experts) if W > 1 else -1
+        self.comm = torch.cuda.Stream(dev)
+        s = torch.cuda.Stream(dev); s.wait_stream(torch.cuda.current_stream(dev))
+        self.n.fill_(Tm)
+        with torch.cuda.stream(s):
+            for _ in range(2): self._body()                                  # compile, prepare, warm the caches and NCCL
+        torch.cuda.current_stream(dev).wait_stream(s)
+        self.dropped_.zero_()
+        if graph:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):   # NCCL's watchdog thread queries events
+                self._body()
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
+                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's tokens x (T <= max_tokens, H) bf16 through the layer (with `given`: and their routing): a view of a
+        static buffer on the GPU, overwritten by the next call. Collective."""
+        ep, T = self.ep, x.shape[0]
+        ep.shared_expert._check_x(x, None, "CapturedEP", need_ids=False)
+        if T > self.max_tokens: raise ValueError(f"CapturedEP: {T} tokens > the captured max_tokens {self.max_tokens}")
+        if self.given != (topk_ids is not None) or (topk_ids is None) != (topk_weights is None):
+            raise ValueError("CapturedEP: pass topk_weights and topk_ids exactly when captured with given=True")
+        if (input_ids is not None) != (self.input_ids is not None):
+            raise ValueError("CapturedEP: input_ids go with a hash-routed layer (tid2eid), and only there")
+        self.x[:T].copy_(x)
+        if self.given:
+            k = ep.cfg.top_k
+            if tuple(topk_ids.shape) != (T, k) or tuple(topk_weights.shape) != (T, k):
+                raise ValueError(f"CapturedEP: topk_weights / topk_ids must be ({T}, {k}), got {tuple(topk_weights.shape)} / {tuple(topk_ids.shape)}")
+            self.w[:T].copy_(topk_weights); self.ids[:T].copy_(topk_ids)
+        if input_ids is not None:
+            if tuple(input_ids.shape) != (T,): raise ValueError(f"CapturedEP: input_ids must be ({T},), got {tuple(input_ids.shape)}")
+            self.input_ids[:T].copy_(input_ids)
+        self.n.fill_(T)
+        if self.graph is not None: self.graph.replay()
+        elif self.cuda: self._body()
+        else: return self._body_cpu(T)
+        return self.out[:T]
+
+    @property
+    def dropped(self) -> int:
+        "Routed slots dropped by the capacity over all calls so far (a host read)."
+        return int(self.dropped_.item())
+
+    def check(self):
+        "Raise if any routed slot was dropped (their tokens' outputs are NaN); resets the count."
+        n = self.dropped
+        if n:
+            self.dropped_.zero_()
+            raise ValueError(f"CapturedEP: {n} routed slot(s) did not fit the capacity {self.capacity} (their tokens' outputs are NaN): "
+                             "capture with a larger capacity")
+
+    def _plan(self, ids, n):
+        "Each routed slot's row in the send buffer (W capacity: none), whether it is sent, and the slot of each send row."
+        ep, W, cap, k = self.ep, self.ep.world, self.capacity, self.ep.cfg.top_k
+        Tk, R = ids.numel(), W * cap
+        valid = self.slot_token[:Tk] < n                                     # padding tokens send nothing
+        dest = torch.where(valid, ids.reshape(-1).long() // ep.per_rank, W)
+        hit = (self.buckets == dest[None, :]).to(torch.int32)               # (W + 1, T k): the counting sort of dispatch_plan
+        within = hit.cumsum(1, dtype=torch.int32).gather(0, dest[None, :]).squeeze(0) - 1
+        ok = (dest < W) & (within < cap)
+        spos = torch.where(ok, dest * cap + within, R)
+        self.dropped_ += (valid & ~ok).sum()
+        src = torch.full((R + 1,), Tk, dtype=torch.long, device=ids.device).scatter_(0, spos, torch.arange(Tk, device=ids.device))[:R]
+        return spos, ok, src
+
+    def _pack(self, x, w, ids, src):
+        "The send buffer: each send row's token (bf16 rows, or the NVFP4 payload with its metadata) and (expert id, weight bits)."
+        ep, k = self.ep, self.ep.cfg.top_k
+        ms = torch.cat([torch.stack([ids.reshape(-1).int(), w.reshape(-1).float().view(torch.int32)], 1), self.none])
+        meta = ms[src]                                                       # (R, 2); padding rows: (-1, 0)
+        rows = x.index_select(0, (src // k).clamp(max=max(x.shape[0] - 1, 0)))
+        return (rows if ep.payload == "bf16" else ep._pack(rows, meta)), meta
+
+    def _body(self):
+        "The forward on the GPU: fixed shapes, no host read (the graph's body)."
+        ep, c = self.ep, self.ep.cfg
+        W, k, H, Tm, R, g = ep.world, c.top_k, c.hidden, self.max_tokens, ep.world * self.capacity, ep.group
+        x, n, sh, sb = self.x, self.n, ep.shared_expert, self.sbufs
+        buf, main = sb[0], torch.cuda.current_stream(x.device)
+        a1 = sh.a1_scales if sh.act == "w4a4" else None
+        kw = dict(routed_scaling_factor=c.routed_scaling_factor)
+        if self.given:                                                       # route; permute the shared expert's rows
+            route_rows(buf, Tm, None, sh.gate_bias, given=(self.w, self.ids), n_tokens=n, **kw)
+            xr, rs = permute_rows(x, buf, a1, n)
+        elif Tm <= ROUTE_FUSED_MAX_T:
+            xr, rs = route_permute_fused(x, sh.gate_weight, buf, sh.gate_bias, tid2eid=sh.tid2eid, input_ids=self.input_ids,
+                                         a1_scales=a1, n_tokens=n, **kw)
+        else:
+            logits = router_logits(x, sh.gate_weight, out=buf.logits[:Tm])
+            route_rows(buf, Tm, logits, sh.gate_bias, tid2eid=sh.tid2eid, input_ids=self.input_ids, n_tokens=n, **kw)
+            xr, rs = permute_rows(x, buf, a1, n)
+        w, ids = buf.topk_weights[:Tm], buf.topk_ids[:Tm]
+        spos, ok, src = self._plan(ids, n)
+        pay, meta = self._pack(x, w, ids, src)
+        self.comm.wait_stream(main)
+        with torch.cuda.stream(self.comm):                                   # the dispatch, beside the shared expert
+            dist.all_to_all_single(self.recv, pay, group=g)
+            if ep.payload == "bf16": dist.all_to_all_single(self.recv_meta, meta, group=g)
+        combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
+        main.wait_stream(self.comm)
+        if ep.payload == "bf16":
+            er, wr = self.recv_meta[:, 0], self.recv_meta[:, 1].view(torch.float32)
+            er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
+            y = ep.routed._forward_device(self.recv, given=(wr[:, None].contiguous(), er[:, None].contiguous()), bufs=self.rbufs)
+        else:
+            m = self.recv[:, -8:].contiguous().view(torch.int32)
+            y = ep._rows_nvfp4(self.recv, m[:, 1].view(torch.float32), m[:, 0])
+        self.comm.wait_stream(main)
+        with torch.cuda.stream(self.comm): dist.all_to_all_single(self.rows_all[:R], y, group=g)   # the rows back
+        main.wait_stream(self.comm)
+        inv = torch.cat([spos.view(Tm, k).to(torch.int32), self.shared_slot], 1)   # dropped slots: the NaN row R
+        combine_tokens(self.rows_all, _Slots(self.rows_all, inv, H, Tm, k, c.num_experts), self.out, n)
+
+    def _body_cpu(self, T):
+        "The same steps on the CPU (gloo): the float64 experts, the float64 sum."
+        ep, c = self.ep, self.ep.cfg
+        W, k, H, R, g = ep.world, c.top_k, c.hidden, ep.world * self.capacity, ep.group
+        x = self.x
+        w, ids = (self.w[:T], self.ids[:T]) if self.given else ep.route(x[:T], None if self.input_ids is None else self.input_ids[:T])
+        pad = lambda t, v: torch.cat([t, t.new_full((self.max_tokens - T,) + tuple(t.shape[1:]), v)])
+        wp, idp = pad(w.float(), 0), pad(ids.int(), 0)
+        spos, ok, src = self._plan(idp, self.n)
+        pay, meta = self._pack(x, wp, idp, src)
+        recv, rmeta = torch.empty_like(pay), torch.empty_like(meta)
+        dist.all_to_all_single(recv, pay, group=g)
+        dist.all_to_all_single(rmeta, meta, group=g)
+        er, wr = rmeta[:, 0], rmeta[:, 1].view(torch.float32)
+        mine = ((er >= ep.experts.start) & (er < ep.experts.stop)).nonzero().squeeze(1)   # the real rows (a host read: CPU)
+        y = torch.zeros(R, H, dtype=torch.float64)
+        if mine.numel():
+            f = ep._rows_bf16 if ep.payload == "bf16" else ep._rows_nvfp4
+            y[mine] = f(recv[mine], wr[mine], er[mine])
+        back = torch.empty_like(y)
+        dist.all_to_all_single(back, y, group=g)
+        back = torch.cat([back, torch.full((1, H), float("nan"), dtype=torch.float64)])   # row R: a dropped slot's
+        pos = spos[:T * k].view(T, k)
+        slots = torch.stack([back[pos[:, j]] for j in range(k)] + [ep._shared_rows(x[:T], w, ids)], 1)   # as EPMoE sums them
+        return slots.sum(1).to(torch.bfloat16)
+
+def _capture(self, max_tokens: int, capacity: int | None = None, given: bool = False, graph: bool = True) -> CapturedEP:
+    "Record this rank's forward in one CUDA graph for up to `max_tokens` tokens (see `CapturedEP`); collective."
+    return CapturedEP(self, max_tokens, capacity, given, graph)
+
+EPMoE.capture = _capture
+
 
 # %% ../nbs/08a_expert_parallel.ipynb #a26a1170
 def _timed(fn, iters: int, group=None) -> float:

@@ -1,6 +1,7 @@
 """Expert parallelism on the CPU (gloo, 2 and 4 processes): the dispatch / combine of `EPMoE` against the single-process
-layer on the concatenated batch, bit for bit, for both payloads, ragged and skewed routing, an empty rank, T = 1 and
-micro-batches (some empty)."""
+layer on the concatenated batch, bit for bit, for both payloads, ragged and skewed routing, an empty rank, T = 1,
+micro-batches (some empty) and the fixed shapes of `EPMoE.capture` (a capacity that overflows: NaN for exactly the
+tokens that lost a slot, the others exact)."""
 import io
 import os
 import tempfile
@@ -14,6 +15,7 @@ from dsv4_nvfp4 import moe as M
 
 CFG = M.MoEConfig(hidden=256, inter=128, num_experts=8, top_k=3, routed_scaling_factor=1.5)
 TOKENS = {2: [5, 1], 4: [7, 0, 9, 1]}          # ragged, an empty rank, a single token
+MAX_T, SMALL_CAP = 10, 4                        # `EPMoE.capture`'s fixed shapes: tokens per rank, and a capacity that overflows
 
 
 def batches(W):
@@ -47,6 +49,15 @@ def _worker(rank, W, path, q):
             res[(act, payload, "skewed")] = ep.forward_routed(xs[rank], *rt[rank])
             mb = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act=act), payload=payload, micro_batches=3)   # some micro-batches empty
             res[(act, payload, "mb3")] = mb.forward_routed(xs[rank], *rt[rank])
+            res[(act, payload, "fixed")] = ep.capture(MAX_T)(xs[rank]).clone()          # fixed shapes, no host read
+            res[(act, payload, "fixed skewed")] = ep.capture(MAX_T, given=True)(xs[rank], *rt[rank]).clone()
+        ep = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act="w4a4"), payload="nvfp4")
+        small = ep.capture(MAX_T, capacity=SMALL_CAP, given=True)                     # the skewed routing overflows it
+        res["small"], res["small dropped"] = small(xs[rank], *rt[rank]).clone(), small.dropped
+        try: small.check(); res["small check"] = "no error"
+        except ValueError as e: res["small check"] = str(e)
+        try: ep.capture(MAX_T + rank); res["mismatch"] = "no error"                  # ranks disagree: every rank raises
+        except ValueError as e: res["mismatch"] = str(e)
         lay = M.DSV4MoE.synthetic(CFG, seed=3)
         try: EPMoE(lay, payload="nvfp4")
         except ValueError as e: res["nvfp4-w4a16"] = str(e)
@@ -82,6 +93,26 @@ def test_ep_layer_equals_the_single_process_layer(W):
         assert torch.equal(sk, lay.forward_routed(x, w, ids)), f"{act} {payload} skewed routing"
         mb = torch.cat([got[r][(act, payload, "mb3")] for r in range(W)])
         assert torch.equal(mb, lay.forward_routed(x, w, ids)), f"{act} {payload} in 3 micro-batches"
+        fx = torch.cat([got[r][(act, payload, "fixed")] for r in range(W)])
+        assert torch.equal(fx, lay(x)), f"{act} {payload} fixed shapes"
+        fx = torch.cat([got[r][(act, payload, "fixed skewed")] for r in range(W)])
+        assert torch.equal(fx, lay.forward_routed(x, w, ids)), f"{act} {payload} fixed shapes, skewed routing"
+    # the small capacity: a slot fits when it is among the first SMALL_CAP its source rank sends to its destination
+    # (in token order); a token with a slot that does not is NaN, every other token exact
+    per, lost, n_lost = CFG.num_experts // W, [], 0
+    for r in range(W):
+        dest = rt[r][1].long() // per
+        pos = torch.stack([(dest.reshape(-1) == d).cumsum(0).view_as(dest) - 1 for d in range(W)]).gather(0, dest[None])[0]
+        lost.append((pos >= SMALL_CAP).any(1)); n_lost += int((pos >= SMALL_CAP).sum())
+    lost = torch.cat(lost)
+    assert lost.any() and not lost.all(), "the test's capacity must drop some tokens and keep others"
+    small = torch.cat([got[r]["small"] for r in range(W)])
+    lay = M.DSV4MoE.synthetic(CFG, seed=3, act="w4a4")
+    assert torch.isnan(small).all(1).equal(lost) and not torch.isnan(small[~lost]).any()
+    assert torch.equal(small[~lost], lay.forward_routed(x, w, ids)[~lost])
+    assert sum(got[r]["small dropped"] for r in range(W)) == n_lost
+    assert all(("did not fit the capacity 4" in got[r]["small check"]) == bool(got[r]["small dropped"]) for r in range(W))
+    assert all("every rank must capture the same" in got[r]["mismatch"] for r in range(W))
     assert "act='w4a4'" in got[0]["nvfp4-w4a16"]
     assert all("expert ids must be in [0, 8)" in got[r]["bad"] for r in range(W)), [got[r]["bad"] for r in range(W)]
 
