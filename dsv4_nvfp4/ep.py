@@ -523,7 +523,8 @@ def _timed(fn, iters: int, group=None) -> float:
 def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print, micro_batches=(1, 2, 4)) -> dict:
     """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4 with fixed static scales, the same on every
     rank) as `EPMoE` over W GPUs, bf16 and NVFP4 payloads, against the whole layer on one GPU over the same total batch
-    (W T tokens); with T tokens per rank: latency (in 1, 2 and 4 micro-batches; and with the shared expert on a side stream), each payload's dispatch bytes, the dispatch all-to-all's
+    (W T tokens); with T tokens per rank: latency (in 1, 2 and 4 micro-batches; with the shared expert on a side stream;
+    captured in a CUDA graph with the no-drop capacity and with 1.25x the mean rows per rank pair), each payload's dispatch bytes, the dispatch all-to-all's
     time and bandwidth, and an `all_to_all_single` of the same bytes (uniform split) timed in the same run. Checks the
     EP output against the one-GPU layer bit for bit on the way. Returns the rows on rank 0 (None elsewhere)."""
     from dsv4_nvfp4.moe import FLASH
@@ -560,6 +561,17 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             ep.overlap = True                                            # what the side stream buys (or costs)
             row[f"t_ep_{p}_side_ms"] = _timed(lambda: ep(x), iters)
             ep.overlap = False
+            # fixed shapes in one CUDA graph (no host read): the no-drop capacity, and 1.25x the mean rows per rank pair
+            full = T * min(cfg.top_k, ep.per_rank)
+            for key, cap in (("graph", full), ("graph_cap", min(full, -(-5 * T * cfg.top_k // (4 * W)) + 64))):
+                if key == "graph_cap" and cap == full: continue
+                cg = ep.capture(T, capacity=cap)
+                ok = torch.equal(cg(x), want[r * T:(r + 1) * T]) and cg.dropped == 0
+                same = torch.tensor([int(ok)], device=dev)
+                dist.all_reduce(same, op=dist.ReduceOp.MIN)
+                row[f"t_ep_{p}_{key}_ms"], row[f"bit_exact_{p}_{key}"], row[f"cap_{key}"] = _timed(lambda: cg(x), iters), bool(same.item()), cap
+                del cg
+            torch.cuda.empty_cache()
             # the dispatch alone: this routing's plan, its payload, one all_to_all_single
             w, ids = ep.route(x)
             plan = dispatch_plan(ids, ep.per_rank)
@@ -573,6 +585,8 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             flat, out = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
             row[f"t_a2a_even_{p}_ms"] = _timed(lambda: dist.all_to_all_single(out, flat), iters)
         row["x_one"] = {p: row["t_one_ms"] / min(row[f"t_ep_{p}_mb{mb}_ms"] for mb in micro_batches) for p in PAYLOADS}   # throughput ratio, same total batch, best C
+        row["x_one_graph"] = {p: row["t_one_ms"] / min(row[f"t_ep_{p}_{k}_ms"] for k in ("graph", "graph_cap") if row.get(f"bit_exact_{p}_{k}"))
+                              for p in PAYLOADS if any(row.get(f"bit_exact_{p}_{k}") for k in ("graph", "graph_cap"))}
         rows.append(row)
         if r == 0: log(f"  T/rank={T:5d}  one GPU {row['t_one_ms']:.3f} ms  EP bf16 {row['t_ep_bf16_ms']:.3f} ms  "
                        f"EP nvfp4 {row['t_ep_nvfp4_ms']:.3f} ms  exact {row['bit_exact_bf16']}/{row['bit_exact_nvfp4']}")
@@ -582,14 +596,20 @@ def ep_table(res: dict) -> str:
     "The EP benchmark as Markdown."
     mbs = [m for m in res.get("micro_batches", [1]) if m != 1]
     alt = "side" if "t_ep_bf16_side_ms" in res["rows"][0] else "serial"   # the records before the default turned serial
+    graph = "t_ep_bf16_graph_ms" in res["rows"][0]                          # the records before EPMoE.capture have none
+    def g(r, key):                                                          # a captured time, and whether it was exact
+        return " / ".join("-" if f"t_ep_{p}_{key}_ms" not in r else f"{r[f't_ep_{p}_{key}_ms']:.3f}" + ("" if r[f"bit_exact_{p}_{key}"] else " (NOT exact)")
+                          for p in PAYLOADS)
     head = (["T / rank", "1 GPU ms", "EP bf16 ms", "EP NVFP4 ms"] + [f"{m} micro-batches ms (bf16 / NVFP4)" for m in mbs]
+            + (["graph ms (bf16 / NVFP4)", "graph, capacity 1.25x mean ms (bf16 / NVFP4)", "x 1 GPU, graph (bf16 / NVFP4)"] if graph else [])
             + ["x 1 GPU, best (bf16 / NVFP4)", ("shared on a side stream" if alt == "side" else "serial") + " ms (bf16 / NVFP4)", "dispatch MB (bf16 / NVFP4)",
             "a2a ms (bf16 / NVFP4)", "a2a GB/s (bf16 / NVFP4)", "even a2a GB/s (bf16 / NVFP4)", "bit-exact"])
     bw = lambda r, p, k: r[f"bytes_{p}"] / res["world"] / r[k] / 1e6        # per-rank bytes / time
     out = []
     for r in res["rows"]:
         out.append([r["tokens_per_rank"], f"{r['t_one_ms']:.3f}", f"{r['t_ep_bf16_ms']:.3f}", f"{r['t_ep_nvfp4_ms']:.3f}"]
-                   + [f"{r[f't_ep_bf16_mb{m}_ms']:.3f} / {r[f't_ep_nvfp4_mb{m}_ms']:.3f}" for m in mbs] + [
+                   + [f"{r[f't_ep_bf16_mb{m}_ms']:.3f} / {r[f't_ep_nvfp4_mb{m}_ms']:.3f}" for m in mbs]
+                   + ([g(r, "graph"), g(r, "graph_cap"), " / ".join(f"{r['x_one_graph'][p]:.2f}" if p in r["x_one_graph"] else "-" for p in PAYLOADS)] if graph else []) + [
                     f"{r['x_one']['bf16']:.2f} / {r['x_one']['nvfp4']:.2f}",
                     f"{r[f't_ep_bf16_{alt}_ms']:.3f} / {r[f't_ep_nvfp4_{alt}_ms']:.3f}",
                     f"{r['bytes_bf16'] / 1e6:.2f} / {r['bytes_nvfp4'] / 1e6:.2f}",

@@ -1,4 +1,5 @@
-"""Run by tests/test_ep_gpu.py under `torchrun --nproc-per-node 2`: EPMoE on NCCL against the one-GPU layer, bit for bit."""
+"""Run under `torchrun --nproc-per-node 2` (any number of GPUs, 1 included): EPMoE on NCCL against the one-GPU layer, bit
+for bit, eager and captured in a CUDA graph (`EPMoE.capture`)."""
 import os
 import sys
 
@@ -10,6 +11,7 @@ from dsv4_nvfp4 import moe as M
 from dsv4_nvfp4.ep import EPMoE
 
 CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
+MAX_T = 320                                     # the captured forwards' tokens per rank
 
 
 def main():
@@ -22,6 +24,7 @@ def main():
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)     # the same layer on every rank
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
+            caps = {payload: ep.capture(MAX_T, given=True)}
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
                 Ts = (Ts * W)[:W]
                 g = torch.Generator(device=dev).manual_seed(sum(Ts))
@@ -35,14 +38,41 @@ def main():
                 ep.micro_batches = 3                                            # micro-batched all-to-alls: the same bits
                 if not torch.equal(ep(x), want): fails.append(f"{act} {payload} 3 micro-batches T={Ts}")
                 ep.micro_batches = 1
-                # skewed: four of every token's six experts on rank 0, two elsewhere
+                # fixed shapes (`capture`, one CUDA graph): with the routing given, bit for bit at any T <= max_tokens
                 if x_all.shape[0]:
+                    w, ids = lay.route(x_all)
+                    cap = caps[payload]
+                    got = cap(x, w[a:a + Ts[r]], ids[a:a + Ts[r]])
+                    if not torch.equal(got, lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]): fails.append(f"{act} {payload} captured T={Ts}")
+                # skewed: four of every token's six experts on rank 0, two elsewhere
+                if x_all.shape[0] and W > 1:
                     w, _ = lay.route(x_all)
                     per, gen = CFG.num_experts // W, torch.Generator().manual_seed(sum(Ts))
                     ids = torch.stack([torch.cat([torch.randperm(per, generator=gen)[:4], per + torch.randperm(CFG.num_experts - per, generator=gen)[:2]])
                                        for _ in range(x_all.shape[0])]).to(device=dev, dtype=torch.int32)
                     want = lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]
                     if not torch.equal(ep.forward_routed(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} skewed T={Ts}")
+                    if not torch.equal(caps[payload](x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured skewed T={Ts}")
+            # the router inside the graph, on a full buffer (the same logits GEMM shape as the eager forward's)
+            full = MAX_T
+            g = torch.Generator(device=dev).manual_seed(5)
+            x_all = (torch.randn(W * full, CFG.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)
+            x = x_all[r * full:(r + 1) * full]
+            routed = ep.capture(full)
+            if not torch.equal(routed(x), ep(x)): fails.append(f"{act} {payload} captured router != eager EP")
+            # a capacity that the skewed routing overflows: NaN exactly for the tokens that lost a slot, counted
+            if W > 1:
+                small = ep.capture(MAX_T, capacity=64, given=True)
+                per, gen = CFG.num_experts // W, torch.Generator().manual_seed(9)
+                ids = torch.stack([torch.cat([torch.randperm(per, generator=gen)[:4], per + torch.randperm(CFG.num_experts - per, generator=gen)[:2]])
+                                   for _ in range(W * 40)]).to(device=dev, dtype=torch.int32)
+                w = torch.rand(W * 40, CFG.top_k, device=dev) + 0.1
+                y, want = small(x_all[r * 40:(r + 1) * 40], w[r * 40:(r + 1) * 40], ids[r * 40:(r + 1) * 40]), lay.forward_routed(x_all[:W * 40], w, ids)[r * 40:(r + 1) * 40]
+                dest = ids[r * 40:(r + 1) * 40].long() // per                   # this rank's slots, in token order per destination
+                pos = torch.stack([(dest.reshape(-1) == d).cumsum(0).view_as(dest) - 1 for d in range(W)]).gather(0, dest[None])[0]
+                lost = (pos >= 64).any(1)
+                if not (torch.isnan(y).all(1).equal(lost) and torch.equal(y[~lost], want[~lost]) and small.dropped == int((pos >= 64).sum())):
+                    fails.append(f"{act} {payload} capacity overflow")
     bad = torch.tensor([len(fails)], device=dev)
     dist.all_reduce(bad)
     if fails: print(f"rank {r}: FAIL " + "; ".join(fails), flush=True)
