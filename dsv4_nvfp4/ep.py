@@ -299,7 +299,9 @@ class EPMoE(torch.nn.Module):
             from dsv4_nvfp4.quantize_cuda import dequantize_nvfp4_cuda
             xr = dequantize_nvfp4_cuda(data[order].contiguous(), scale[order].contiguous(), torch.ones(n, device=pk.device))  # code x block scale: exact in bf16
             rs = torch.stack([a1[order], wr[order]], 1).contiguous()
-            out[order] = self.routed.expert_rows(xr, rs, offs)
+            back = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=pk.device))   # where each row went
+            return self.routed.expert_rows(xr, rs, offs).index_select(0, back)   # a row gather (the row scatter
+                                                                                 # out[order] = ... ran at half the speed)
         else:
             xq = NVFP4Tensor(data[order].contiguous(), scale[order].contiguous(), a1[order].contiguous(), (n, H))
             lay = self.routed
