@@ -135,9 +135,10 @@ class EPMoE(torch.nn.Module):
     runs the received rows through the local experts, sends the rows back and combines them with the shared expert's
     row in slot order, as the single-GPU layer does: the same output bit for bit on the GPU. The payload is the bf16
     row, or (`payload="nvfp4"`, a W4A4 layer) its NVFP4 codes and block scales under the destination expert's static
-    scale, 3.56x fewer bytes, W4A4's own numerics. With `overlap` the shared expert runs on a side stream while the
-    plan is made and the rows travel (measured, beside the routed experts too, 1-9% slower at 128-8192 tokens per rank on 2 H200s, in both
-    runs: off by default). With `micro_batches` C > 1 the tokens go in C micro-batches, each with its own
+    scale, 3.55x fewer bytes, W4A4's own numerics. The shared expert runs on the main stream right after the dispatch
+    all-to-alls are issued, so it computes while the rows travel; with `overlap` it runs on a side stream instead
+    (measured 1-9% slower on 2 H200s, and from 1% faster to 6% slower on 2 H100s, at 128-8192 tokens per rank: off
+    by default). With `micro_batches` C > 1 the tokens go in C micro-batches, each with its own
     all-to-alls, so that micro-batch m's rows travel back while the experts compute micro-batch m + 1 (the output is
     the same, bit for bit). On the CPU (gloo) the experts run the float64 reference."""
 
@@ -145,7 +146,7 @@ class EPMoE(torch.nn.Module):
                  group=None,                   # the process group (default: the world)
                  payload: str = "bf16",
                  overlap: bool = False,        # the shared expert on a side stream, beside the all-to-alls (GPU; measured
-                                               # slower on 2 H200s, so off by default)
+                                               # no faster on 2 H200s and 2 H100s, so off by default)
                  micro_batches: int = 1):      # C > 1: the tokens in C micro-batches, the return all-to-all of one
                                                # beside the experts of the next (every rank must use the same C)
         super().__init__()
@@ -319,8 +320,10 @@ class CapturedEP:
     sending up to W times the rows (the padding travels too). A smaller capacity sends less; a routed slot that does
     not fit is dropped, its token's output is NaN (never silently wrong) and `dropped` counts it (`check` raises).
     The dispatch and the return travel on a side stream; the shared expert runs meanwhile. Collective: every rank
-    calls it (T may be 0) with the same `max_tokens` and `capacity`. On the CPU (gloo) the same fixed-shape steps run
-    eagerly with the float64 experts, so the gloo tests hold the logic."""
+    calls it (T may be 0) with the same `max_tokens` and `capacity`. Drop it (`del`) before
+    `dist.destroy_process_group()`: a graph holds NCCL kernels of the group's communicator (on 2 H100s a check that tore
+    the group down with its graphs alive hung at exit; the benchmark, which drops each one, did not). On the CPU (gloo)
+    the same fixed-shape steps run eagerly with the float64 experts, so the gloo tests hold the logic."""
 
     def __init__(self, ep: "EPMoE", max_tokens: int, capacity: int | None = None,
                  given: bool = False,            # the routing comes with each call (`topk_weights`, `topk_ids`), no router

@@ -1,5 +1,6 @@
 """Run under `torchrun --nproc-per-node 2` (any number of GPUs, 1 included): EPMoE on NCCL against the one-GPU layer, bit
 for bit, eager and captured in a CUDA graph (`EPMoE.capture`)."""
+import gc
 import os
 import sys
 
@@ -78,6 +79,10 @@ def main():
     if fails: print(f"rank {r}: FAIL " + "; ".join(fails), flush=True)
     dist.barrier()
     if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
+    del caps, routed                                # the graphs go before the communicator they hold (it hung at exit otherwise)
+    if W > 1: del small
+    gc.collect(); torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if bad.item() == 0 else 1
 
