@@ -320,43 +320,54 @@ class CapturedEP:
     sending up to W times the rows (the padding travels too). A smaller capacity sends less; a routed slot that does
     not fit is dropped, its token's output is NaN (never silently wrong) and `dropped` counts it (`check` raises).
     The dispatch and the return travel on a side stream; the shared expert runs meanwhile. Collective: every rank
-    calls it (T may be 0) with the same `max_tokens` and `capacity`. Drop it (`del`) before
+    calls it (T may be 0) with the same `max_tokens`, `capacity` and `chunks`. With `chunks` C > 1 the tokens go in C
+    chunks of ceil(max_tokens / C), each with its own fixed all-to-alls (and `capacity` slots per rank pair per chunk):
+    chunk j + 1's dispatch and chunk j - 1's return travel while chunk j's experts compute, and the output is the same,
+    bit for bit. Drop it (`del`) before
     `dist.destroy_process_group()`: a graph holds NCCL kernels of the group's communicator (on 2 H100s a check that tore
     the group down with its graphs alive hung at exit; the benchmark, which drops each one, did not). On the CPU (gloo)
     the same fixed-shape steps run eagerly with the float64 experts, so the gloo tests hold the logic."""
 
     def __init__(self, ep: "EPMoE", max_tokens: int, capacity: int | None = None,
                  given: bool = False,            # the routing comes with each call (`topk_weights`, `topk_ids`), no router
-                 graph: bool = True):            # False: run the fixed-shape steps eagerly (the CPU always does)
+                 graph: bool = True,             # False: run the fixed-shape steps eagerly (the CPU always does)
+                 chunks: int = 1):               # C > 1: C chunks of tokens, each one's all-to-alls beside another's experts
         c, W, k, H = ep.cfg, ep.world, ep.cfg.top_k, ep.cfg.hidden
         if max_tokens < 1: raise ValueError(f"EPMoE.capture: max_tokens must be >= 1, got {max_tokens}")
-        full = max_tokens * min(k, ep.per_rank)
+        C = int(chunks)
+        if not 1 <= C <= max_tokens: raise ValueError(f"EPMoE.capture: chunks must be in [1, max_tokens = {max_tokens}], got {chunks}")
+        Tc = -(-max_tokens // C)                                            # tokens per chunk (the last may hold fewer)
+        full = Tc * min(k, ep.per_rank)
         cap = full if capacity is None else int(capacity)
-        if not 1 <= cap <= full: raise ValueError(f"EPMoE.capture: capacity must be in [1, {full}] (max_tokens x min(k, E/W)), got {capacity}")
+        if not 1 <= cap <= full:
+            raise ValueError(f"EPMoE.capture: capacity must be in [1, {full}] (ceil(max_tokens / chunks) x min(k, E/W)), got {capacity}")
         sh = ep.shared_expert
         dev = sh.gate_weight.device
         cuda = dev.type == "cuda"
         if (dist.get_backend(ep.group) == "nccl") != cuda:
             raise ValueError("EPMoE.capture: the layer must be on the GPU under NCCL (EPMoE(...).to('cuda')), on the CPU under gloo")
-        mine = torch.tensor([max_tokens, cap, int(given)], device=dev)      # the all-to-alls' sizes must agree
+        mine = torch.tensor([max_tokens, cap, int(given), C], device=dev)   # the all-to-alls' sizes must agree
         every = [torch.empty_like(mine) for _ in range(W)]
         dist.all_gather(every, mine, group=ep.group)
         if any(not torch.equal(e, every[0]) for e in every):
-            raise ValueError(f"EPMoE.capture: every rank must capture the same (max_tokens, capacity, given); got {[e.tolist() for e in every]}")
+            raise ValueError("EPMoE.capture: every rank must capture the same (max_tokens, capacity, given, chunks); "
+                             f"got {[e.tolist() for e in every]}")
         self.ep, self.max_tokens, self.capacity, self.given, self.cuda = ep, max_tokens, cap, given, cuda
-        Tm, R = max_tokens, W * cap
+        self.chunks, self.chunk_tokens = C, Tc
+        Tm, R = max_tokens, C * W * cap                                      # the send buffer: chunk-major, then rank-major
         z = lambda *s, dt=torch.bfloat16: torch.zeros(*s, dtype=dt, device=dev)
         self.x, self.n, self.out = z(Tm, H), z((), dt=torch.long), z(Tm, H)
         self.w, self.ids = (z(Tm, k, dt=torch.float32), z(Tm, k, dt=torch.int32)) if given else (None, None)
         self.input_ids = z(Tm, dt=torch.long) if sh.tid2eid is not None and not given else None
         self.dropped_ = z((), dt=torch.long)                                # routed slots dropped by the capacity, all calls
         self.slot_token = torch.arange(Tm * k, device=dev) // k
-        self.buckets = torch.arange(W + 1, device=dev)[:, None]
+        self.slot_chunk = self.slot_token // Tc
+        self.buckets = torch.arange(C * W + 1, device=dev)[:, None]         # (chunk, destination) pairs, then "not sent"
         self.none = torch.tensor([[-1, 0]], dtype=torch.int32, device=dev)  # a padding row's (expert id, weight bits)
         self.graph = None
         if not cuda: return
         self.sbufs = sh.buffers(Tm, dev)                                     # the router's and the shared expert's buffers
-        self.rbufs = ep.routed.buffers(R, dev) if ep.payload == "bf16" else None
+        self.rbufs = ep.routed.buffers(W * cap, dev) if ep.payload == "bf16" else None   # one chunk's rows at a time
         # the rows back: [0, R) the returned slots, R a NaN row (dropped slots point at it), then the shared rows
         self.rows_all = z(max(R + 1 + Tm, Tm * (k + 1)), H)
         self.rows_all[R] = float("nan")
@@ -418,15 +429,15 @@ class CapturedEP:
                              "capture with a larger capacity")
 
     def _plan(self, ids, n):
-        "Each routed slot's row in the send buffer (W capacity: none), whether it is sent, and the slot of each send row."
-        ep, W, cap, k = self.ep, self.ep.world, self.capacity, self.ep.cfg.top_k
-        Tk, R = ids.numel(), W * cap
+        "Each routed slot's row in the send buffer (R: none), whether it is sent, and the slot of each send row."
+        ep, W, cap, k, C = self.ep, self.ep.world, self.capacity, self.ep.cfg.top_k, self.chunks
+        Tk, R = ids.numel(), C * W * cap
         valid = self.slot_token[:Tk] < n                                     # padding tokens send nothing
-        dest = torch.where(valid, ids.reshape(-1).long() // ep.per_rank, W)
-        hit = (self.buckets == dest[None, :]).to(torch.int32)               # (W + 1, T k): the counting sort of dispatch_plan
-        within = hit.cumsum(1, dtype=torch.int32).gather(0, dest[None, :]).squeeze(0) - 1
-        ok = (dest < W) & (within < cap)
-        spos = torch.where(ok, dest * cap + within, R)
+        key = torch.where(valid, self.slot_chunk[:Tk] * W + ids.reshape(-1).long() // ep.per_rank, C * W)   # (chunk, destination)
+        hit = (self.buckets == key[None, :]).to(torch.int32)                # (C W + 1, T k): the counting sort of dispatch_plan
+        within = hit.cumsum(1, dtype=torch.int32).gather(0, key[None, :]).squeeze(0) - 1
+        ok = (key < C * W) & (within < cap)
+        spos = torch.where(ok, key * cap + within, R)
         self.dropped_ += (valid & ~ok).sum()
         src = torch.full((R + 1,), Tk, dtype=torch.long, device=ids.device).scatter_(0, spos, torch.arange(Tk, device=ids.device))[:R]
         return spos, ok, src
@@ -442,7 +453,8 @@ class CapturedEP:
     def _body(self):
         "The forward on the GPU: fixed shapes, no host read (the graph's body)."
         ep, c = self.ep, self.ep.cfg
-        W, k, H, Tm, R, g = ep.world, c.top_k, c.hidden, self.max_tokens, ep.world * self.capacity, ep.group
+        W, k, H, Tm, C, g = ep.world, c.top_k, c.hidden, self.max_tokens, self.chunks, ep.group
+        Rc = W * self.capacity; R = C * Rc                                  # one chunk's rows; all of them
         x, n, sh, sb = self.x, self.n, ep.shared_expert, self.sbufs
         buf, main = sb[0], torch.cuda.current_stream(x.device)
         a1 = sh.a1_scales if sh.act == "w4a4" else None
@@ -461,20 +473,28 @@ class CapturedEP:
         spos, ok, src = self._plan(ids, n)
         pay, meta = self._pack(x, w, ids, src)
         self.comm.wait_stream(main)
-        with torch.cuda.stream(self.comm):                                   # the dispatch, beside the shared expert
-            dist.all_to_all_single(self.recv, pay, group=g)
-            if ep.payload == "bf16": dist.all_to_all_single(self.recv_meta, meta, group=g)
+        arrived = []
+        with torch.cuda.stream(self.comm):                                   # every chunk's dispatch, beside the shared expert
+            for j in range(C):
+                s_ = slice(j * Rc, (j + 1) * Rc)
+                dist.all_to_all_single(self.recv[s_], pay[s_], group=g)
+                if ep.payload == "bf16": dist.all_to_all_single(self.recv_meta[s_], meta[s_], group=g)
+                arrived.append(torch.cuda.Event()); arrived[-1].record(self.comm)
         combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
-        main.wait_stream(self.comm)
-        if ep.payload == "bf16":
-            er, wr = self.recv_meta[:, 0], self.recv_meta[:, 1].view(torch.float32)
-            er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
-            y = ep.routed._forward_device(self.recv, given=(wr[:, None].contiguous(), er[:, None].contiguous()), bufs=self.rbufs)
-        else:
-            m = self.recv[:, -8:].contiguous().view(torch.int32)
-            y = ep._rows_nvfp4(self.recv, m[:, 1].view(torch.float32), m[:, 0])
-        self.comm.wait_stream(main)
-        with torch.cuda.stream(self.comm): dist.all_to_all_single(self.rows_all[:R], y, group=g)   # the rows back
+        ys = []                                                              # held to the end: the side stream reads them
+        for j in range(C):                                                   # chunk j's experts; its return beside chunk j + 1's
+            s_ = slice(j * Rc, (j + 1) * Rc)
+            main.wait_event(arrived[j])
+            if ep.payload == "bf16":
+                er, wr = self.recv_meta[s_, 0], self.recv_meta[s_, 1].view(torch.float32)
+                er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
+                y = ep.routed._forward_device(self.recv[s_], given=(wr[:, None].contiguous(), er[:, None].contiguous()), bufs=self.rbufs)
+            else:
+                m = self.recv[s_, -8:].contiguous().view(torch.int32)
+                y = ep._rows_nvfp4(self.recv[s_], m[:, 1].view(torch.float32), m[:, 0])
+            ys.append(y)
+            self.comm.wait_stream(main)
+            with torch.cuda.stream(self.comm): dist.all_to_all_single(self.rows_all[s_], y, group=g)   # the rows back
         main.wait_stream(self.comm)
         inv = torch.cat([spos.view(Tm, k).to(torch.int32), self.shared_slot], 1)   # dropped slots: the NaN row R
         combine_tokens(self.rows_all, _Slots(self.rows_all, inv, H, Tm, k, c.num_experts), self.out, n)
@@ -482,7 +502,8 @@ class CapturedEP:
     def _body_cpu(self, T):
         "The same steps on the CPU (gloo): the float64 experts, the float64 sum."
         ep, c = self.ep, self.ep.cfg
-        W, k, H, R, g = ep.world, c.top_k, c.hidden, ep.world * self.capacity, ep.group
+        W, k, H, g = ep.world, c.top_k, c.hidden, ep.group
+        Rc = W * self.capacity; R = self.chunks * Rc
         x = self.x
         w, ids = (self.w[:T], self.ids[:T]) if self.given else ep.route(x[:T], None if self.input_ids is None else self.input_ids[:T])
         pad = lambda t, v: torch.cat([t, t.new_full((self.max_tokens - T,) + tuple(t.shape[1:]), v)])
@@ -490,24 +511,27 @@ class CapturedEP:
         spos, ok, src = self._plan(idp, self.n)
         pay, meta = self._pack(x, wp, idp, src)
         recv, rmeta = torch.empty_like(pay), torch.empty_like(meta)
-        dist.all_to_all_single(recv, pay, group=g)
-        dist.all_to_all_single(rmeta, meta, group=g)
-        er, wr = rmeta[:, 0], rmeta[:, 1].view(torch.float32)
-        mine = ((er >= ep.experts.start) & (er < ep.experts.stop)).nonzero().squeeze(1)   # the real rows (a host read: CPU)
-        y = torch.zeros(R, H, dtype=torch.float64)
-        if mine.numel():
-            f = ep._rows_bf16 if ep.payload == "bf16" else ep._rows_nvfp4
-            y[mine] = f(recv[mine], wr[mine], er[mine])
-        back = torch.empty_like(y)
-        dist.all_to_all_single(back, y, group=g)
-        back = torch.cat([back, torch.full((1, H), float("nan"), dtype=torch.float64)])   # row R: a dropped slot's
+        back = torch.empty(R + 1, H, dtype=torch.float64)
+        back[R] = float("nan")                                               # row R: a dropped slot's
+        for j in range(self.chunks):                                         # chunk by chunk, as the GPU's pipeline
+            s_ = slice(j * Rc, (j + 1) * Rc)
+            dist.all_to_all_single(recv[s_], pay[s_], group=g)
+            dist.all_to_all_single(rmeta[s_], meta[s_], group=g)
+            er, wr = rmeta[s_, 0], rmeta[s_, 1].view(torch.float32)
+            mine = ((er >= ep.experts.start) & (er < ep.experts.stop)).nonzero().squeeze(1)   # the real rows (a host read: CPU)
+            y = torch.zeros(Rc, H, dtype=torch.float64)
+            if mine.numel():
+                f = ep._rows_bf16 if ep.payload == "bf16" else ep._rows_nvfp4
+                y[mine] = f(recv[s_][mine], wr[mine], er[mine])
+            dist.all_to_all_single(back[s_], y, group=g)
         pos = spos[:T * k].view(T, k)
         slots = torch.stack([back[pos[:, j]] for j in range(k)] + [ep._shared_rows(x[:T], w, ids)], 1)   # as EPMoE sums them
         return slots.sum(1).to(torch.bfloat16)
 
-def _capture(self, max_tokens: int, capacity: int | None = None, given: bool = False, graph: bool = True) -> CapturedEP:
+def _capture(self, max_tokens: int, capacity: int | None = None, given: bool = False, graph: bool = True,
+             chunks: int = 1) -> CapturedEP:
     "Record this rank's forward in one CUDA graph for up to `max_tokens` tokens (see `CapturedEP`); collective."
-    return CapturedEP(self, max_tokens, capacity, given, graph)
+    return CapturedEP(self, max_tokens, capacity, given, graph, chunks)
 
 EPMoE.capture = _capture
 
@@ -529,7 +553,8 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4 with fixed static scales, the same on every
     rank) as `EPMoE` over W GPUs, bf16 and NVFP4 payloads, against the whole layer on one GPU over the same total batch
     (W T tokens); with T tokens per rank: latency (in 1, 2 and 4 micro-batches; with the shared expert on a side stream;
-    captured in a CUDA graph with the no-drop capacity and with 1.25x the mean rows per rank pair), each payload's dispatch bytes, the dispatch all-to-all's
+    captured in a CUDA graph with the no-drop capacity and with 1.25x the mean rows per rank pair, and from 512 tokens
+    per rank in 2 and 4 pipelined chunks at 1.25x), each payload's dispatch bytes, the dispatch all-to-all's
     time and bandwidth, and an `all_to_all_single` of the same bytes (uniform split) timed in the same run. Checks the
     EP output against the one-GPU layer bit for bit on the way. Returns the rows on rank 0 (None elsewhere)."""
     from dsv4_nvfp4.moe import FLASH
@@ -566,11 +591,15 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             ep.overlap = True                                            # what the side stream buys (or costs)
             row[f"t_ep_{p}_side_ms"] = _timed(lambda: ep(x), iters)
             ep.overlap = False
-            # fixed shapes in one CUDA graph (no host read): the no-drop capacity, and 1.25x the mean rows per rank pair
+            # fixed shapes in one CUDA graph (no host read): the no-drop capacity, 1.25x the mean rows per rank pair (plus
+            # 64), and that in C pipelined chunks (the capacity per chunk)
             full = T * min(cfg.top_k, ep.per_rank)
-            for key, cap in (("graph", full), ("graph_cap", min(full, -(-5 * T * cfg.top_k // (4 * W)) + 64))):
+            cap125 = lambda t: -(-5 * t * cfg.top_k // (4 * W)) + 64
+            variants = [("graph", full, 1), ("graph_cap", min(full, cap125(T)), 1)]
+            if T >= 512: variants += [(f"graph_c{C}", min(-(-T // C) * min(cfg.top_k, ep.per_rank), cap125(-(-T // C))), C) for C in (2, 4)]
+            for key, cap, C in variants:
                 if key == "graph_cap" and cap == full: continue
-                cg = ep.capture(T, capacity=cap)
+                cg = ep.capture(T, capacity=cap, chunks=C)
                 ok = torch.equal(cg(x), want[r * T:(r + 1) * T]) and cg.dropped == 0
                 same = torch.tensor([int(ok)], device=dev)
                 dist.all_reduce(same, op=dist.ReduceOp.MIN)
@@ -590,8 +619,9 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             flat, out = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
             row[f"t_a2a_even_{p}_ms"] = _timed(lambda: dist.all_to_all_single(out, flat), iters)
         row["x_one"] = {p: row["t_one_ms"] / min(row[f"t_ep_{p}_mb{mb}_ms"] for mb in micro_batches) for p in PAYLOADS}   # throughput ratio, same total batch, best C
-        row["x_one_graph"] = {p: row["t_one_ms"] / min(row[f"t_ep_{p}_{k}_ms"] for k in ("graph", "graph_cap") if row.get(f"bit_exact_{p}_{k}"))
-                              for p in PAYLOADS if any(row.get(f"bit_exact_{p}_{k}") for k in ("graph", "graph_cap"))}
+        gk = ("graph", "graph_cap", "graph_c2", "graph_c4")                 # the captured variants: the best exact one
+        row["x_one_graph"] = {p: row["t_one_ms"] / min(row[f"t_ep_{p}_{k}_ms"] for k in gk if row.get(f"bit_exact_{p}_{k}"))
+                              for p in PAYLOADS if any(row.get(f"bit_exact_{p}_{k}") for k in gk)}
         rows.append(row)
         if r == 0: log(f"  T/rank={T:5d}  one GPU {row['t_one_ms']:.3f} ms  EP bf16 {row['t_ep_bf16_ms']:.3f} ms  "
                        f"EP nvfp4 {row['t_ep_nvfp4_ms']:.3f} ms  exact {row['bit_exact_bf16']}/{row['bit_exact_nvfp4']}")
@@ -602,11 +632,14 @@ def ep_table(res: dict) -> str:
     mbs = [m for m in res.get("micro_batches", [1]) if m != 1]
     alt = "side" if "t_ep_bf16_side_ms" in res["rows"][0] else "serial"   # the records before the default turned serial
     graph = "t_ep_bf16_graph_ms" in res["rows"][0]                          # the records before EPMoE.capture have none
+    chunked = [k for k in ("graph_c2", "graph_c4") if any(f"t_ep_bf16_{k}_ms" in r for r in res["rows"])]
     def g(r, key):                                                          # a captured time, and whether it was exact
         return " / ".join("-" if f"t_ep_{p}_{key}_ms" not in r else f"{r[f't_ep_{p}_{key}_ms']:.3f}" + ("" if r[f"bit_exact_{p}_{key}"] else " (NOT exact)")
                           for p in PAYLOADS)
     head = (["T / rank", "1 GPU ms", "EP bf16 ms", "EP NVFP4 ms"] + [f"{m} micro-batches ms (bf16 / NVFP4)" for m in mbs]
-            + (["graph ms (bf16 / NVFP4)", "graph, capacity 1.25x mean ms (bf16 / NVFP4)", "x 1 GPU, graph (bf16 / NVFP4)"] if graph else [])
+            + (["graph ms (bf16 / NVFP4)", "graph, capacity 1.25x mean ms (bf16 / NVFP4)"] if graph else [])
+            + [f"graph, 1.25x, {k[-1]} chunks ms (bf16 / NVFP4)" for k in chunked]
+            + (["x 1 GPU, graph (bf16 / NVFP4)"] if graph else [])
             + ["x 1 GPU, best (bf16 / NVFP4)", ("shared on a side stream" if alt == "side" else "serial") + " ms (bf16 / NVFP4)", "dispatch MB (bf16 / NVFP4)",
             "a2a ms (bf16 / NVFP4)", "a2a GB/s (bf16 / NVFP4)", "even a2a GB/s (bf16 / NVFP4)", "bit-exact"])
     bw = lambda r, p, k: r[f"bytes_{p}"] / res["world"] / r[k] / 1e6        # per-rank bytes / time
@@ -614,7 +647,8 @@ def ep_table(res: dict) -> str:
     for r in res["rows"]:
         out.append([r["tokens_per_rank"], f"{r['t_one_ms']:.3f}", f"{r['t_ep_bf16_ms']:.3f}", f"{r['t_ep_nvfp4_ms']:.3f}"]
                    + [f"{r[f't_ep_bf16_mb{m}_ms']:.3f} / {r[f't_ep_nvfp4_mb{m}_ms']:.3f}" for m in mbs]
-                   + ([g(r, "graph"), g(r, "graph_cap"), " / ".join(f"{r['x_one_graph'][p]:.2f}" if p in r["x_one_graph"] else "-" for p in PAYLOADS)] if graph else []) + [
+                   + ([g(r, "graph"), g(r, "graph_cap")] if graph else []) + [g(r, k) for k in chunked]
+                   + ([" / ".join(f"{r['x_one_graph'][p]:.2f}" if p in r["x_one_graph"] else "-" for p in PAYLOADS)] if graph else []) + [
                     f"{r['x_one']['bf16']:.2f} / {r['x_one']['nvfp4']:.2f}",
                     f"{r[f't_ep_bf16_{alt}_ms']:.3f} / {r[f't_ep_nvfp4_{alt}_ms']:.3f}",
                     f"{r['bytes_bf16'] / 1e6:.2f} / {r['bytes_nvfp4'] / 1e6:.2f}",

@@ -26,6 +26,7 @@ def main():
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
             caps = {payload: ep.capture(MAX_T, given=True)}
+            chunked = ep.capture(MAX_T, given=True, chunks=3)             # the pipelined chunks (107, 107, 106 tokens)
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
                 Ts = (Ts * W)[:W]
                 g = torch.Generator(device=dev).manual_seed(sum(Ts))
@@ -44,7 +45,9 @@ def main():
                     w, ids = lay.route(x_all)
                     cap = caps[payload]
                     got = cap(x, w[a:a + Ts[r]], ids[a:a + Ts[r]])
-                    if not torch.equal(got, lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]): fails.append(f"{act} {payload} captured T={Ts}")
+                    want_r = lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]
+                    if not torch.equal(got, want_r): fails.append(f"{act} {payload} captured T={Ts}")
+                    if not torch.equal(chunked(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in chunks T={Ts}")
                 # skewed: four of every token's six experts on rank 0, two elsewhere
                 if x_all.shape[0] and W > 1:
                     w, _ = lay.route(x_all)
@@ -54,6 +57,7 @@ def main():
                     want = lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]
                     if not torch.equal(ep.forward_routed(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} skewed T={Ts}")
                     if not torch.equal(caps[payload](x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured skewed T={Ts}")
+                    if not torch.equal(chunked(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured in chunks, skewed T={Ts}")
             # the router inside the graph, on a full buffer (the same logits GEMM shape as the eager forward's)
             full = MAX_T
             g = torch.Generator(device=dev).manual_seed(5)
@@ -79,7 +83,7 @@ def main():
     if fails: print(f"rank {r}: FAIL " + "; ".join(fails), flush=True)
     dist.barrier()
     if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
-    del caps, routed                                # the graphs go before the communicator they hold (it hung at exit otherwise)
+    del caps, chunked, routed                       # the graphs go before the communicator they hold (it hung at exit otherwise)
     if W > 1: del small
     gc.collect(); torch.cuda.synchronize()
     dist.barrier()

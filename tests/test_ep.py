@@ -1,7 +1,7 @@
 """Expert parallelism on the CPU (gloo, 2 and 4 processes): the dispatch / combine of `EPMoE` against the single-process
 layer on the concatenated batch, bit for bit, for both payloads, ragged and skewed routing, an empty rank, T = 1,
-micro-batches (some empty) and the fixed shapes of `EPMoE.capture` (a capacity that overflows: NaN for exactly the
-tokens that lost a slot, the others exact)."""
+micro-batches (some empty) and the fixed shapes of `EPMoE.capture`, in one chunk and in three (a capacity that
+overflows, whole or per chunk: NaN for exactly the tokens that lost a slot, the others exact)."""
 import io
 import os
 import tempfile
@@ -16,6 +16,7 @@ from dsv4_nvfp4 import moe as M
 CFG = M.MoEConfig(hidden=256, inter=128, num_experts=8, top_k=3, routed_scaling_factor=1.5)
 TOKENS = {2: [5, 1], 4: [7, 0, 9, 1]}          # ragged, an empty rank, a single token
 MAX_T, SMALL_CAP = 10, 4                        # `EPMoE.capture`'s fixed shapes: tokens per rank, and a capacity that overflows
+CHUNKS, CHUNK_CAP = 3, 2                        # the chunked pipeline: 3 chunks of 4 tokens (some empty), and per-chunk overflow
 
 
 def batches(W):
@@ -51,11 +52,17 @@ def _worker(rank, W, path, q):
             res[(act, payload, "mb3")] = mb.forward_routed(xs[rank], *rt[rank])
             res[(act, payload, "fixed")] = ep.capture(MAX_T)(xs[rank]).clone()          # fixed shapes, no host read
             res[(act, payload, "fixed skewed")] = ep.capture(MAX_T, given=True)(xs[rank], *rt[rank]).clone()
+            res[(act, payload, "chunks")] = ep.capture(MAX_T, chunks=CHUNKS)(xs[rank]).clone()
+            res[(act, payload, "chunks skewed")] = ep.capture(MAX_T, given=True, chunks=CHUNKS)(xs[rank], *rt[rank]).clone()
         ep = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act="w4a4"), payload="nvfp4")
         small = ep.capture(MAX_T, capacity=SMALL_CAP, given=True)                     # the skewed routing overflows it
         res["small"], res["small dropped"] = small(xs[rank], *rt[rank]).clone(), small.dropped
         try: small.check(); res["small check"] = "no error"
         except ValueError as e: res["small check"] = str(e)
+        small = ep.capture(MAX_T, capacity=CHUNK_CAP, given=True, chunks=CHUNKS)      # the capacity is per chunk
+        res["chunk small"], res["chunk small dropped"] = small(xs[rank], *rt[rank]).clone(), small.dropped
+        try: ep.capture(MAX_T, chunks=1 + rank % 2); res["mismatch chunks"] = "no error"
+        except ValueError as e: res["mismatch chunks"] = str(e)
         try: ep.capture(MAX_T + rank); res["mismatch"] = "no error"                  # ranks disagree: every rank raises
         except ValueError as e: res["mismatch"] = str(e)
         lay = M.DSV4MoE.synthetic(CFG, seed=3)
@@ -71,6 +78,18 @@ def _worker(rank, W, path, q):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _lost(W, rt, cap, chunk_tokens):
+    "Which tokens lose a routed slot to a capacity of `cap` per (source, chunk, destination), and how many slots are lost."
+    per, lost, n = CFG.num_experts // W, [], 0
+    for r in range(W):
+        ids = rt[r][1].long()
+        key = (torch.arange(ids.shape[0])[:, None] // chunk_tokens) * W + ids // per      # (chunk, destination) of each slot
+        pos = torch.stack([(key.reshape(-1) == b).cumsum(0).view_as(key) - 1 for b in range(int(key.max()) + 1)]).gather(0, key[None])[0] \
+            if ids.numel() else key
+        lost.append((pos >= cap).any(1) if ids.numel() else torch.zeros(0, dtype=torch.bool)); n += int((pos >= cap).sum())
+    return torch.cat(lost), n
 
 
 @pytest.mark.parametrize("W", [2, 4])
@@ -97,22 +116,25 @@ def test_ep_layer_equals_the_single_process_layer(W):
         assert torch.equal(fx, lay(x)), f"{act} {payload} fixed shapes"
         fx = torch.cat([got[r][(act, payload, "fixed skewed")] for r in range(W)])
         assert torch.equal(fx, lay.forward_routed(x, w, ids)), f"{act} {payload} fixed shapes, skewed routing"
+        fx = torch.cat([got[r][(act, payload, "chunks")] for r in range(W)])
+        assert torch.equal(fx, lay(x)), f"{act} {payload} fixed shapes in {CHUNKS} chunks"
+        fx = torch.cat([got[r][(act, payload, "chunks skewed")] for r in range(W)])
+        assert torch.equal(fx, lay.forward_routed(x, w, ids)), f"{act} {payload} fixed shapes in {CHUNKS} chunks, skewed routing"
     # the small capacity: a slot fits when it is among the first SMALL_CAP its source rank sends to its destination
-    # (in token order); a token with a slot that does not is NaN, every other token exact
-    per, lost, n_lost = CFG.num_experts // W, [], 0
-    for r in range(W):
-        dest = rt[r][1].long() // per
-        pos = torch.stack([(dest.reshape(-1) == d).cumsum(0).view_as(dest) - 1 for d in range(W)]).gather(0, dest[None])[0]
-        lost.append((pos >= SMALL_CAP).any(1)); n_lost += int((pos >= SMALL_CAP).sum())
-    lost = torch.cat(lost)
-    assert lost.any() and not lost.all(), "the test's capacity must drop some tokens and keep others"
-    small = torch.cat([got[r]["small"] for r in range(W)])
+    # (in token order; with chunks, to its destination in its chunk of tokens); a token with a slot that does not is
+    # NaN, every other token exact
     lay = M.DSV4MoE.synthetic(CFG, seed=3, act="w4a4")
-    assert torch.isnan(small).all(1).equal(lost) and not torch.isnan(small[~lost]).any()
-    assert torch.equal(small[~lost], lay.forward_routed(x, w, ids)[~lost])
-    assert sum(got[r]["small dropped"] for r in range(W)) == n_lost
+    want = lay.forward_routed(x, w, ids)
+    for key, cap, chunk_tokens in (("small", SMALL_CAP, MAX_T), ("chunk small", CHUNK_CAP, -(-MAX_T // CHUNKS))):
+        lost, n_lost = _lost(W, rt, cap, chunk_tokens)
+        assert lost.any() and not lost.all(), f"{key}: the test's capacity must drop some tokens and keep others"
+        small = torch.cat([got[r][key] for r in range(W)])
+        assert torch.isnan(small).all(1).equal(lost) and not torch.isnan(small[~lost]).any(), key
+        assert torch.equal(small[~lost], want[~lost]), key
+        assert sum(got[r][key + " dropped"] for r in range(W)) == n_lost, key
     assert all(("did not fit the capacity 4" in got[r]["small check"]) == bool(got[r]["small dropped"]) for r in range(W))
     assert all("every rank must capture the same" in got[r]["mismatch"] for r in range(W))
+    assert all("every rank must capture the same" in got[r]["mismatch chunks"] for r in range(W))
     assert "act='w4a4'" in got[0]["nvfp4-w4a16"]
     assert all("expert ids must be in [0, 8)" in got[r]["bad"] for r in range(W)), [got[r]["bad"] for r in range(W)]
 
