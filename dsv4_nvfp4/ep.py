@@ -282,7 +282,7 @@ class EPMoE(torch.nn.Module):
         if q is None: return torch.empty(0, H // 2 + H // 16 + 8, dtype=torch.uint8, device=xs.device)
         return torch.cat([q.data, q.scale.view(torch.uint8), ms.contiguous().view(torch.uint8)], 1)
 
-    def _rows_nvfp4(self, pk, wr, er):
+    def _rows_nvfp4(self, pk, wr, er, bufs=None):
         """The received NVFP4 rows through the local experts: exactly what the single-GPU W4A4 permute would feed them.
         Rows whose id is not a local expert (`capture`'s padding) sort after the last group: not computed, their
         output rows undefined."""
@@ -301,7 +301,7 @@ class EPMoE(torch.nn.Module):
             xr = dequantize_nvfp4_cuda(data[order].contiguous(), scale[order].contiguous(), torch.ones(n, device=pk.device))  # code x block scale: exact in bf16
             rs = torch.stack([a1[order], wr[order]], 1).contiguous()
             back = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=pk.device))   # where each row went
-            return self.routed.expert_rows(xr, rs, offs).index_select(0, back)   # a row gather (the row scatter
+            return self.routed.expert_rows(xr, rs, offs, bufs).index_select(0, back)   # a row gather (the row scatter
                                                                                  # out[order] = ... ran at half the speed)
         else:
             xq = NVFP4Tensor(data[order].contiguous(), scale[order].contiguous(), a1[order].contiguous(), (n, H))
@@ -315,18 +315,26 @@ class CapturedEP:
     """`EPMoE`'s forward with fixed shapes and no host read, recorded in one CUDA graph on the GPU (make it with
     `EPMoE.capture`). Every rank holds up to `max_tokens` tokens, and every (source, destination) pair of ranks
     exchanges exactly `capacity` row slots, so the all-to-alls have fixed sizes and no counts are read on the host.
+    Collective: every rank calls it (T may be 0) with the same `max_tokens`, `capacity` and `chunks`.
+
     The default capacity, `max_tokens x min(k, E/W)`, is what one rank's tokens can send to one rank at most: no
-    routing overflows it, and the output equals `EPMoE`'s (and the one-GPU layer's) bit for bit, at the price of
-    sending up to W times the rows (the padding travels too). A smaller capacity sends less; a routed slot that does
-    not fit is dropped, its token's output is NaN (never silently wrong) and `dropped` counts it (`check` raises).
-    The dispatch and the return travel on a side stream; the shared expert runs meanwhile. Collective: every rank
-    calls it (T may be 0) with the same `max_tokens`, `capacity` and `chunks`. With `chunks` C > 1 the tokens go in C
-    chunks of ceil(max_tokens / C), each with its own fixed all-to-alls (and `capacity` slots per rank pair per chunk):
-    chunk j + 1's dispatch and chunk j - 1's return travel while chunk j's experts compute, and the output is the same,
-    bit for bit. Drop it (`del`) before
-    `dist.destroy_process_group()`: a graph holds NCCL kernels of the group's communicator (on 2 H100s a check that tore
-    the group down with its graphs alive hung at exit; the benchmark, which drops each one, did not). On the CPU (gloo)
-    the same fixed-shape steps run eagerly with the float64 experts, so the gloo tests hold the logic."""
+    routing overflows it, and the output equals `EPMoE.forward_routed`'s (and the one-GPU layer's) bit for bit for the
+    same routing, at the price of sending up to W times the rows (the padding travels too). A smaller capacity sends
+    less; a routed slot that does not fit is dropped, its token's output is NaN (never silently wrong) and `dropped`
+    counts it (`check` raises). A bad given id (outside [0, E), or repeated in a token's row) also makes its token NaN,
+    as the route kernel does: nothing can raise without a host read. With the router inside the graph, the logits GEMM
+    runs over `max_tokens` rows, and its algorithm may depend on the row count, so a token's routing could in principle
+    differ from the eager forward's at T < max_tokens (the GPU check compares them at T = max_tokens).
+
+    The dispatch and the return travel on a side stream; the shared expert runs meanwhile. With `chunks` C > 1 the
+    tokens go in chunks of ceil(max_tokens / C) (C shrinks if the last would always be empty), each with its own fixed
+    all-to-alls and `capacity` slots per rank pair (default `ceil(max_tokens / C) x min(k, E/W)`): chunk j + 1's
+    dispatch and chunk j - 1's return travel while chunk j's experts compute, and the output is the same, bit for bit.
+
+    Drop it (`del`) before `dist.destroy_process_group()`: a graph holds NCCL kernels of the group's communicator (on
+    2 H100s a check that tore the group down with its graphs alive hung at exit; the benchmark, which drops each one,
+    did not). On the CPU (gloo) the same fixed-shape steps run eagerly with the float64 experts, so the gloo tests hold
+    the logic."""
 
     def __init__(self, ep: "EPMoE", max_tokens: int, capacity: int | None = None,
                  given: bool = False,            # the routing comes with each call (`topk_weights`, `topk_ids`), no router
@@ -337,6 +345,7 @@ class CapturedEP:
         C = int(chunks)
         if not 1 <= C <= max_tokens: raise ValueError(f"EPMoE.capture: chunks must be in [1, max_tokens = {max_tokens}], got {chunks}")
         Tc = -(-max_tokens // C)                                            # tokens per chunk (the last may hold fewer)
+        C = -(-max_tokens // Tc)                                            # and no chunk that is always empty (9 in 4: 3 of 3)
         full = Tc * min(k, ep.per_rank)
         cap = full if capacity is None else int(capacity)
         if not 1 <= cap <= full:
@@ -367,7 +376,9 @@ class CapturedEP:
         self.graph = None
         if not cuda: return
         self.sbufs = sh.buffers(Tm, dev)                                     # the router's and the shared expert's buffers
-        self.rbufs = ep.routed.buffers(W * cap, dev) if ep.payload == "bf16" else None   # one chunk's rows at a time
+        # the routed experts' buffers, the graph's own (the eager ones are replaced when a larger call needs more):
+        # one chunk's rows at a time (bf16: as tokens of the one-slot layer; NVFP4: `expert_rows`' rows)
+        self.rbufs = ep.routed.buffers(W * cap if ep.payload == "bf16" else -(-W * cap // (ep.routed.cfg.top_k + 1)), dev)
         # the rows back: [0, R) the returned slots, R a NaN row (dropped slots point at it), then the shared rows
         self.rows_all = z(max(R + 1 + Tm, Tm * (k + 1)), H)
         self.rows_all[R] = float("nan")
@@ -378,8 +389,8 @@ class CapturedEP:
         # (the router gives it a NaN row on expert 0, never read)
         self.sentinel = (ep.experts.stop % c.num_experts) if W > 1 else -1
         self.comm = torch.cuda.Stream(dev)
+        self.n.fill_(Tm)                                                     # before the warm-up stream starts
         s = torch.cuda.Stream(dev); s.wait_stream(torch.cuda.current_stream(dev))
-        self.n.fill_(Tm)
         with torch.cuda.stream(s):
             for _ in range(2): self._body()                                  # compile, prepare, warm the caches and NCCL
         torch.cuda.current_stream(dev).wait_stream(s)
@@ -491,7 +502,7 @@ class CapturedEP:
                 y = ep.routed._forward_device(self.recv[s_], given=(wr[:, None].contiguous(), er[:, None].contiguous()), bufs=self.rbufs)
             else:
                 m = self.recv[s_, -8:].contiguous().view(torch.int32)
-                y = ep._rows_nvfp4(self.recv[s_], m[:, 1].view(torch.float32), m[:, 0])
+                y = ep._rows_nvfp4(self.recv[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs)
             ys.append(y)
             self.comm.wait_stream(main)
             with torch.cuda.stream(self.comm): dist.all_to_all_single(self.rows_all[s_], y, group=g)   # the rows back
@@ -506,6 +517,13 @@ class CapturedEP:
         Rc = W * self.capacity; R = self.chunks * Rc
         x = self.x
         w, ids = (self.w[:T], self.ids[:T]) if self.given else ep.route(x[:T], None if self.input_ids is None else self.input_ids[:T])
+        bad = torch.zeros(T, dtype=torch.bool)
+        if self.given:                          # as the GPU's route kernel: a row with an id outside [0, E) or a repeated one
+            srt = ids.long().sort(1).values     # goes to experts 0..k-1 (the same traffic), and its token's output is NaN
+            bad = ((ids < 0) | (ids >= c.num_experts)).any(1) | (srt[:, 1:] == srt[:, :-1]).any(1)
+            ids = torch.where(bad[:, None], torch.arange(k, dtype=ids.dtype)[None], ids)
+            w = torch.where(bad[:, None], torch.zeros_like(w), w)   # (the GPU's NaN weights, which the float64 NVFP4
+                                                                    # reference refuses to quantize, become NaN rows below)
         pad = lambda t, v: torch.cat([t, t.new_full((self.max_tokens - T,) + tuple(t.shape[1:]), v)])
         wp, idp = pad(w.float(), 0), pad(ids.int(), 0)
         spos, ok, src = self._plan(idp, self.n)
@@ -526,7 +544,7 @@ class CapturedEP:
             dist.all_to_all_single(back[s_], y, group=g)
         pos = spos[:T * k].view(T, k)
         slots = torch.stack([back[pos[:, j]] for j in range(k)] + [ep._shared_rows(x[:T], w, ids)], 1)   # as EPMoE sums them
-        return slots.sum(1).to(torch.bfloat16)
+        return slots.sum(1).masked_fill(bad[:, None], float("nan")).to(torch.bfloat16)
 
 def _capture(self, max_tokens: int, capacity: int | None = None, given: bool = False, graph: bool = True,
              chunks: int = 1) -> CapturedEP:

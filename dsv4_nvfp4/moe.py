@@ -264,17 +264,22 @@ class DSV4MoE(torch.nn.Module):
     def expert_rows(self, xr: torch.Tensor,       # bf16 (R, H) expert-major rows (W4A4: code x block scale, as the permute stores them)
                     row_scales: torch.Tensor,     # fp32 (R, 2): per row (gs_a, routing weight); gs_a is W4A4's a1 of the row's group
                     offsets: torch.Tensor,        # int32 (G,) cumulative end offsets over this layer's groups
+                    bufs: tuple | None = None,    # `buffers(n)` with n (k + 1) >= R (a captured graph's own); default: the eager ones
                    ) -> torch.Tensor:             # bf16 (R, H): each row's weighted expert output (a new tensor)
         """The fused L1 and L2 alone, over rows that are already expert-major (the expert-parallel layer's received rows):
-        what the forward does between its permute and its combine, row for row."""
+        what the forward does between its permute and its combine, row for row. A CUDA graph passes its own `bufs`: the
+        eager ones are replaced (and freed) when a larger call needs more."""
         R, dev = xr.shape[0], xr.device
         if tuple(row_scales.shape) != (R, 2) or tuple(offsets.shape) != (self.num_groups,):
             raise ValueError(f"DSV4MoE.expert_rows: row_scales must be ({R}, 2) and offsets ({self.num_groups},), got "
                              f"{tuple(row_scales.shape)} and {tuple(offsets.shape)}")
         if R == 0: return torch.empty(0, self.cfg.hidden, dtype=torch.bfloat16, device=dev)
         cap = -(-R // (self.cfg.top_k + 1))
-        bufs = self._eager.get(dev)
-        if bufs is None or bufs[0].capacity < cap: bufs = self._eager[dev] = self.buffers(cap, dev)
+        if bufs is not None:
+            if bufs[0].capacity < cap: raise ValueError(f"DSV4MoE.expert_rows: {R} rows need buffers for {cap} tokens, got {bufs[0].capacity}")
+        else:
+            bufs = self._eager.get(dev)
+            if bufs is None or bufs[0].capacity < cap: bufs = self._eager[dev] = self.buffers(cap, dev)
         return self._experts(xr.contiguous(), row_scales.float().contiguous(), offsets, bufs).clone()
 
 # %% ../nbs/08_moe_layer.ipynb #d079dfb3

@@ -26,7 +26,8 @@ def main():
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
             caps = {payload: ep.capture(MAX_T, given=True)}
-            chunked = ep.capture(MAX_T, given=True, chunks=3)             # the pipelined chunks (107, 107, 106 tokens)
+            chunked = ep.capture(MAX_T, given=True, chunks=3)             # the pipelined chunks (107, 107, 106 tokens); the eager
+                                                                          # calls below need larger expert buffers than its own
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
                 Ts = (Ts * W)[:W]
                 g = torch.Generator(device=dev).manual_seed(sum(Ts))

@@ -4,7 +4,9 @@ micro-batches (some empty) and the fixed shapes of `EPMoE.capture`, in one chunk
 overflows, whole or per chunk: NaN for exactly the tokens that lost a slot, the others exact)."""
 import io
 import os
+import queue
 import tempfile
+import time
 
 import pytest
 import torch
@@ -61,6 +63,10 @@ def _worker(rank, W, path, q):
         except ValueError as e: res["small check"] = str(e)
         small = ep.capture(MAX_T, capacity=CHUNK_CAP, given=True, chunks=CHUNKS)      # the capacity is per chunk
         res["chunk small"], res["chunk small dropped"] = small(xs[rank], *rt[rank]).clone(), small.dropped
+        bad_ids = rt[rank][1].clone()                                                 # bad given ids: those tokens NaN
+        if bad_ids.shape[0]: bad_ids[0, 0] = CFG.num_experts if rank % 2 == 0 else -1  # out of range
+        if bad_ids.shape[0] > 1: bad_ids[1, 1] = bad_ids[1, 0]                         # repeated in a row
+        res["given bad"] = ep.capture(MAX_T, given=True, chunks=CHUNKS)(xs[rank], rt[rank][0], bad_ids).clone()
         try: ep.capture(MAX_T, chunks=1 + rank % 2); res["mismatch chunks"] = "no error"
         except ValueError as e: res["mismatch chunks"] = str(e)
         try: ep.capture(MAX_T + rank); res["mismatch"] = "no error"                  # ranks disagree: every rank raises
@@ -99,7 +105,14 @@ def test_ep_layer_equals_the_single_process_layer(W):
     with tempfile.TemporaryDirectory() as d:
         ps = [ctx.Process(target=_worker, args=(r, W, os.path.join(d, "store"), q)) for r in range(W)]
         for p in ps: p.start()
-        got = {r: torch.load(io.BytesIO(b)) for r, b in (q.get(timeout=600) for _ in range(W))}
+        got, t0 = {}, time.monotonic()
+        while len(got) < W:                     # a worker that dies fails the test now (the others would wait in a collective)
+            try: r, b = q.get(timeout=2); got[r] = torch.load(io.BytesIO(b)); continue
+            except queue.Empty: pass
+            dead = [p.exitcode for p in ps if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() - t0 > 600:
+                for p in ps: p.kill()
+                pytest.fail(f"gloo workers: exit codes {[p.exitcode for p in ps]} (a worker raised: its traceback is above), or over 600 s")
         for p in ps: p.join(timeout=60)
     assert all(p.exitcode == 0 for p in ps)
     x, rt = torch.cat(batches(W)), skewed(W)
@@ -132,6 +145,9 @@ def test_ep_layer_equals_the_single_process_layer(W):
         assert torch.isnan(small).all(1).equal(lost) and not torch.isnan(small[~lost]).any(), key
         assert torch.equal(small[~lost], want[~lost]), key
         assert sum(got[r][key + " dropped"] for r in range(W)) == n_lost, key
+    bad = torch.cat([torch.arange(T) < 2 for T in TOKENS[W]])                  # each rank's first two tokens (where it has them)
+    gb = torch.cat([got[r]["given bad"] for r in range(W)])
+    assert torch.isnan(gb).all(1).equal(bad) and torch.equal(gb[~bad], want[~bad]), "bad given ids: NaN for exactly those tokens"
     assert all(("did not fit the capacity 4" in got[r]["small check"]) == bool(got[r]["small dropped"]) for r in range(W))
     assert all("every rank must capture the same" in got[r]["mismatch"] for r in range(W))
     assert all("every rank must capture the same" in got[r]["mismatch chunks"] for r in range(W))
