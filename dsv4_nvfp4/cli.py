@@ -201,7 +201,7 @@ def bench_kernels(sizes_mb=(1, 4, 16, 64, 256, 1024),  # bf16 input sizes (MB)
     rows += bench_norm(timer, sizes_mb, log)
     return bandwidth_results(rows, ceiling)
 
-def _bench(what: str, sizes_mb, out: Path) -> int:
+def _bench(what: str, sizes_mb, out: Path, tokens=None) -> int:
     "Run one benchmark, print its table, write bench_<what>.{md,json,png} into `out`."
     import json
     import torch
@@ -210,7 +210,7 @@ def _bench(what: str, sizes_mb, out: Path) -> int:
     log = lambda *m: print(*m, file=sys.stderr, flush=True)
     if what == "ep":                                 # one process per GPU, under torchrun
         from dsv4_nvfp4.ep import bench_ep_main
-        return bench_ep_main(out)
+        return bench_ep_main(out, tuple(tokens or (1, 128, 2048, 8192)))
     if what == "gemm":
         from dsv4_nvfp4.grouped_gemm import bench_gemm, gemm_table, plot_gemm
         res, table, plot = bench_gemm(log=log), gemm_table, plot_gemm
@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("what", choices=["kernels", "gemm", "mxfp4", "mlp", "moe", "kv", "ep"], help="ep: under torchrun on 2+ GPUs")
     bn.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="kernels: input sizes")
     bn.add_argument("--out", type=Path, default=Path("."), help="folder for bench_<what>.{md,json,png}")
+    bn.add_argument("--tokens", type=int, nargs="+", default=None, help="ep: tokens per rank (default 1 128 2048 8192)")
     qz = sub.add_parser("quantize", help="convert a bf16/fp16/fp32 (or FP8 block-scaled) safetensors checkpoint to NVFP4")
     qz.add_argument("src", type=Path, help="a .safetensors file or a (sharded) checkpoint folder")
     qz.add_argument("dst", type=Path, help="the output: a .safetensors file for a file, a folder for a folder")
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd is None:                             # no command: the commands, not an argparse error
         p.print_help(sys.stderr); return 2
-    if args.cmd == "bench": return _bench(args.what, args.sizes_mb, args.out)
+    if args.cmd == "bench": return _bench(args.what, args.sizes_mb, args.out, args.tokens)
     try:
         if args.cmd == "quantize":
             lines = quantize_command(args.src, args.dst, args.format, args.skip, args.overwrite, not args.no_progress)

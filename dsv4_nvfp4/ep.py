@@ -567,7 +567,8 @@ def _timed(fn, iters: int, group=None) -> float:
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
 
-def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print, micro_batches=(1, 2, 4)) -> dict:
+def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print, micro_batches=(1, 2, 4),
+             on_row=None) -> dict:
     """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4 with fixed static scales, the same on every
     rank) as `EPMoE` over W GPUs, bf16 and NVFP4 payloads, against the whole layer on one GPU over the same total batch
     (W T tokens); with T tokens per rank: latency (in 1, 2 and 4 micro-batches; with the shared expert on a side stream;
@@ -575,7 +576,8 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     per rank in 2 and 4 pipelined chunks at 1.25x; the one-GPU layer eager and captured, and the captured EP's ratio
     against the better of the two), each payload's dispatch bytes, the dispatch all-to-all's
     time and bandwidth, and an `all_to_all_single` of the same bytes (uniform split) timed in the same run. Checks the
-    EP output against the one-GPU layer bit for bit on the way. Returns the rows on rank 0 (None elsewhere)."""
+    EP output against the one-GPU layer bit for bit on the way. Returns the rows on rank 0 (None elsewhere); `on_row`
+    (rank 0) gets the result so far after each size, so a run cut short keeps what it measured."""
     from dsv4_nvfp4.moe import FLASH
     cfg = cfg or FLASH
     W, r = dist.get_world_size(), dist.get_rank()
@@ -647,6 +649,7 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
         row["x_one_graph"] = {p: best_one / min(row[f"t_ep_{p}_{k}_ms"] for k in gk if row.get(f"bit_exact_{p}_{k}"))
                               for p in PAYLOADS if any(row.get(f"bit_exact_{p}_{k}") for k in gk)}
         rows.append(row)
+        if r == 0 and on_row is not None: on_row(dict(rows=list(rows), gpu=torch.cuda.get_device_name(), world=W, micro_batches=list(micro_batches)))
         if r == 0: log(f"  T/rank={T:5d}  one GPU {row['t_one_ms']:.3f} ms  EP bf16 {row['t_ep_bf16_ms']:.3f} ms  "
                        f"EP nvfp4 {row['t_ep_nvfp4_ms']:.3f} ms  exact {row['bit_exact_bf16']}/{row['bit_exact_nvfp4']}")
     return dict(rows=rows, gpu=torch.cuda.get_device_name(), world=W, micro_batches=list(micro_batches)) if r == 0 else None
@@ -688,8 +691,9 @@ def ep_table(res: dict) -> str:
 
 # %% ../nbs/08a_expert_parallel.ipynb #68e802ea
 def bench_ep_main(out=".", tokens=(1, 128, 2048, 8192)) -> int:
-    """`torchrun --nproc-per-node 2 -m dsv4_nvfp4.cli bench ep`: NCCL over the local GPUs (one per process, multicast
-    off), `bench_ep`, the table printed and written (bench_ep.md / .json in `out`) by rank 0."""
+    """`torchrun --nproc-per-node 2 -m dsv4_nvfp4.cli bench ep [--tokens T ...]`: NCCL over the local GPUs (one per
+    process, multicast off), `bench_ep`, the table printed and written (bench_ep.md / .json in `out`) by rank 0, after
+    every size (a run cut short keeps the sizes it finished)."""
     import json, os
     from pathlib import Path
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
@@ -701,13 +705,14 @@ def bench_ep_main(out=".", tokens=(1, 128, 2048, 8192)) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))  # torchrun sets 1
     dist.init_process_group("nccl")
     try:
-        res = bench_ep(tokens, log=lambda *m: print(*m, file=sys.stderr, flush=True))
-        if res is not None:
-            text = ep_table(res)
-            print(text)
+        def save(res):
             Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / "bench_ep.md").write_text(text + "\n")
+            (Path(out) / "bench_ep.md").write_text(ep_table(res) + "\n")
             (Path(out) / "bench_ep.json").write_text(json.dumps(res, indent=1))
+        res = bench_ep(tokens, log=lambda *m: print(*m, file=sys.stderr, flush=True), on_row=save)
+        if res is not None:
+            save(res)
+            print(ep_table(res))
     finally:
         dist.destroy_process_group()
     return 0

@@ -240,3 +240,14 @@ def test_quantize_compressed_tensors_and_inspect_dsv4_mxfp4(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "(DSV4 MXFP4" in out and "experts.0.w1" in out and "(16, 64)" in out, out
     assert "exact (global scale 2^" in out and "1 block(s) out of range" in out and "1 of 2 run on the NVFP4 kernels" in out, out
+
+
+def test_bench_ep_passes_its_token_counts(monkeypatch):
+    "`bench ep --tokens ...` hands the sizes to bench_ep_main (the run itself needs torchrun and GPUs)."
+    import dsv4_nvfp4.ep as ep
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ep, "bench_ep_main", lambda out, tokens: seen.append(tokens) or 0)
+    assert run_main(["bench", "ep", "--tokens", "64", "2048"]) == 0 and seen == [(64, 2048)]
+    assert run_main(["bench", "ep"]) == 0 and seen[-1] == (1, 128, 2048, 8192)
+    assert run_main(["bench", "ep", "--tokens", "x"]) == 2                      # not a number: argparse's usage error
