@@ -354,10 +354,14 @@ def _synthetic(cls, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", h
     w1, w3, w2, q1, q3, q2 = [], [], [], [], [], []
     for e in range(E + 1):                             # one expert at a time: a Flash layer never sits in fp32 at once
         a, b, c = _heavy((I, H), g, H ** -0.5, dev), _heavy((I, H), g, H ** -0.5, dev), _heavy((H, I), g, I ** -0.5, dev)
-        q1.append(ref_quantize_nvfp4(a).to("cpu")); q3.append(ref_quantize_nvfp4(b).to("cpu")); q2.append(ref_quantize_nvfp4(c).to("cpu"))
+        q1.append(ref_quantize_nvfp4(a)); q3.append(ref_quantize_nvfp4(b)); q2.append(ref_quantize_nvfp4(c))
         if keep_bf16: w1.append(a.cpu()); w3.append(b.cpu()); w2.append(c.cpu())
-    w13 = interleave_experts(stack_experts(q1), stack_experts(q3), unify=True)
-    q2 = stack_experts(q2)
+    # stacked and fused (unify re-quantizes the experts whose w1 and w3 scales differ) where they were quantized: on a
+    # GPU this is the same arithmetic in seconds, not the CPU's minutes for a Flash layer; then the layer's home, the CPU
+    cpu = lambda q: NVFP4Experts(q.data.cpu(), q.scale.cpu(), q.global_scale.cpu(), q.shape)
+    w13 = cpu(interleave_experts(stack_experts(q1), stack_experts(q3), unify=True))
+    q2 = cpu(stack_experts(q2))
+    del q1, q3
     gate = (torch.randn(E, H, generator=g, device=dev) * H ** -0.5).to(torch.bfloat16).cpu()
     bias = (torch.randn(E, generator=g, device=dev) * 0.05).cpu()
     tid = (torch.rand(hash_vocab, E, generator=g, device=dev).topk(cfg.top_k, 1).indices.to(torch.int32).cpu()
