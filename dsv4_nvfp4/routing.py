@@ -15,9 +15,9 @@ from . import runtime as rt
 # %% auto #0
 __all__ = ['MOE_CU', 'ROUTE_CHUNK_SMALL', 'ROUTE_CHUNK', 'ROUTE_SMALL_T', 'LOGITS_KERNEL_MAX_T', 'ROUTE_FUSED_MAX_T', 'Routing',
            'route_topk', 'random_topk', 'group_sizes', 'ref_combine', 'check_offsets', 'ref_dsv4_router',
-           'check_expert_ids', 'check_hash_table', 'dsv4_router', 'dsv4_router_torch', 'route_chunk', 'RouteBuffers',
-           'local_groups', 'route_buffers', 'router_logits', 'route_rows', 'permute_rows', 'combine_tokens',
-           'route_permute_fused', 'check_bad']
+           'bad_expert_rows', 'check_expert_ids', 'check_hash_table', 'dsv4_router', 'dsv4_router_torch', 'route_chunk',
+           'RouteBuffers', 'local_groups', 'route_buffers', 'router_logits', 'route_rows', 'permute_rows',
+           'combine_tokens', 'route_permute_fused', 'check_bad']
 
 # %% ../nbs/04_routing.ipynb #efa2b32c
 class Routing(NamedTuple):
@@ -138,13 +138,17 @@ def ref_dsv4_router(x: torch.Tensor,           # (T, hidden) activations (bf16 o
     w = s.gather(1, ids)
     return w / w.sum(1, keepdim=True) * routed_scaling_factor, ids
 
+def bad_expert_rows(ids: torch.Tensor, E: int) -> torch.Tensor:
+    "Which rows of expert ids (..., k) hold an id outside [0, E) or repeat one (bool, flattened rows; no host sync)."
+    srt = ids.reshape(-1, ids.shape[-1]).sort(1).values
+    return (srt[:, 0] < 0) | (srt[:, -1] >= E) | (srt[:, 1:] == srt[:, :-1]).any(1)
+
 def check_expert_ids(ids: torch.Tensor, E: int, what: str, name: str = "topk_ids") -> torch.Tensor:
     "Rows of expert ids (..., k) lie in [0, E) and no row repeats an expert (reads them: a host sync on a GPU)."
     if ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= E: raise ValueError(f"{what}: {name} holds expert ids in [{lo}, {hi}], outside [0, {E})")
-        srt = ids.reshape(-1, ids.shape[-1]).sort(1).values
-        dup = (srt[:, 1:] == srt[:, :-1]).any(1)
+        dup = bad_expert_rows(ids, E)                   # in range: only repeats are left
         if bool(dup.any()): raise ValueError(f"{what}: {name} row {int(dup.nonzero()[0])} repeats an expert")
     return ids
 

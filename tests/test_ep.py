@@ -92,9 +92,9 @@ def _lost(W, rt, cap, chunk_tokens):
     for r in range(W):
         ids = rt[r][1].long()
         key = (torch.arange(ids.shape[0])[:, None] // chunk_tokens) * W + ids // per      # (chunk, destination) of each slot
-        pos = torch.stack([(key.reshape(-1) == b).cumsum(0).view_as(key) - 1 for b in range(int(key.max()) + 1)]).gather(0, key[None])[0] \
-            if ids.numel() else key
-        lost.append((pos >= cap).any(1) if ids.numel() else torch.zeros(0, dtype=torch.bool)); n += int((pos >= cap).sum())
+        hit = key.reshape(-1)[None] == torch.arange(W * -(-MAX_T // chunk_tokens))[:, None]   # one row per bucket
+        pos = (hit.cumsum(1) - 1).gather(0, key.reshape(1, -1)).view_as(key)               # each slot's place in its bucket
+        lost.append((pos >= cap).any(1)); n += int((pos >= cap).sum())
     return torch.cat(lost), n
 
 
