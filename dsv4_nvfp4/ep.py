@@ -21,8 +21,8 @@ from .routing import (ROUTE_FUSED_MAX_T, bad_expert_rows, combine_tokens, permut
 from .swiglu import ref_expert_mlp
 
 # %% auto #0
-__all__ = ['PAYLOADS', 'ep_experts', 'DispatchPlan', 'dispatch_plan', 'exchange', 'payload_bytes', 'ep_traffic', 'EPMoE',
-           'CapturedEP', 'bench_ep', 'ep_table', 'bench_ep_main']
+__all__ = ['PAYLOADS', 'NCCL_SMS', 'ep_experts', 'DispatchPlan', 'dispatch_plan', 'exchange', 'payload_bytes', 'ep_traffic',
+           'EPMoE', 'CapturedEP', 'balanced_gate_bias', 'bench_ep', 'ep_table', 'bench_ep_main']
 
 # %% ../nbs/08a_expert_parallel.ipynb #f0d734f3
 def ep_experts(num_experts: int, world: int, rank: int) -> range:
@@ -315,7 +315,9 @@ class CapturedEP:
     """`EPMoE`'s forward with fixed shapes and no host read, recorded in one CUDA graph on the GPU (make it with
     `EPMoE.capture`). Every rank holds up to `max_tokens` tokens, and every (source, destination) pair of ranks
     exchanges exactly `capacity` row slots, so the all-to-alls have fixed sizes and no counts are read on the host.
-    Collective: every rank calls it (T may be 0) with the same `max_tokens`, `capacity` and `chunks`.
+    A rank's slots for its own experts never go on the wire: the all-to-alls carry only the other ranks' segments
+    (split sizes `capacity` and 0 for itself), and the own segment is a copy on the GPU (a world of one runs no
+    collective at all). Collective: every rank calls it (T may be 0) with the same `max_tokens`, `capacity` and `chunks`.
 
     The default capacity, `max_tokens x min(k, E/W)`, is what one rank's tokens can send to one rank at most: no
     routing overflows it, and the output equals `EPMoE.forward_routed`'s (and the one-GPU layer's) bit for bit for the
@@ -330,6 +332,9 @@ class CapturedEP:
     tokens go in chunks of ceil(max_tokens / C) (C shrinks if the last would always be empty), each with its own fixed
     all-to-alls and `capacity` slots per rank pair (default `ceil(max_tokens / C) x min(k, E/W)`): chunk j + 1's
     dispatch and chunk j - 1's return travel while chunk j's experts compute, and the output is the same, bit for bit.
+    NCCL's all-to-all kernel holds its SMs until it ends (32 on 2 H100s), and the persistent GEMM deals its tiles over a
+    fixed grid, so a GEMM beside it waits for those SMs; with `comm_sms` n the GEMMs that run beside a collective (the
+    shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`), same bits.
 
     Drop it (`del`) before `dist.destroy_process_group()`: a graph holds NCCL kernels of the group's communicator (on
     2 H100s a check that tore the group down with its graphs alive hung at exit; the benchmark, which drops each one,
@@ -339,10 +344,12 @@ class CapturedEP:
     def __init__(self, ep: "EPMoE", max_tokens: int, capacity: int | None = None,
                  given: bool = False,            # the routing comes with each call (`topk_weights`, `topk_ids`), no router
                  graph: bool = True,             # False: run the fixed-shape steps eagerly (the CPU always does)
-                 chunks: int = 1):               # C > 1: C chunks of tokens, each one's all-to-alls beside another's experts
+                 chunks: int = 1,                # C > 1: C chunks of tokens, each one's all-to-alls beside another's experts
+                 comm_sms: int = 0):             # SMs the GEMMs beside a collective leave to it (GPU)
         c, W, k, H = ep.cfg, ep.world, ep.cfg.top_k, ep.cfg.hidden
         if max_tokens < 1: raise ValueError(f"EPMoE.capture: max_tokens must be >= 1, got {max_tokens}")
         C = int(chunks)
+        if int(comm_sms) < 0: raise ValueError(f"EPMoE.capture: comm_sms must be >= 0, got {comm_sms}")
         if not 1 <= C <= max_tokens: raise ValueError(f"EPMoE.capture: chunks must be in [1, max_tokens = {max_tokens}], got {chunks}")
         Tc = -(-max_tokens // C)                                            # tokens per chunk (the last may hold fewer)
         C = -(-max_tokens // Tc)                                            # and no chunk that is always empty (9 in 4: 3 of 3)
@@ -362,8 +369,11 @@ class CapturedEP:
             raise ValueError("EPMoE.capture: every rank must capture the same (max_tokens, capacity, given, chunks); "
                              f"got {[e.tolist() for e in every]}")
         self.ep, self.max_tokens, self.capacity, self.given, self.cuda = ep, max_tokens, cap, given, cuda
-        self.chunks, self.chunk_tokens = C, Tc
-        Tm, R = max_tokens, C * W * cap                                      # the send buffer: chunk-major, then rank-major
+        self.chunks, self.chunk_tokens, self.comm_sms = C, Tc, int(comm_sms)
+        Tm, R = max_tokens, C * W * cap                                      # the send buffer: chunk-major, then by destination
+        # within a chunk: the other ranks' segments in rank order (what the all-to-alls move), then this rank's own
+        self.seg = torch.tensor([W - 1 if d == ep.rank else d - (d > ep.rank) for d in range(W)], device=dev)
+        self.splits = [0 if d == ep.rank else cap for d in range(W)]        # every all-to-all's split sizes, both ways
         z = lambda *s, dt=torch.bfloat16: torch.zeros(*s, dtype=dt, device=dev)
         self.x, self.n, self.out = z(Tm, H), z((), dt=torch.long), z(Tm, H)
         self.w, self.ids = (z(Tm, k, dt=torch.float32), z(Tm, k, dt=torch.int32)) if given else (None, None)
@@ -444,11 +454,12 @@ class CapturedEP:
         ep, W, cap, k, C = self.ep, self.ep.world, self.capacity, self.ep.cfg.top_k, self.chunks
         Tk, R = ids.numel(), C * W * cap
         valid = self.slot_token[:Tk] < n                                     # padding tokens send nothing
-        key = torch.where(valid, self.slot_chunk[:Tk] * W + ids.reshape(-1).long() // ep.per_rank, C * W)   # (chunk, destination)
+        dest = (ids.reshape(-1).long() // ep.per_rank).clamp(0, W - 1)     # (a padding token's stale id: never sent)
+        key = torch.where(valid, self.slot_chunk[:Tk] * W + dest, C * W)   # (chunk, destination)
         hit = (self.buckets == key[None, :]).to(torch.int32)                # (C W + 1, T k): the counting sort of dispatch_plan
         within = hit.cumsum(1, dtype=torch.int32).gather(0, key[None, :]).squeeze(0) - 1
         ok = (key < C * W) & (within < cap)
-        spos = torch.where(ok, key * cap + within, R)
+        spos = torch.where(ok, (self.slot_chunk[:Tk] * W + self.seg[dest]) * cap + within, R)
         self.dropped_ += (valid & ~ok).sum()
         src = torch.full((R + 1,), Tk, dtype=torch.long, device=ids.device).scatter_(0, spos, torch.arange(Tk, device=ids.device))[:R]
         return spos, src
@@ -465,7 +476,7 @@ class CapturedEP:
         "The forward on the GPU: fixed shapes, no host read (the graph's body)."
         ep, c = self.ep, self.ep.cfg
         W, k, H, Tm, C, g = ep.world, c.top_k, c.hidden, self.max_tokens, self.chunks, ep.group
-        Rc = W * self.capacity; R = C * Rc                                  # one chunk's rows; all of them
+        Rc = W * self.capacity; R = C * Rc; Ro = Rc - self.capacity         # one chunk's rows; all; the other ranks' part
         x, n, sh, sb = self.x, self.n, ep.shared_expert, self.sbufs
         buf, main = sb[0], torch.cuda.current_stream(x.device)
         a1 = sh.a1_scales if sh.act == "w4a4" else None
@@ -487,25 +498,36 @@ class CapturedEP:
         arrived = []
         with torch.cuda.stream(self.comm):                                   # every chunk's dispatch, beside the shared expert
             for j in range(C):
-                s_ = slice(j * Rc, (j + 1) * Rc)
-                dist.all_to_all_single(self.recv[s_], pay[s_], group=g)
-                if ep.payload == "bf16": dist.all_to_all_single(self.recv_meta[s_], meta[s_], group=g)
+                o = slice(j * Rc, j * Rc + Ro)                               # the other ranks' segments
+                if W > 1:
+                    dist.all_to_all_single(self.recv[o], pay[o], self.splits, self.splits, group=g)
+                    if ep.payload == "bf16": dist.all_to_all_single(self.recv_meta[o], meta[o], self.splits, self.splits, group=g)
                 arrived.append(torch.cuda.Event()); arrived[-1].record(self.comm)
-        combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
+        for j in range(C):                                                   # this rank's own segments: a copy, not the wire
+            own = slice(j * Rc + Ro, (j + 1) * Rc)
+            self.recv[own].copy_(pay[own])
+            if ep.payload == "bf16": self.recv_meta[own].copy_(meta[own])
+        from dsv4_nvfp4.gemm_sm90 import reserve_sms                        # (the GPU path alone needs CuTeDSL)
+        with reserve_sms(self.comm_sms if W > 1 else 0):                     # beside the dispatch
+            combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
         ys = []                                                              # held to the end: the side stream reads them
         for j in range(C):                                                   # chunk j's experts; its return beside chunk j + 1's
             s_ = slice(j * Rc, (j + 1) * Rc)
             main.wait_event(arrived[j])
-            if ep.payload == "bf16":
-                er, wr = self.recv_meta[s_, 0], self.recv_meta[s_, 1].view(torch.float32)
-                er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
-                y = ep.routed._forward_device(self.recv[s_], given=(wr[:, None].contiguous(), er[:, None].contiguous()), bufs=self.rbufs)
-            else:
-                m = self.recv[s_, -8:].contiguous().view(torch.int32)
-                y = ep._rows_nvfp4(self.recv[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs)
+            with reserve_sms(self.comm_sms if W > 1 and C > 1 else 0):       # chunks: beside another chunk's all-to-alls
+                if ep.payload == "bf16":
+                    er, wr = self.recv_meta[s_, 0], self.recv_meta[s_, 1].view(torch.float32)
+                    er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
+                    y = ep.routed._forward_device(self.recv[s_], given=(wr[:, None].contiguous(), er[:, None].contiguous()), bufs=self.rbufs)
+                else:
+                    m = self.recv[s_, -8:].contiguous().view(torch.int32)
+                    y = ep._rows_nvfp4(self.recv[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs)
             ys.append(y)
-            self.comm.wait_stream(main)
-            with torch.cuda.stream(self.comm): dist.all_to_all_single(self.rows_all[s_], y, group=g)   # the rows back
+            if W > 1:
+                self.comm.wait_stream(main)
+                with torch.cuda.stream(self.comm):                           # the rows back to the other ranks
+                    dist.all_to_all_single(self.rows_all[j * Rc:j * Rc + Ro], y[:Ro], self.splits, self.splits, group=g)
+            self.rows_all[j * Rc + Ro:(j + 1) * Rc].copy_(y[Ro:])            # and this rank's own, meanwhile
         main.wait_stream(self.comm)
         inv = torch.cat([spos.view(Tm, k).to(torch.int32), self.shared_slot], 1)   # dropped slots: the NaN row R
         combine_tokens(self.rows_all, _Slots(self.rows_all, inv, H, Tm, k, c.num_experts), self.out, n)
@@ -531,27 +553,52 @@ class CapturedEP:
         recv, rmeta = torch.empty_like(pay), torch.empty_like(meta)
         back = torch.empty(R + 1, H, dtype=torch.float64)
         back[R] = float("nan")                                               # row R: a dropped slot's
+        Ro = Rc - self.capacity
         for j in range(self.chunks):                                         # chunk by chunk, as the GPU's pipeline
-            s_ = slice(j * Rc, (j + 1) * Rc)
-            dist.all_to_all_single(recv[s_], pay[s_], group=g)
-            dist.all_to_all_single(rmeta[s_], meta[s_], group=g)
+            s_, o, own = slice(j * Rc, (j + 1) * Rc), slice(j * Rc, j * Rc + Ro), slice(j * Rc + Ro, (j + 1) * Rc)
+            recv[own], rmeta[own] = pay[own], meta[own]                      # this rank's own segment: never on the wire
+            if W > 1:
+                dist.all_to_all_single(recv[o], pay[o], self.splits, self.splits, group=g)
+                dist.all_to_all_single(rmeta[o], meta[o], self.splits, self.splits, group=g)
             er, wr = rmeta[s_, 0], rmeta[s_, 1].view(torch.float32)
             mine = ((er >= ep.experts.start) & (er < ep.experts.stop)).nonzero().squeeze(1)   # the real rows (a host read: CPU)
             y = torch.zeros(Rc, H, dtype=torch.float64)
             if mine.numel():
                 f = ep._rows_bf16 if ep.payload == "bf16" else ep._rows_nvfp4
                 y[mine] = f(recv[s_][mine], wr[mine], er[mine])
-            dist.all_to_all_single(back[s_], y, group=g)
+            back[own] = y[Ro:]
+            if W > 1: dist.all_to_all_single(back[o], y[:Ro].contiguous(), self.splits, self.splits, group=g)
         pos = spos[:T * k].view(T, k)
         slots = torch.stack([back[pos[:, j]] for j in range(k)] + [ep._shared_rows(x[:T], w, ids)], 1)   # as EPMoE sums them
         return slots.sum(1).masked_fill(bad[:, None], float("nan")).to(torch.bfloat16)
 
 def _capture(self, max_tokens: int, capacity: int | None = None, given: bool = False, graph: bool = True,
-             chunks: int = 1) -> CapturedEP:
+             chunks: int = 1, comm_sms: int = 0) -> CapturedEP:
     "Record this rank's forward in one CUDA graph for up to `max_tokens` tokens (see `CapturedEP`); collective."
-    return CapturedEP(self, max_tokens, capacity, given, graph, chunks)
+    return CapturedEP(self, max_tokens, capacity, given, graph, chunks, comm_sms)
 
 EPMoE.capture = _capture
+
+
+# %% ../nbs/08a_expert_parallel.ipynb #36905d13
+def balanced_gate_bias(gate_weight: torch.Tensor,          # bf16 (E, hidden): the router's gate
+                       x: torch.Tensor,                    # (T, hidden): sample tokens
+                       top_k: int,
+                       bias: torch.Tensor | None = None,   # fp32 (E,): the bias to start from (default: zeros)
+                       steps: int = 300,
+                       rate: float = 1e-3) -> torch.Tensor:  # fp32 (E,)
+    """A selection bias under which `x`'s routed slots spread evenly over the experts, by DeepSeek's auxiliary-loss-free
+    balancing: each step moves every expert's bias by `rate` against the sign of its load's excess over the mean. That
+    is what a trained DSV4 router's bias is for; the benchmark uses it to replace the synthetic layer's random bias,
+    which makes some experts several times busier than others (a load no trained router is meant to have). The scores
+    are the router's, sqrt(softplus(x w^T)) in fp32."""
+    s = torch.nn.functional.softplus(x.float() @ gate_weight.float().T).sqrt()
+    E = gate_weight.shape[0]
+    b = torch.zeros(E, device=s.device) if bias is None else bias.float().to(s.device).clone()
+    for _ in range(steps):
+        load = torch.bincount((s + b).topk(top_k, 1).indices.flatten(), minlength=E).float()
+        b -= rate * torch.sign(load - load.mean())
+    return b
 
 
 # %% ../nbs/08a_expert_parallel.ipynb #a26a1170
@@ -567,8 +614,19 @@ def _timed(fn, iters: int, group=None) -> float:
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
 
+NCCL_SMS = 32   # the CTAs (one per SM) of NCCL's all-to-all kernel on 2 H100s (its grid in a profile): what the GEMMs leave
+
+def _nccl_group(max_ctas: int):
+    "A new NCCL group over the world whose kernels use at most `max_ctas` CTAs (SMs), or None where torch cannot say so; collective."
+    try:
+        o = dist.ProcessGroupNCCL.Options()
+        o.config.max_ctas = max_ctas
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return dist.new_group(backend="nccl", pg_options=o)
+
 def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print, micro_batches=(1, 2, 4),
-             on_row=None) -> dict:
+             on_row=None, router: str = "balanced", ctas=(16,)) -> dict:
     """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4 with fixed static scales, the same on every
     rank) as `EPMoE` over W GPUs, bf16 and NVFP4 payloads, against the whole layer on one GPU over the same total batch
     (W T tokens); with T tokens per rank: latency (in 1, 2 and 4 micro-batches; with the shared expert on a side stream;
@@ -576,8 +634,14 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     per rank in 2 and 4 pipelined chunks at 1.25x; the one-GPU layer eager and captured, and the captured EP's ratio
     against the better of the two), each payload's dispatch bytes, the dispatch all-to-all's
     time and bandwidth, and an `all_to_all_single` of the same bytes (uniform split) timed in the same run. Checks the
-    EP output against the one-GPU layer bit for bit on the way. Returns the rows on rank 0 (None elsewhere); `on_row`
-    (rank 0) gets the result so far after each size, so a run cut short keeps what it measured."""
+    EP output against the one-GPU layer bit for bit on the way, with the same routing (the ranks' routings gathered:
+    the logits GEMM's kernel depends on the row count, so the one GPU's router over W T tokens may route a token
+    differently from a rank's over T), and records whether the routings agreed. `router="balanced"`: the synthetic
+    layer's random selection bias refitted by `balanced_gate_bias` on other tokens (what a trained router's bias is
+    for); "synthetic" keeps it (on 2 H100s it sent one rank 25% more rows than the other). `ctas`: the best captured
+    variant again on an NCCL group limited to that many CTAs (NCCL's kernels hold their SMs, which the GEMMs beside
+    them wait for). Returns the rows on rank 0 (None elsewhere); `on_row` (rank 0) gets the result so far after each
+    size, so a run cut short keeps what it measured."""
     from dsv4_nvfp4.moe import FLASH
     cfg = cfg or FLASH
     W, r = dist.get_world_size(), dist.get_rank()
@@ -585,21 +649,36 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     t0 = time.perf_counter()
     base = DSV4MoE.synthetic(cfg, seed=0, device=dev, keep_bf16=False)      # built on the GPU; W4A4's static scales
     E1 = cfg.num_experts + 1                                                  # fixed, as notebook 08's benchmark does
-    lay = DSV4MoE(cfg, base.w13, base.w2, base.gate_weight, base.gate_bias, act="w4a4", a1_scales=torch.full((E1,), 3.0 / 2688),
+    if router not in ("balanced", "synthetic"): raise ValueError(f"bench_ep: router must be 'balanced' or 'synthetic', got {router!r}")
+    bias = base.gate_bias
+    if router == "balanced":                                                  # fitted on tokens no size below uses
+        g = torch.Generator(device=dev).manual_seed(7)
+        xs = (torch.randn(16384, cfg.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)
+        bias = balanced_gate_bias(base.gate_weight.to(dev), xs, cfg.top_k, bias.to(dev))
+    lay = DSV4MoE(cfg, base.w13, base.w2, base.gate_weight, bias, act="w4a4", a1_scales=torch.full((E1,), 3.0 / 2688),
                   a2_scales=torch.full((E1,), 1e-3)).to(dev)
     del base
     if r == 0: log(f"  layer built in {time.perf_counter() - t0:.1f} s")
     eps = {p: EPMoE(lay, payload=p).to(dev) for p in PAYLOADS}
+    groups = {n: _nccl_group(n) for n in ctas}                              # collective: every rank makes them in turn
+    eps_c = {(p, n): EPMoE(lay, group=gr, payload=p).to(dev) for n, gr in groups.items() if gr is not None for p in PAYLOADS}
     rows = []
     for T in tokens:
         g = torch.Generator(device=dev).manual_seed(1000 + T)
         x_all = (torch.randn(W * T, cfg.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)   # the same on every rank
         x = x_all[r * T:(r + 1) * T].contiguous()
         row = dict(tokens_per_rank=T, world=W)
-        want = lay(x_all)                                            # the one-GPU layer on the whole batch
+        own = lay(x_all)                                             # the one-GPU layer on the whole batch, its own router
+        w_me, ids_me = eps["bf16"].route(x)                          # each rank's routing of its tokens, gathered: the
+        w_all, ids_all = [torch.empty(W * T, cfg.top_k, dtype=t.dtype, device=dev) for t in (w_me, ids_me)]
+        dist.all_gather_into_tensor(w_all, w_me.contiguous()); dist.all_gather_into_tensor(ids_all, ids_me.contiguous())
+        want = lay.forward_routed(x_all, w_all, ids_all)             # one GPU with the EP ranks' routing
+        row["same_routing"] = bool(torch.equal(lay.route(x_all)[1].int(), ids_all))   # did the one GPU's router agree?
+        rows_in = torch.bincount(ids_all.flatten().long() // (cfg.num_experts // W), minlength=W).float()
+        row["rank_rows_max_over_mean"] = (rows_in.max() / rows_in.mean()).item()     # the routed rows' balance over ranks
         row["t_one_ms"] = _timed(lambda: lay(x_all), iters)
         one = lay.capture(W * T)                                     # and captured: the baseline at its best
-        row["bit_exact_one_graph"] = torch.equal(one(x_all), want)
+        row["bit_exact_one_graph"] = torch.equal(one(x_all), own)
         row["t_one_graph_ms"] = _timed(lambda: one(x_all), iters)
         del one
         for p, ep in eps.items():
@@ -620,13 +699,22 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             # 64), and that in C pipelined chunks (the capacity per chunk)
             full = T * min(cfg.top_k, ep.per_rank)
             cap125 = lambda t: -(-5 * t * cfg.top_k // (4 * W)) + 64
-            variants = [("graph", full, 1), ("graph_cap", min(full, cap125(T)), 1)]
-            if T >= 512: variants += [(f"graph_c{C}", min(-(-T // C) * min(cfg.top_k, ep.per_rank), cap125(-(-T // C))), C) for C in (2, 4)]
-            for key, cap, C in variants:
-                if key == "graph_cap" and cap == full: continue
-                cg = ep.capture(T, capacity=cap, chunks=C)
+            cap_c = lambda C: min(-(-T // C) * min(cfg.top_k, ep.per_rank), cap125(-(-T // C)))
+            variants = [("graph", full, 1, 0), ("graph_cap", cap_c(1), 1, 0), (f"graph_cap_sms{NCCL_SMS}", cap_c(1), 1, NCCL_SMS)]
+            if T >= 512: variants += [(f"graph_c{C}", cap_c(C), C, 0) for C in (2, 4)] + [(f"graph_c2_sms{NCCL_SMS}", cap_c(2), 2, NCCL_SMS)]
+            for key, cap, C, sms in variants:
+                if key.startswith("graph_cap") and cap == full: continue
+                cg = ep.capture(T, capacity=cap, chunks=C, comm_sms=sms)
                 ok = torch.equal(cg(x), want[r * T:(r + 1) * T]) and cg.dropped == 0
                 same = torch.tensor([int(ok)], device=dev)
+                dist.all_reduce(same, op=dist.ReduceOp.MIN)
+                row[f"t_ep_{p}_{key}_ms"], row[f"bit_exact_{p}_{key}"], row[f"cap_{key}"] = _timed(lambda: cg(x), iters), bool(same.item()), cap
+                del cg
+            for n in ctas:                                               # 1.25x capacity on a group of fewer CTAs
+                if (p, n) not in eps_c: continue
+                cap, key = min(full, cap125(T)), f"graph_cap_ctas{n}"
+                cg = eps_c[(p, n)].capture(T, capacity=cap, comm_sms=n)
+                same = torch.tensor([int(torch.equal(cg(x), want[r * T:(r + 1) * T]) and cg.dropped == 0)], device=dev)
                 dist.all_reduce(same, op=dist.ReduceOp.MIN)
                 row[f"t_ep_{p}_{key}_ms"], row[f"bit_exact_{p}_{key}"], row[f"cap_{key}"] = _timed(lambda: cg(x), iters), bool(same.item()), cap
                 del cg
@@ -644,15 +732,26 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             flat, out = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
             row[f"t_a2a_even_{p}_ms"] = _timed(lambda: dist.all_to_all_single(out, flat), iters)
         row["x_one"] = {p: row["t_one_ms"] / min(row[f"t_ep_{p}_mb{mb}_ms"] for mb in micro_batches) for p in PAYLOADS}   # throughput ratio, same total batch, best C
-        gk = ("graph", "graph_cap", "graph_c2", "graph_c4")                 # the captured variants: the best exact one,
+        gk = ("graph", "graph_cap", "graph_c2", "graph_c4", f"graph_cap_sms{NCCL_SMS}", f"graph_c2_sms{NCCL_SMS}") + tuple(f"graph_cap_ctas{n}" for n in ctas)   # the captured variants: the best exact one,
         best_one = min(row["t_one_ms"], row["t_one_graph_ms"] if row["bit_exact_one_graph"] else math.inf)   # the one GPU at its best
         row["x_one_graph"] = {p: best_one / min(row[f"t_ep_{p}_{k}_ms"] for k in gk if row.get(f"bit_exact_{p}_{k}"))
                               for p in PAYLOADS if any(row.get(f"bit_exact_{p}_{k}") for k in gk)}
         rows.append(row)
-        if r == 0 and on_row is not None: on_row(dict(rows=list(rows), gpu=torch.cuda.get_device_name(), world=W, micro_batches=list(micro_batches)))
+        if r == 0 and on_row is not None: on_row(dict(rows=list(rows), gpu=torch.cuda.get_device_name(), world=W, micro_batches=list(micro_batches), router=router))
         if r == 0: log(f"  T/rank={T:5d}  one GPU {row['t_one_ms']:.3f} ms  EP bf16 {row['t_ep_bf16_ms']:.3f} ms  "
                        f"EP nvfp4 {row['t_ep_nvfp4_ms']:.3f} ms  exact {row['bit_exact_bf16']}/{row['bit_exact_nvfp4']}")
-    return dict(rows=rows, gpu=torch.cuda.get_device_name(), world=W, micro_batches=list(micro_batches)) if r == 0 else None
+    for gr in groups.values():
+        if gr is not None: dist.destroy_process_group(gr)
+    return dict(rows=rows, gpu=torch.cuda.get_device_name(), world=W, micro_batches=list(micro_batches), router=router) if r == 0 else None
+
+def _variant_head(k: str) -> str:
+    "A captured variant's column name: graph_c2 (chunks), _smsN (GEMMs beside NCCL leave N SMs), _ctasN (NCCL on N CTAs)."
+    parts = ["graph, 1.25x"]
+    for w in k.split("_")[1:]:
+        if w[:1] == "c" and w[1:].isdigit(): parts.append(f"{w[1:]} chunks")
+        elif w.startswith("sms"): parts.append(f"GEMMs leave {w[3:]} SMs")
+        elif w.startswith("ctas"): parts.append(f"NCCL on <= {w[4:]} CTAs, GEMMs leave {w[4:]} SMs")
+    return ", ".join(parts) + " ms (bf16 / NVFP4)"
 
 def ep_table(res: dict) -> str:
     "The EP benchmark as Markdown."
@@ -660,16 +759,20 @@ def ep_table(res: dict) -> str:
     alt = "side" if "t_ep_bf16_side_ms" in res["rows"][0] else "serial"   # the records before the default turned serial
     graph = "t_ep_bf16_graph_ms" in res["rows"][0]                          # the records before EPMoE.capture have none
     one_graph = "t_one_graph_ms" in res["rows"][0]                          # nor, before that, the one-GPU layer captured
-    chunked = [k for k in ("graph_c2", "graph_c4") if any(f"t_ep_bf16_{k}_ms" in r for r in res["rows"])]
+    base = ("t_ep_bf16_graph_ms", "t_ep_bf16_graph_cap_ms")
+    chunked = list(dict.fromkeys(k[len("t_ep_bf16_"):-3] for r in res["rows"] for k in r
+                                 if k.startswith("t_ep_bf16_graph") and k.endswith("_ms") and k not in base))   # in the order measured
+    bal = "rank_rows_max_over_mean" in res["rows"][0]                      # the records before the balance was kept have none
     def g(r, key):                                                          # a captured time, and whether it was exact
         return " / ".join("-" if f"t_ep_{p}_{key}_ms" not in r else f"{r[f't_ep_{p}_{key}_ms']:.3f}" + ("" if r[f"bit_exact_{p}_{key}"] else " (NOT exact)")
                           for p in PAYLOADS)
     head = (["T / rank", "1 GPU ms"] + (["1 GPU graph ms"] if one_graph else []) + ["EP bf16 ms", "EP NVFP4 ms"] + [f"{m} micro-batches ms (bf16 / NVFP4)" for m in mbs]
             + (["graph ms (bf16 / NVFP4)", "graph, capacity 1.25x mean ms (bf16 / NVFP4)"] if graph else [])
-            + [f"graph, 1.25x, {k[-1]} chunks ms (bf16 / NVFP4)" for k in chunked]
+            + [_variant_head(k) for k in chunked]
             + ([("x best of 1 GPU eager / graph" if one_graph else "x 1 GPU") + ", EP graph (bf16 / NVFP4)"] if graph else [])
             + ["x 1 GPU eager, EP eager, best micro-batches (bf16 / NVFP4)", ("shared on a side stream" if alt == "side" else "serial") + " ms (bf16 / NVFP4)", "dispatch MB (bf16 / NVFP4)",
-            "a2a ms (bf16 / NVFP4)", "a2a GB/s (bf16 / NVFP4)", "even a2a GB/s (bf16 / NVFP4)", "bit-exact"])
+            "a2a ms (bf16 / NVFP4)", "a2a GB/s (bf16 / NVFP4)", "even a2a GB/s (bf16 / NVFP4)", "bit-exact"]
+            + (["busiest rank's rows / mean", "one GPU's router agreed"] if bal else []))
     bw = lambda r, p, k: r[f"bytes_{p}"] / res["world"] / r[k] / 1e6        # per-rank bytes / time
     out = []
     for r in res["rows"]:
@@ -685,8 +788,9 @@ def ep_table(res: dict) -> str:
                     f"{r['t_a2a_bf16_ms']:.3f} / {r['t_a2a_nvfp4_ms']:.3f}",
                     f"{bw(r, 'bf16', 't_a2a_bf16_ms'):.0f} / {bw(r, 'nvfp4', 't_a2a_nvfp4_ms'):.0f}",
                     f"{bw(r, 'bf16', 't_a2a_even_bf16_ms'):.0f} / {bw(r, 'nvfp4', 't_a2a_even_nvfp4_ms'):.0f}",
-                    "yes" if r["bit_exact_bf16"] and r["bit_exact_nvfp4"] else "NO"])
-    return (f"{res['gpu']} x {res['world']}; times in ms\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
+                    "yes" if r["bit_exact_bf16"] and r["bit_exact_nvfp4"] else "NO"]
+                   + ([f"{r['rank_rows_max_over_mean']:.3f}", "yes" if r["same_routing"] else "no"] if bal else []))
+    return (f"{res['gpu']} x {res['world']}" + (f", {res['router']} router" if "router" in res else "") + "; times in ms\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
             + "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in out))
 
 # %% ../nbs/08a_expert_parallel.ipynb #68e802ea

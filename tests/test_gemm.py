@@ -607,3 +607,17 @@ def test_sm90_variants_no_spills_and_no_serialized_wgmma(tok_tile, tmp_path, mon
         assert "serialized" not in rep.stderr, f"{cfg}: ptxas serialized the WGMMAs: {rep.stderr[-600:]}"
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", rep.stderr)]
         assert spills and max(spills) == 0, f"{cfg}: spills {spills}"
+
+
+def test_reserve_sms_is_scoped():
+    "The launcher's SM reserve holds inside the block only (also when it raises) and refuses a negative count."
+    assert S90._SM_RESERVE[0] == 0
+    with S90.reserve_sms(32):
+        assert S90._SM_RESERVE[0] == 32
+        with S90.reserve_sms(8): assert S90._SM_RESERVE[0] == 8
+        assert S90._SM_RESERVE[0] == 32
+    with pytest.raises(KeyError):
+        with S90.reserve_sms(4): raise KeyError("inside")
+    assert S90._SM_RESERVE[0] == 0
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        with S90.reserve_sms(-1): pass

@@ -250,3 +250,35 @@ def test_overlapped_mainloop_is_bit_identical(K, tok_tile):
         assert torch.equal(plain, over), f"K={K} tile {tok_tile} act_decode={dec}"
     x3 = torch.randn(9, E, K, generator=g).to(torch.bfloat16).to(DEV)
     assert torch.equal(GG.wo_a_nvfp4(x3, pw, config=base), GG.wo_a_nvfp4(x3, pw, config=base._replace(overlap=True)))
+
+
+def test_reserve_sms_same_bits_smaller_grid(tmp_path):
+    """Under `reserve_sms(n)` the persistent grid is n SMs' worth of CTAs smaller (read off the profiler's record of the
+    launch), at least one SM's worth, and every output bit is what the full grid gives: W4A16 and W4A4."""
+    import json
+    from torch.profiler import profile, ProfilerActivity
+    E, N, K = 8, 1024, 2048
+    pw = experts(E, N, K, seed=31)
+    offs, R = routed(300, E, 3, seed=9)
+    a = torch.randn(R, K, device=DEV).to(torch.bfloat16)
+    q = ref_quantize_nvfp4(torch.randn(R, K), per_row=True).to(DEV)
+    run = lambda: (GG.grouped_gemm_nvfp4(a, pw, offs), GG.grouped_gemm_nvfp4(q, pw, offs))
+
+    def grids():
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            y = run(); torch.cuda.synchronize()
+        f = tmp_path / "trace.json"
+        p.export_chrome_trace(str(f))
+        ev = json.load(open(f))["traceEvents"]
+        return y, [e["args"]["grid"][0] for e in ev if e.get("cat") == "kernel" and "GroupedGemm" in e["name"]]
+
+    base, full = grids()
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert len(full) == 2 and all(f % sms == 0 for f in full), full
+    per = [f // sms for f in full]                                 # CTAs per SM of each launch's config
+    for n, left in ((32, sms - 32), (sms - 1, 1), (10 * sms, 1)):  # SMs' worth left: never fewer than one
+        with S90.reserve_sms(n):
+            got, grid = grids()
+        assert grid == [left * p_ for p_ in per], (n, grid, full)
+        for g_, b_, what in zip(got, base, ("W4A16", "W4A4")):
+            assert torch.equal(g_, b_), f"{what} under reserve_sms({n}): {(g_ != b_).sum().item()} outputs differ"
