@@ -269,43 +269,54 @@ class EPMoE(torch.nn.Module):
         if x.is_cuda: return self.shared_expert.forward_routed(x, w, ids, check=False)
         return ref_moe(x, self.shared_expert, routing=(w, ids))
 
-    def _pack(self, xs, ms):
-        """NVFP4 payload of the sent rows: codes and block scales under each row's destination a1, then the row's
-        (expert id, weight bits) `ms`: uint8 (n, H/2 + H/16 + 8)."""
+    def _quantize_rows(self, xs, ms):
+        """The sent rows' NVFP4 codes and block scales under each row's destination a1 (`ms`: the rows' (expert id,
+        weight bits)): uint8 (n, H/2) and uint8 (n, H/16)."""
+        H, n = self.cfg.hidden, xs.shape[0]
+        if n == 0: return (torch.empty(0, H // 2, dtype=torch.uint8, device=xs.device), torch.empty(0, H // 16, dtype=torch.uint8, device=xs.device))
         gs = self.a1_all[ms[:, 0].long().clamp(min=0)].to(xs.device)        # a padding row (id -1, `capture`): any scale
         if xs.is_cuda:
             from dsv4_nvfp4.quantize_cuda import quantize_nvfp4_cuda
-            q = quantize_nvfp4_cuda(xs.contiguous(), gs, per_row=True) if xs.shape[0] else None
+            q = quantize_nvfp4_cuda(xs.contiguous(), gs, per_row=True)
         else:
-            q = ref_quantize_nvfp4(xs.float(), gs) if xs.shape[0] else None
-        H = self.cfg.hidden
-        if q is None: return torch.empty(0, H // 2 + H // 16 + 8, dtype=torch.uint8, device=xs.device)
-        return torch.cat([q.data, q.scale.view(torch.uint8), ms.contiguous().view(torch.uint8)], 1)
+            q = ref_quantize_nvfp4(xs.float(), gs)
+        return q.data, q.scale.view(torch.uint8)
+
+    def _pack(self, xs, ms):
+        """NVFP4 payload of the sent rows: codes and block scales under each row's destination a1, then the row's
+        (expert id, weight bits) `ms`: uint8 (n, H/2 + H/16 + 8)."""
+        return torch.cat([*self._quantize_rows(xs, ms), ms.contiguous().view(torch.uint8)], 1)
 
     def _rows_nvfp4(self, pk, wr, er, bufs=None):
-        """The received NVFP4 rows through the local experts: exactly what the single-GPU W4A4 permute would feed them.
-        Rows whose id is not a local expert (`capture`'s padding) sort after the last group: not computed, their
-        output rows undefined."""
-        H, n = self.cfg.hidden, pk.shape[0]
+        """The received NVFP4 rows (uint8 (n, H/2 + H/16 + 8)) through the local experts: `_rows_nvfp4_parts`."""
+        H = self.cfg.hidden
+        return self._rows_nvfp4_parts(pk[:, : H // 2], pk[:, H // 2: H // 2 + H // 16], wr, er, bufs)
+
+    def _rows_nvfp4_parts(self, data, scale, wr, er, bufs=None):
+        """Received NVFP4 rows, codes uint8 (n, H/2) and block scales uint8 (n, H/16), through the local experts:
+        exactly what the single-GPU W4A4 permute would feed them. Rows whose id is not a local expert (`capture`'s
+        padding) sort after the last group: not computed, their output rows undefined."""
+        H, n, pk = self.cfg.hidden, data.shape[0], data
         g = er.long() - self.experts.start
         g = torch.where((g >= 0) & (g < self.per_rank), g, self.per_rank)
         order = torch.argsort(g, stable=True)
         counts = torch.zeros(self.per_rank + 1, dtype=torch.long, device=pk.device).index_add_(0, g, torch.ones_like(g))  # no host read
         offs = torch.cumsum(counts[:-1], 0).to(torch.int32)
         a1 = self.a1_all[er.long().clamp(min=0)]
-        data, scale = pk[:, : H // 2], pk[:, H // 2: H // 2 + H // 16].contiguous().view(torch.float8_e4m3fn)
-        out = torch.empty(n, H, dtype=torch.float64 if not pk.is_cuda else torch.bfloat16, device=pk.device)
-        if n == 0: return out
+        scale = scale.contiguous().view(torch.float8_e4m3fn)
+        if n == 0: return torch.empty(0, H, dtype=torch.bfloat16 if pk.is_cuda else torch.float64, device=pk.device)
         if pk.is_cuda:
             from dsv4_nvfp4.quantize_cuda import dequantize_nvfp4_cuda
-            xr = dequantize_nvfp4_cuda(data[order].contiguous(), scale[order].contiguous(), torch.ones(n, device=pk.device))  # code x block scale: exact in bf16
+            xr = dequantize_nvfp4_cuda(data.index_select(0, order), scale.view(torch.uint8).index_select(0, order).view(torch.float8_e4m3fn),
+                                       torch.ones(n, device=pk.device))      # code x block scale: exact in bf16 (index_select, a
+                                                                             # vectorized row gather: data[order] took 0.55 ms at 61568 rows on an H100)
             rs = torch.stack([a1[order], wr[order]], 1).contiguous()
             back = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=pk.device))   # where each row went
-            return self.routed.expert_rows(xr, rs, offs, bufs).index_select(0, back)   # a row gather (the row scatter
-                                                                                 # out[order] = ... ran at half the speed)
+            return self.routed.expert_rows(xr, rs, offs, bufs, copy=False).index_select(0, back)   # a row gather (the row
+                                                                                 # scatter out[order] = ... ran at half the speed)
         else:
             xq = NVFP4Tensor(data[order].contiguous(), scale[order].contiguous(), a1[order].contiguous(), (n, H))
-            lay = self.routed
+            lay, out = self.routed, torch.empty(n, H, dtype=torch.float64)
             out[order] = ref_expert_mlp(xq, lay.w13, lay.w2, offs, act="w4a4", swiglu_limit=self.cfg.swiglu_limit,
                                         route_weight=wr[order], a2_scales=lay.a2_scales.cpu())
         return out
@@ -334,7 +345,9 @@ class CapturedEP:
     dispatch and chunk j - 1's return travel while chunk j's experts compute, and the output is the same, bit for bit.
     NCCL's all-to-all kernel holds its SMs until it ends (32 on 2 H100s), and the persistent GEMM deals its tiles over a
     fixed grid, so a GEMM beside it waits for those SMs; with `comm_sms` n the GEMMs that run beside a collective (the
-    shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`), same bits.
+    shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`), same bits. With
+    `shared_after` f > 0 the shared expert of the last f of the tokens runs beside the return all-to-all instead of the
+    dispatch (its own route of the given routing, the same bits), so that both all-to-alls have work beside them.
 
     Drop it (`del`) before `dist.destroy_process_group()`: a graph holds NCCL kernels of the group's communicator (on
     2 H100s a check that tore the group down with its graphs alive hung at exit; the benchmark, which drops each one,
@@ -345,11 +358,13 @@ class CapturedEP:
                  given: bool = False,            # the routing comes with each call (`topk_weights`, `topk_ids`), no router
                  graph: bool = True,             # False: run the fixed-shape steps eagerly (the CPU always does)
                  chunks: int = 1,                # C > 1: C chunks of tokens, each one's all-to-alls beside another's experts
-                 comm_sms: int = 0):             # SMs the GEMMs beside a collective leave to it (GPU)
+                 comm_sms: int = 0,              # SMs the GEMMs beside a collective leave to it (GPU)
+                 shared_after: float = 0.0):     # the fraction of the tokens whose shared expert runs beside the return (GPU)
         c, W, k, H = ep.cfg, ep.world, ep.cfg.top_k, ep.cfg.hidden
         if max_tokens < 1: raise ValueError(f"EPMoE.capture: max_tokens must be >= 1, got {max_tokens}")
         C = int(chunks)
         if int(comm_sms) < 0: raise ValueError(f"EPMoE.capture: comm_sms must be >= 0, got {comm_sms}")
+        if not 0.0 <= shared_after <= 1.0: raise ValueError(f"EPMoE.capture: shared_after must be in [0, 1], got {shared_after}")
         if not 1 <= C <= max_tokens: raise ValueError(f"EPMoE.capture: chunks must be in [1, max_tokens = {max_tokens}], got {chunks}")
         Tc = -(-max_tokens // C)                                            # tokens per chunk (the last may hold fewer)
         C = -(-max_tokens // Tc)                                            # and no chunk that is always empty (9 in 4: 3 of 3)
@@ -370,6 +385,7 @@ class CapturedEP:
                              f"got {[e.tolist() for e in every]}")
         self.ep, self.max_tokens, self.capacity, self.given, self.cuda = ep, max_tokens, cap, given, cuda
         self.chunks, self.chunk_tokens, self.comm_sms = C, Tc, int(comm_sms)
+        self.shared_split = max_tokens - round(shared_after * max_tokens)   # tokens [0, split): shared expert beside the dispatch
         Tm, R = max_tokens, C * W * cap                                      # the send buffer: chunk-major, then by destination
         # within a chunk: the other ranks' segments in rank order (what the all-to-alls move), then this rank's own
         self.seg = torch.tensor([W - 1 if d == ep.rank else d - (d > ep.rank) for d in range(W)], device=dev)
@@ -386,6 +402,9 @@ class CapturedEP:
         self.graph = None
         if not cuda: return
         self.sbufs = sh.buffers(Tm, dev)                                     # the router's and the shared expert's buffers
+        S = self.shared_split                                                # and the split shared expert's: tokens [0, S) beside
+        self.shared_parts = [(a, b, sh.buffers(b - a, dev)) if 0 <= a < b else None   # the dispatch, [S, Tm) beside the return
+                             for a, b in ((0, S), (S, Tm))] if S < Tm else [None, None]
         # the routed experts' buffers, the graph's own (the eager ones are replaced when a larger call needs more):
         # one chunk's rows at a time (bf16: as tokens of the one-slot layer; NVFP4: `expert_rows`' rows)
         self.rbufs = ep.routed.buffers(W * cap if ep.payload == "bf16" else -(-W * cap // (ep.routed.cfg.top_k + 1)), dev)
@@ -393,8 +412,11 @@ class CapturedEP:
         self.rows_all = z(max(R + 1 + Tm, Tm * (k + 1)), H)
         self.rows_all[R] = float("nan")
         self.shared_slot = torch.arange(R + 1, R + 1 + Tm, device=dev, dtype=torch.int32)[:, None]
-        self.recv = z(R, H) if ep.payload == "bf16" else z(R, H // 2 + H // 16 + 8, dt=torch.uint8)
+        if ep.payload == "bf16": self.send, self.recv = z(R, H), z(R, H)   # the rows: gathered into send (and own ones into recv)
+        else: self.recv, self.recv_scale = z(R, H // 2, dt=torch.uint8), z(R, H // 16, dt=torch.uint8)   # NVFP4 codes, scales
         self.recv_meta = z(R, 2, dt=torch.int32)
+        # each chunk's rows: (the other ranks' segments, this rank's own)
+        self.parts = [(slice(j * W * cap, (j + 1) * W * cap - cap), slice((j + 1) * W * cap - cap, (j + 1) * W * cap)) for j in range(C)]
         # a row that reaches no local expert: an expert of another rank (no row); with one rank an invalid id
         # (the router gives it a NaN row on expert 0, never read)
         self.sentinel = (ep.experts.stop % c.num_experts) if W > 1 else -1
@@ -464,13 +486,42 @@ class CapturedEP:
         src = torch.full((R + 1,), Tk, dtype=torch.long, device=ids.device).scatter_(0, spos, torch.arange(Tk, device=ids.device))[:R]
         return spos, src
 
-    def _pack(self, x, w, ids, src):
-        "The send buffer: each send row's token (bf16 rows, or the NVFP4 payload with its metadata) and (expert id, weight bits)."
-        ep, k = self.ep, self.ep.cfg.top_k
+    def _meta(self, w, ids, src):
+        "Each send row's (expert id, weight bits), (R, 2) int32 (padding rows: (-1, 0)), and its token (R,)."
         ms = torch.cat([torch.stack([ids.reshape(-1).int(), w.reshape(-1).float().view(torch.int32)], 1), self.none])
-        meta = ms[src]                                                       # (R, 2); padding rows: (-1, 0)
-        rows = x.index_select(0, (src // k).clamp(max=max(x.shape[0] - 1, 0)))
-        return (rows if ep.payload == "bf16" else ep._pack(rows, meta)), meta
+        return ms[src], (src // self.ep.cfg.top_k).clamp(max=max(self.max_tokens - 1, 0))
+
+    def _pack(self, x, w, ids, src):
+        """(CPU) The send buffer: each send row's token (bf16 rows, or the NVFP4 payload with its metadata) and its
+        (expert id, weight bits)."""
+        meta, tok = self._meta(w, ids, src)
+        rows = x.index_select(0, tok)
+        return (rows if self.ep.payload == "bf16" else self.ep._pack(rows, meta)), meta
+
+    def _send(self, x, w, ids, src):
+        """(GPU) The payload: [(sent, received)] buffer pairs, (R, ...) each, for the all-to-alls. bf16: the rows,
+        gathered straight into the send buffer, this rank's own straight into the receive buffer (no copy); NVFP4: the
+        codes and the block scales; and the rows' (expert id, weight bits). The own segments of the others are copied."""
+        ep = self.ep
+        meta, tok = self._meta(w, ids, src)
+        if ep.payload == "bf16":
+            for o, own in self.parts:
+                torch.index_select(x, 0, tok[o], out=self.send[o])
+                torch.index_select(x, 0, tok[own], out=self.recv[own])
+            pairs = [(self.send, self.recv), (meta, self.recv_meta)]
+            copy = pairs[1:]
+        else:
+            data, scale = ep._quantize_rows(x.index_select(0, tok), meta)
+            pairs = copy = [(data, self.recv), (scale, self.recv_scale), (meta, self.recv_meta)]
+        for _, own in self.parts:                                            # this rank's own segments: never on the wire
+            for sent, recv in copy: recv[own].copy_(sent[own])
+        return pairs
+
+    def _shared_part(self, a, b, bufs, w, ids):
+        "The shared expert of tokens [a, b) (the padding ones excluded) into their rows, from the given routing."
+        R, sh = self.chunks * self.ep.world * self.capacity, self.ep.shared_expert
+        n = (self.n - a).clamp(0, b - a)
+        sh._forward_device(self.x[a:b], given=(w[a:b], ids[a:b]), n_tokens=n, out=self.rows_all[R + 1 + a:R + 1 + b], bufs=bufs)
 
     def _body(self):
         "The forward on the GPU: fixed shapes, no host read (the graph's body)."
@@ -481,35 +532,32 @@ class CapturedEP:
         buf, main = sb[0], torch.cuda.current_stream(x.device)
         a1 = sh.a1_scales if sh.act == "w4a4" else None
         kw = dict(routed_scaling_factor=c.routed_scaling_factor)
+        before, after = self.shared_parts
+        split = after is not None                                            # the shared expert in parts, by the given routing
         if self.given:                                                       # route; permute the shared expert's rows
             route_rows(buf, Tm, None, sh.gate_bias, given=(self.w, self.ids), n_tokens=n, **kw)
-            xr, rs = permute_rows(x, buf, a1, n)
+            xr, rs = (None, None) if split else permute_rows(x, buf, a1, n)
         elif Tm <= ROUTE_FUSED_MAX_T:
             xr, rs = route_permute_fused(x, sh.gate_weight, buf, sh.gate_bias, tid2eid=sh.tid2eid, input_ids=self.input_ids,
                                          a1_scales=a1, n_tokens=n, **kw)
         else:
             logits = router_logits(x, sh.gate_weight, out=buf.logits[:Tm])
             route_rows(buf, Tm, logits, sh.gate_bias, tid2eid=sh.tid2eid, input_ids=self.input_ids, n_tokens=n, **kw)
-            xr, rs = permute_rows(x, buf, a1, n)
+            xr, rs = (None, None) if split else permute_rows(x, buf, a1, n)
         w, ids = buf.topk_weights[:Tm], buf.topk_ids[:Tm]
         spos, src = self._plan(ids, n)
-        pay, meta = self._pack(x, w, ids, src)
+        pairs = self._send(x, w, ids, src)
         self.comm.wait_stream(main)
         arrived = []
         with torch.cuda.stream(self.comm):                                   # every chunk's dispatch, beside the shared expert
-            for j in range(C):
-                o = slice(j * Rc, j * Rc + Ro)                               # the other ranks' segments
+            for o, _ in self.parts:                                          # the other ranks' segments
                 if W > 1:
-                    dist.all_to_all_single(self.recv[o], pay[o], self.splits, self.splits, group=g)
-                    if ep.payload == "bf16": dist.all_to_all_single(self.recv_meta[o], meta[o], self.splits, self.splits, group=g)
+                    for sent, recv in pairs: dist.all_to_all_single(recv[o], sent[o], self.splits, self.splits, group=g)
                 arrived.append(torch.cuda.Event()); arrived[-1].record(self.comm)
-        for j in range(C):                                                   # this rank's own segments: a copy, not the wire
-            own = slice(j * Rc + Ro, (j + 1) * Rc)
-            self.recv[own].copy_(pay[own])
-            if ep.payload == "bf16": self.recv_meta[own].copy_(meta[own])
         from dsv4_nvfp4.gemm_sm90 import reserve_sms                        # (the GPU path alone needs CuTeDSL)
         with reserve_sms(self.comm_sms if W > 1 else 0):                     # beside the dispatch
-            combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
+            if not split: combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
+            elif before is not None: self._shared_part(*before, w, ids)
         ys = []                                                              # held to the end: the side stream reads them
         for j in range(C):                                                   # chunk j's experts; its return beside chunk j + 1's
             s_ = slice(j * Rc, (j + 1) * Rc)
@@ -520,14 +568,16 @@ class CapturedEP:
                     er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
                     y = ep.routed._forward_device(self.recv[s_], given=(wr[:, None].contiguous(), er[:, None].contiguous()), bufs=self.rbufs)
                 else:
-                    m = self.recv[s_, -8:].contiguous().view(torch.int32)
-                    y = ep._rows_nvfp4(self.recv[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs)
+                    m = self.recv_meta[s_]
+                    y = ep._rows_nvfp4_parts(self.recv[s_], self.recv_scale[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs)
             ys.append(y)
             if W > 1:
                 self.comm.wait_stream(main)
                 with torch.cuda.stream(self.comm):                           # the rows back to the other ranks
                     dist.all_to_all_single(self.rows_all[j * Rc:j * Rc + Ro], y[:Ro], self.splits, self.splits, group=g)
             self.rows_all[j * Rc + Ro:(j + 1) * Rc].copy_(y[Ro:])            # and this rank's own, meanwhile
+        if split:                                                            # the last tokens' shared expert, beside the return
+            with reserve_sms(self.comm_sms if W > 1 else 0): self._shared_part(*after, w, ids)
         main.wait_stream(self.comm)
         inv = torch.cat([spos.view(Tm, k).to(torch.int32), self.shared_slot], 1)   # dropped slots: the NaN row R
         combine_tokens(self.rows_all, _Slots(self.rows_all, inv, H, Tm, k, c.num_experts), self.out, n)
@@ -573,9 +623,9 @@ class CapturedEP:
         return slots.sum(1).masked_fill(bad[:, None], float("nan")).to(torch.bfloat16)
 
 def _capture(self, max_tokens: int, capacity: int | None = None, given: bool = False, graph: bool = True,
-             chunks: int = 1, comm_sms: int = 0) -> CapturedEP:
+             chunks: int = 1, comm_sms: int = 0, shared_after: float = 0.0) -> CapturedEP:
     "Record this rank's forward in one CUDA graph for up to `max_tokens` tokens (see `CapturedEP`); collective."
-    return CapturedEP(self, max_tokens, capacity, given, graph, chunks, comm_sms)
+    return CapturedEP(self, max_tokens, capacity, given, graph, chunks, comm_sms, shared_after)
 
 EPMoE.capture = _capture
 
@@ -614,19 +664,20 @@ def _timed(fn, iters: int, group=None) -> float:
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
 
-NCCL_SMS = 32   # the CTAs (one per SM) of NCCL's all-to-all kernel on 2 H100s (its grid in a profile): what the GEMMs leave
+NCCL_SMS = 17   # the CTAs (one per SM) of NCCL's all-to-all kernel between 2 H100s, the own segment left out (its grid
+                # in a profile; 32 with it): what the GEMMs beside it leave
 
-def _nccl_group(max_ctas: int):
-    "A new NCCL group over the world whose kernels use at most `max_ctas` CTAs (SMs), or None where torch cannot say so; collective."
+def _nccl_group(min_ctas: int):
+    "A new NCCL group over the world whose kernels use at least `min_ctas` CTAs (SMs), or None where torch cannot say so; collective."
     try:
         o = dist.ProcessGroupNCCL.Options()
-        o.config.max_ctas = max_ctas
+        o.config.min_ctas = min_ctas
     except (AttributeError, RuntimeError, TypeError):
         return None
     return dist.new_group(backend="nccl", pg_options=o)
 
 def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print, micro_batches=(1, 2, 4),
-             on_row=None, router: str = "balanced", ctas=(16,)) -> dict:
+             on_row=None, router: str = "balanced", min_ctas=(32,)) -> dict:
     """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4 with fixed static scales, the same on every
     rank) as `EPMoE` over W GPUs, bf16 and NVFP4 payloads, against the whole layer on one GPU over the same total batch
     (W T tokens); with T tokens per rank: latency (in 1, 2 and 4 micro-batches; with the shared expert on a side stream;
@@ -638,9 +689,9 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     the logits GEMM's kernel depends on the row count, so the one GPU's router over W T tokens may route a token
     differently from a rank's over T), and records whether the routings agreed. `router="balanced"`: the synthetic
     layer's random selection bias refitted by `balanced_gate_bias` on other tokens (what a trained router's bias is
-    for); "synthetic" keeps it (on 2 H100s it sent one rank 25% more rows than the other). `ctas`: the best captured
-    variant again on an NCCL group limited to that many CTAs (NCCL's kernels hold their SMs, which the GEMMs beside
-    them wait for). Returns the rows on rank 0 (None elsewhere); `on_row` (rank 0) gets the result so far after each
+    for); "synthetic" keeps it. The captured variants: the GEMMs beside an all-to-all leaving NCCL's SMs to it
+    (`comm_sms`), the shared expert of half or all of the tokens beside the return (`shared_after`), chunks, and on an
+    NCCL group of at least `min_ctas` CTAs. Returns the rows on rank 0 (None elsewhere); `on_row` (rank 0) gets the result so far after each
     size, so a run cut short keeps what it measured."""
     from dsv4_nvfp4.moe import FLASH
     cfg = cfg or FLASH
@@ -660,7 +711,7 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     del base
     if r == 0: log(f"  layer built in {time.perf_counter() - t0:.1f} s")
     eps = {p: EPMoE(lay, payload=p).to(dev) for p in PAYLOADS}
-    groups = {n: _nccl_group(n) for n in ctas}                              # collective: every rank makes them in turn
+    groups = {n: _nccl_group(n) for n in min_ctas}                          # collective: every rank makes them in turn
     eps_c = {(p, n): EPMoE(lay, group=gr, payload=p).to(dev) for n, gr in groups.items() if gr is not None for p in PAYLOADS}
     rows = []
     for T in tokens:
@@ -700,21 +751,16 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             full = T * min(cfg.top_k, ep.per_rank)
             cap125 = lambda t: -(-5 * t * cfg.top_k // (4 * W)) + 64
             cap_c = lambda C: min(-(-T // C) * min(cfg.top_k, ep.per_rank), cap125(-(-T // C)))
-            variants = [("graph", full, 1, 0), ("graph_cap", cap_c(1), 1, 0), (f"graph_cap_sms{NCCL_SMS}", cap_c(1), 1, NCCL_SMS)]
-            if T >= 512: variants += [(f"graph_c{C}", cap_c(C), C, 0) for C in (2, 4)] + [(f"graph_c2_sms{NCCL_SMS}", cap_c(2), 2, NCCL_SMS)]
-            for key, cap, C, sms in variants:
+            S = NCCL_SMS                                                 # (key, capacity, chunks, comm_sms, shared_after, EP)
+            variants = [("graph", full, 1, 0, 0.0, ep), ("graph_cap", cap_c(1), 1, 0, 0.0, ep), (f"graph_cap_sms{S}", cap_c(1), 1, S, 0.0, ep),
+                        (f"graph_cap_sh50_sms{S}", cap_c(1), 1, S, 0.5, ep), (f"graph_cap_sh100_sms{S}", cap_c(1), 1, S, 1.0, ep)]
+            variants += [(f"graph_cap_sh50_min{n}", cap_c(1), 1, n, 0.5, eps_c[(p, n)]) for n in min_ctas if (p, n) in eps_c]
+            if T >= 512: variants += [(f"graph_c{C}", cap_c(C), C, 0, 0.0, ep) for C in (2, 4)] + [(f"graph_c2_sms{S}", cap_c(2), 2, S, 0.0, ep)]
+            for key, cap, C, sms, after, e in variants:
                 if key.startswith("graph_cap") and cap == full: continue
-                cg = ep.capture(T, capacity=cap, chunks=C, comm_sms=sms)
+                cg = e.capture(T, capacity=cap, chunks=C, comm_sms=sms, shared_after=after)
                 ok = torch.equal(cg(x), want[r * T:(r + 1) * T]) and cg.dropped == 0
                 same = torch.tensor([int(ok)], device=dev)
-                dist.all_reduce(same, op=dist.ReduceOp.MIN)
-                row[f"t_ep_{p}_{key}_ms"], row[f"bit_exact_{p}_{key}"], row[f"cap_{key}"] = _timed(lambda: cg(x), iters), bool(same.item()), cap
-                del cg
-            for n in ctas:                                               # 1.25x capacity on a group of fewer CTAs
-                if (p, n) not in eps_c: continue
-                cap, key = min(full, cap125(T)), f"graph_cap_ctas{n}"
-                cg = eps_c[(p, n)].capture(T, capacity=cap, comm_sms=n)
-                same = torch.tensor([int(torch.equal(cg(x), want[r * T:(r + 1) * T]) and cg.dropped == 0)], device=dev)
                 dist.all_reduce(same, op=dist.ReduceOp.MIN)
                 row[f"t_ep_{p}_{key}_ms"], row[f"bit_exact_{p}_{key}"], row[f"cap_{key}"] = _timed(lambda: cg(x), iters), bool(same.item()), cap
                 del cg
@@ -732,7 +778,7 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             flat, out = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
             row[f"t_a2a_even_{p}_ms"] = _timed(lambda: dist.all_to_all_single(out, flat), iters)
         row["x_one"] = {p: row["t_one_ms"] / min(row[f"t_ep_{p}_mb{mb}_ms"] for mb in micro_batches) for p in PAYLOADS}   # throughput ratio, same total batch, best C
-        gk = ("graph", "graph_cap", "graph_c2", "graph_c4", f"graph_cap_sms{NCCL_SMS}", f"graph_c2_sms{NCCL_SMS}") + tuple(f"graph_cap_ctas{n}" for n in ctas)   # the captured variants: the best exact one,
+        gk = [k[len("t_ep_bf16_"):-3] for k in row if k.startswith("t_ep_bf16_graph")]   # the captured variants: the best exact one,
         best_one = min(row["t_one_ms"], row["t_one_graph_ms"] if row["bit_exact_one_graph"] else math.inf)   # the one GPU at its best
         row["x_one_graph"] = {p: best_one / min(row[f"t_ep_{p}_{k}_ms"] for k in gk if row.get(f"bit_exact_{p}_{k}"))
                               for p in PAYLOADS if any(row.get(f"bit_exact_{p}_{k}") for k in gk)}
@@ -745,11 +791,14 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     return dict(rows=rows, gpu=torch.cuda.get_device_name(), world=W, micro_batches=list(micro_batches), router=router) if r == 0 else None
 
 def _variant_head(k: str) -> str:
-    "A captured variant's column name: graph_c2 (chunks), _smsN (GEMMs beside NCCL leave N SMs), _ctasN (NCCL on N CTAs)."
+    """A captured variant's column name: graph_c2 (chunks), _smsN (GEMMs beside NCCL leave N SMs), _shP (the shared expert
+    of P% of the tokens beside the return), _minN (NCCL on >= N CTAs, GEMMs leave N SMs), _ctasN (older: <= N CTAs)."""
     parts = ["graph, 1.25x"]
     for w in k.split("_")[1:]:
         if w[:1] == "c" and w[1:].isdigit(): parts.append(f"{w[1:]} chunks")
         elif w.startswith("sms"): parts.append(f"GEMMs leave {w[3:]} SMs")
+        elif w.startswith("sh") and w[2:].isdigit(): parts.append(f"shared expert of {w[2:]}% beside the return")
+        elif w.startswith("min"): parts.append(f"NCCL on >= {w[3:]} CTAs, GEMMs leave {w[3:]} SMs")
         elif w.startswith("ctas"): parts.append(f"NCCL on <= {w[4:]} CTAs, GEMMs leave {w[4:]} SMs")
     return ", ".join(parts) + " ms (bf16 / NVFP4)"
 

@@ -265,10 +265,13 @@ class DSV4MoE(torch.nn.Module):
                     row_scales: torch.Tensor,     # fp32 (R, 2): per row (gs_a, routing weight); gs_a is W4A4's a1 of the row's group
                     offsets: torch.Tensor,        # int32 (G,) cumulative end offsets over this layer's groups
                     bufs: tuple | None = None,    # `buffers(n)` with n (k + 1) >= R (a captured graph's own); default: the eager ones
-                   ) -> torch.Tensor:             # bf16 (R, H): each row's weighted expert output (a new tensor)
+                    copy: bool = True,            # False: return a view of `bufs`' output rows (the next call overwrites it)
+                   ) -> torch.Tensor:             # bf16 (R, H): each row's weighted expert output
         """The fused L1 and L2 alone, over rows that are already expert-major (the expert-parallel layer's received rows):
         what the forward does between its permute and its combine, row for row. A CUDA graph passes its own `bufs`: the
-        eager ones are replaced (and freed) when a larger call needs more."""
+        eager ones are replaced (and freed) when a larger call needs more. The result is a new tensor, or with
+        `copy=False` a view of the buffers' output rows, for a caller that reads it before the next call (saves a copy of
+        R rows)."""
         R, dev = xr.shape[0], xr.device
         if tuple(row_scales.shape) != (R, 2) or tuple(offsets.shape) != (self.num_groups,):
             raise ValueError(f"DSV4MoE.expert_rows: row_scales must be ({R}, 2) and offsets ({self.num_groups},), got "
@@ -280,7 +283,8 @@ class DSV4MoE(torch.nn.Module):
         else:
             bufs = self._eager.get(dev)
             if bufs is None or bufs[0].capacity < cap: bufs = self._eager[dev] = self.buffers(cap, dev)
-        return self._experts(xr.contiguous(), row_scales.float().contiguous(), offsets, bufs).clone()
+        y = self._experts(xr.contiguous(), row_scales.float().contiguous(), offsets, bufs)
+        return y.clone() if copy else y
 
 # %% ../nbs/08_moe_layer.ipynb #d079dfb3
 def _ref_route(x, layer, input_ids):

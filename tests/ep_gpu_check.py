@@ -26,8 +26,10 @@ def main():
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
             caps = {payload: ep.capture(MAX_T, given=True)}
-            chunked = ep.capture(MAX_T, given=True, chunks=3)             # the pipelined chunks (107, 107, 106 tokens); the eager
-                                                                          # calls below need larger expert buffers than its own
+            chunked = ep.capture(MAX_T, given=True, chunks=3, comm_sms=8)  # the pipelined chunks (107, 107, 106 tokens), GEMMs
+                                                                          # leaving 8 SMs; the eager calls below need larger
+                                                                          # expert buffers than its own
+            split = ep.capture(MAX_T, given=True, shared_after=0.5, comm_sms=16)   # the shared expert half beside each all-to-all
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
                 Ts = (Ts * W)[:W]
                 g = torch.Generator(device=dev).manual_seed(sum(Ts))
@@ -49,6 +51,7 @@ def main():
                     want_r = lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]
                     if not torch.equal(got, want_r): fails.append(f"{act} {payload} captured T={Ts}")
                     if not torch.equal(chunked(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in chunks T={Ts}")
+                    if not torch.equal(split(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split T={Ts}")
                 # skewed: four of every token's six experts on rank 0, two elsewhere
                 if x_all.shape[0] and W > 1:
                     w, _ = lay.route(x_all)
@@ -59,6 +62,7 @@ def main():
                     if not torch.equal(ep.forward_routed(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} skewed T={Ts}")
                     if not torch.equal(caps[payload](x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured skewed T={Ts}")
                     if not torch.equal(chunked(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured in chunks, skewed T={Ts}")
+                    if not torch.equal(split(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured, shared split, skewed T={Ts}")
             # the router inside the graph, on a full buffer (the same logits GEMM shape as the eager forward's)
             full = MAX_T
             g = torch.Generator(device=dev).manual_seed(5)
@@ -66,6 +70,9 @@ def main():
             x = x_all[r * full:(r + 1) * full]
             routed = ep.capture(full)
             if not torch.equal(routed(x), ep(x)): fails.append(f"{act} {payload} captured router != eager EP")
+            routed_after = ep.capture(full, shared_after=1.0, comm_sms=8)  # the whole shared expert beside the return
+            if not torch.equal(routed_after(x), ep(x)): fails.append(f"{act} {payload} captured router, shared after != eager EP")
+            del routed_after
             # a capacity that the skewed routing overflows: NaN exactly for the tokens that lost a slot, counted
             if W > 1:
                 small = ep.capture(MAX_T, capacity=64, given=True)
@@ -84,7 +91,7 @@ def main():
     if fails: print(f"rank {r}: FAIL " + "; ".join(fails), flush=True)
     dist.barrier()
     if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
-    del caps, chunked, routed                       # the graphs go before the communicator they hold (it hung at exit otherwise)
+    del caps, chunked, split, routed                # the graphs go before the communicator they hold (it hung at exit otherwise)
     if W > 1: del small
     gc.collect(); torch.cuda.synchronize()
     dist.barrier()

@@ -143,3 +143,20 @@ def test_slices_compute_the_layers_own_rows(act, T):
     want = M.ref_moe(x, layer)
     assert ((total - want).norm() / want.norm()).item() <= 5e-3                # the shares add up to the layer
     assert ((total - y.double()).norm() / want.norm()).item() <= 5e-3
+
+
+def test_expert_rows_copy_and_view():
+    """`expert_rows` over the layer's own expert-major rows: a new tensor by default, with `copy=False` a view of the
+    given buffers' output rows holding the same bits (the next call with those buffers overwrites it)."""
+    layer = M.DSV4MoE.synthetic(CFG, seed=4, act="w4a16", device=DEV).to(DEV)
+    g = torch.Generator().manual_seed(4)
+    R = 40
+    xr = torch.randn(R, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV)
+    rs = torch.stack([torch.ones(R), torch.rand(R, generator=g)], 1).to(DEV)
+    offs = torch.tensor([2 * (e + 1) for e in range(layer.num_groups - 1)] + [R], dtype=torch.int32, device=DEV)   # the shared group last
+    bufs = layer.buffers(R, DEV)
+    y = layer.expert_rows(xr, rs, offs, bufs)
+    v = layer.expert_rows(xr, rs, offs, bufs, copy=False)
+    assert torch.equal(v, y) and v.data_ptr() == bufs[3].data_ptr() and y.data_ptr() != v.data_ptr()
+    layer.expert_rows(xr.flip(0), rs, offs, bufs, copy=False)                  # another call: the view changes, the copy not
+    assert not torch.equal(v, y) and torch.equal(y, layer.expert_rows(xr, rs, offs, bufs))
