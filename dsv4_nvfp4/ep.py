@@ -668,10 +668,11 @@ NCCL_SMS = 17   # the CTAs (one per SM) of NCCL's all-to-all kernel between 2 H1
                 # in a profile; 32 with it): what the GEMMs beside it leave
 
 def _nccl_group(min_ctas: int):
-    "A new NCCL group over the world whose kernels use at least `min_ctas` CTAs (SMs), or None where torch cannot say so; collective."
+    """A new NCCL group over the world whose kernels use `min_ctas` CTAs (SMs): the minimum and the maximum (NCCL 2.28
+    refuses a minimum without a maximum), or None where torch cannot say so; collective."""
     try:
         o = dist.ProcessGroupNCCL.Options()
-        o.config.min_ctas = min_ctas
+        o.config.min_ctas = o.config.max_ctas = min_ctas
     except (AttributeError, RuntimeError, TypeError):
         return None
     return dist.new_group(backend="nccl", pg_options=o)
