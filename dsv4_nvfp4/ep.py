@@ -725,7 +725,8 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
         w_all, ids_all = [torch.empty(W * T, cfg.top_k, dtype=t.dtype, device=dev) for t in (w_me, ids_me)]
         dist.all_gather_into_tensor(w_all, w_me.contiguous()); dist.all_gather_into_tensor(ids_all, ids_me.contiguous())
         want = lay.forward_routed(x_all, w_all, ids_all)             # one GPU with the EP ranks' routing
-        row["same_routing"] = bool(torch.equal(lay.route(x_all)[1].int(), ids_all))   # did the one GPU's router agree?
+        w1, ids1 = lay.route(x_all)                                  # did the one GPU's router agree, weights to the bit?
+        row["same_routing"] = bool(torch.equal(ids1.int(), ids_all) and torch.equal(w1.float(), w_all))
         rows_in = torch.bincount(ids_all.flatten().long() // (cfg.num_experts // W), minlength=W).float()
         row["rank_rows_max_over_mean"] = (rows_in.max() / rows_in.mean()).item()     # the routed rows' balance over ranks
         row["t_one_ms"] = _timed(lambda: lay(x_all), iters)

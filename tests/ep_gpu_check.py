@@ -1,5 +1,6 @@
 """Run under `torchrun --nproc-per-node 2` (any number of GPUs, 1 included): EPMoE on NCCL against the one-GPU layer, bit
-for bit, eager and captured in a CUDA graph (`EPMoE.capture`)."""
+for bit, eager and captured in a CUDA graph (`EPMoE.capture`). Arguments: the activation kinds to check (w4a16, w4a4;
+default both), so that one run can stay short (each kind compiles its own GEMMs: minutes on a fresh machine)."""
 import gc
 import os
 import sys
@@ -15,13 +16,14 @@ CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scali
 MAX_T = 320                                     # the captured forwards' tokens per rank
 
 
-def main():
+def main(acts=("w4a16", "w4a4")):
+    if not acts or any(a not in ("w4a16", "w4a4") for a in acts): raise SystemExit(f"ep_gpu_check: kinds are w4a16 and w4a4, got {acts}")
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")   # no NVLink multicast
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     fails = []
-    for act in ("w4a16", "w4a4"):
+    for act in acts:
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)     # the same layer on every rank
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
@@ -100,4 +102,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(tuple(sys.argv[1:]) or ("w4a16", "w4a4")))
