@@ -345,9 +345,11 @@ class CapturedEP:
     dispatch and chunk j - 1's return travel while chunk j's experts compute, and the output is the same, bit for bit.
     NCCL's all-to-all kernel holds its SMs until it ends (32 on 2 H100s), and the persistent GEMM deals its tiles over a
     fixed grid, so a GEMM beside it waits for those SMs; with `comm_sms` n the GEMMs that run beside a collective (the
-    shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`), same bits. With
-    `shared_after` f > 0 the shared expert of the last f of the tokens runs beside the return all-to-all instead of the
-    dispatch (its own route of the given routing, the same bits), so that both all-to-alls have work beside them.
+    shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`, Hopper's GEMM; other
+    GPUs ignore it), same bits. With `shared_after` f > 0 the shared expert of the tokens in buffer positions
+    [round((1 - f) max_tokens), max_tokens) runs beside the return all-to-all instead of the dispatch (its own route of
+    the given routing, the same bits), so that both all-to-alls have work beside them; a call with fewer tokens has
+    less (or nothing) in that part.
 
     Drop it (`del`) before `dist.destroy_process_group()`: a graph holds NCCL kernels of the group's communicator (on
     2 H100s a check that tore the group down with its graphs alive hung at exit; the benchmark, which drops each one,
@@ -385,7 +387,7 @@ class CapturedEP:
                              f"got {[e.tolist() for e in every]}")
         self.ep, self.max_tokens, self.capacity, self.given, self.cuda = ep, max_tokens, cap, given, cuda
         self.chunks, self.chunk_tokens, self.comm_sms = C, Tc, int(comm_sms)
-        self.shared_split = max_tokens - round(shared_after * max_tokens)   # tokens [0, split): shared expert beside the dispatch
+        self.shared_split = S = max_tokens - round(shared_after * max_tokens)   # tokens [0, S): shared expert beside the dispatch
         Tm, R = max_tokens, C * W * cap                                      # the send buffer: chunk-major, then by destination
         # within a chunk: the other ranks' segments in rank order (what the all-to-alls move), then this rank's own
         self.seg = torch.tensor([W - 1 if d == ep.rank else d - (d > ep.rank) for d in range(W)], device=dev)
@@ -401,9 +403,10 @@ class CapturedEP:
         self.none = torch.tensor([[-1, 0]], dtype=torch.int32, device=dev)  # a padding row's (expert id, weight bits)
         self.graph = None
         if not cuda: return
-        self.sbufs = sh.buffers(Tm, dev)                                     # the router's and the shared expert's buffers
-        S = self.shared_split                                                # and the split shared expert's: tokens [0, S) beside
-        self.shared_parts = [(a, b, sh.buffers(b - a, dev)) if 0 <= a < b else None   # the dispatch, [S, Tm) beside the return
+        # the router's and the shared expert's buffers (split: the router's alone, the parts have their own)
+        self.sbufs = sh.buffers(Tm, dev) if S == Tm else (sh.buffers(Tm, dev)[0],)
+        # the split shared expert's, one set per part: tokens [0, S) beside the dispatch, [S, Tm) beside the return
+        self.shared_parts = [(a, b, sh.buffers(b - a, dev)) if 0 <= a < b else None
                              for a, b in ((0, S), (S, Tm))] if S < Tm else [None, None]
         # the routed experts' buffers, the graph's own (the eager ones are replaced when a larger call needs more):
         # one chunk's rows at a time (bf16: as tokens of the one-slot layer; NVFP4: `expert_rows`' rows)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout, installed or not
 from dsv4_nvfp4 import moe as M
 from dsv4_nvfp4.ep import EPMoE
+from dsv4_nvfp4 import gemm_sm90 as S90
 
 CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
 MAX_T = 320                                     # the captured forwards' tokens per rank
@@ -32,6 +33,7 @@ def main(acts=("w4a16", "w4a4")):
                                                                           # leaving 8 SMs; the eager calls below need larger
                                                                           # expert buffers than its own
             split = ep.capture(MAX_T, given=True, shared_after=0.5, comm_sms=16)   # the shared expert half beside each all-to-all
+            split_chunks = ep.capture(MAX_T, given=True, chunks=2, shared_after=0.3)    # and with chunks
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
                 Ts = (Ts * W)[:W]
                 g = torch.Generator(device=dev).manual_seed(sum(Ts))
@@ -54,6 +56,7 @@ def main(acts=("w4a16", "w4a4")):
                     if not torch.equal(got, want_r): fails.append(f"{act} {payload} captured T={Ts}")
                     if not torch.equal(chunked(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in chunks T={Ts}")
                     if not torch.equal(split(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split T={Ts}")
+                    if not torch.equal(split_chunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split, chunks T={Ts}")
                 # skewed: four of every token's six experts on rank 0, two elsewhere
                 if x_all.shape[0] and W > 1:
                     w, _ = lay.route(x_all)
@@ -72,9 +75,28 @@ def main(acts=("w4a16", "w4a4")):
             x = x_all[r * full:(r + 1) * full]
             routed = ep.capture(full)
             if not torch.equal(routed(x), ep(x)): fails.append(f"{act} {payload} captured router != eager EP")
-            routed_after = ep.capture(full, shared_after=1.0, comm_sms=8)  # the whole shared expert beside the return
-            if not torch.equal(routed_after(x), ep(x)): fails.append(f"{act} {payload} captured router, shared after != eager EP")
-            del routed_after
+            for after in (1.0, 0.4):                                    # all, or the last 40% of the shared expert beside the return
+                routed_after = ep.capture(full, shared_after=after, comm_sms=8)
+                if not torch.equal(routed_after(x), ep(x)): fails.append(f"{act} {payload} captured router, shared after {after} != eager EP")
+                del routed_after
+            tiny = ep.capture(3, shared_after=0.5)                       # the fused router path (<= 4 tokens), split
+            if not torch.equal(tiny(x[:3]), ep(x[:3])): fails.append(f"{act} {payload} captured router, 3 tokens, shared split != eager EP")
+            del tiny
+            # where the SMs are left to NCCL: the shared expert's GEMMs beside the all-to-alls; the routed ones only with chunks
+            if W > 1:
+                seen, run = [], S90.run_sm90
+                def spy(*a_, **k_):
+                    seen.append(S90._SM_RESERVE[0]); return run(*a_, **k_)
+                S90.run_sm90 = spy
+                try:
+                    for C_, want_seen in ((1, [12, 12, 0, 0, 12, 12]), (2, [12] * 8)):
+                        seen.clear()
+                        probe = ep.capture(full, graph=False, comm_sms=12, shared_after=0.5, chunks=C_)   # (its warm-up launches too)
+                        seen.clear(); probe(x); torch.cuda.synchronize()
+                        if seen != want_seen: fails.append(f"{act} {payload} chunks={C_}: SM reserve per GEMM launch {seen}, expected {want_seen}")
+                        del probe
+                finally:
+                    S90.run_sm90 = run
             # a capacity that the skewed routing overflows: NaN exactly for the tokens that lost a slot, counted
             if W > 1:
                 small = ep.capture(MAX_T, capacity=64, given=True)
@@ -93,7 +115,7 @@ def main(acts=("w4a16", "w4a4")):
     if fails: print(f"rank {r}: FAIL " + "; ".join(fails), flush=True)
     dist.barrier()
     if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
-    del caps, chunked, split, routed                # the graphs go before the communicator they hold (it hung at exit otherwise)
+    del caps, chunked, split, split_chunks, routed  # the graphs go before the communicator they hold (it hung at exit otherwise)
     if W > 1: del small
     gc.collect(); torch.cuda.synchronize()
     dist.barrier()
