@@ -296,26 +296,25 @@ class EPMoE(torch.nn.Module):
         """Received NVFP4 rows, codes uint8 (n, H/2) and block scales uint8 (n, H/16), through the local experts:
         exactly what the single-GPU W4A4 permute would feed them. Rows whose id is not a local expert (`capture`'s
         padding) sort after the last group: not computed, their output rows undefined."""
-        H, n, pk = self.cfg.hidden, data.shape[0], data
+        H, n, dev = self.cfg.hidden, data.shape[0], data.device
         g = er.long() - self.experts.start
         g = torch.where((g >= 0) & (g < self.per_rank), g, self.per_rank)
         order = torch.argsort(g, stable=True)
-        counts = torch.zeros(self.per_rank + 1, dtype=torch.long, device=pk.device).index_add_(0, g, torch.ones_like(g))  # no host read
+        counts = torch.zeros(self.per_rank + 1, dtype=torch.long, device=dev).index_add_(0, g, torch.ones_like(g))  # no host read
         offs = torch.cumsum(counts[:-1], 0).to(torch.int32)
         a1 = self.a1_all[er.long().clamp(min=0)]
-        scale = scale.contiguous().view(torch.float8_e4m3fn)
-        if n == 0: return torch.empty(0, H, dtype=torch.bfloat16 if pk.is_cuda else torch.float64, device=pk.device)
-        if pk.is_cuda:
+        if n == 0: return torch.empty(0, H, dtype=torch.bfloat16 if data.is_cuda else torch.float64, device=dev)
+        scale = scale.index_select(0, order).view(torch.float8_e4m3fn)      # (index_select: a vectorized row gather;
+        data = data.index_select(0, order)                                   # data[order] took 0.55 ms at 61568 rows on an H100)
+        if data.is_cuda:
             from dsv4_nvfp4.quantize_cuda import dequantize_nvfp4_cuda
-            xr = dequantize_nvfp4_cuda(data.index_select(0, order), scale.view(torch.uint8).index_select(0, order).view(torch.float8_e4m3fn),
-                                       torch.ones(n, device=pk.device))      # code x block scale: exact in bf16 (index_select, a
-                                                                             # vectorized row gather: data[order] took 0.55 ms at 61568 rows on an H100)
+            xr = dequantize_nvfp4_cuda(data, scale, torch.ones(n, device=dev))   # code x block scale: exact in bf16
             rs = torch.stack([a1[order], wr[order]], 1).contiguous()
-            back = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=pk.device))   # where each row went
+            back = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=dev))   # where each row went
             return self.routed.expert_rows(xr, rs, offs, bufs, copy=False).index_select(0, back)   # a row gather (the row
                                                                                  # scatter out[order] = ... ran at half the speed)
         else:
-            xq = NVFP4Tensor(data[order].contiguous(), scale[order].contiguous(), a1[order].contiguous(), (n, H))
+            xq = NVFP4Tensor(data, scale, a1[order].contiguous(), (n, H))
             lay, out = self.routed, torch.empty(n, H, dtype=torch.float64)
             out[order] = ref_expert_mlp(xq, lay.w13, lay.w2, offs, act="w4a4", swiglu_limit=self.cfg.swiglu_limit,
                                         route_weight=wr[order], a2_scales=lay.a2_scales.cpu())
@@ -343,7 +342,7 @@ class CapturedEP:
     tokens go in chunks of ceil(max_tokens / C) (C shrinks if the last would always be empty), each with its own fixed
     all-to-alls and `capacity` slots per rank pair (default `ceil(max_tokens / C) x min(k, E/W)`): chunk j + 1's
     dispatch and chunk j - 1's return travel while chunk j's experts compute, and the output is the same, bit for bit.
-    NCCL's all-to-all kernel holds its SMs until it ends (32 on 2 H100s), and the persistent GEMM deals its tiles over a
+    NCCL's all-to-all kernel holds its SMs until it ends (17 between 2 H100s), and the persistent GEMM deals its tiles over a
     fixed grid, so a GEMM beside it waits for those SMs; with `comm_sms` n the GEMMs that run beside a collective (the
     shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`, Hopper's GEMM; other
     GPUs ignore it), same bits. With `shared_after` f > 0 the shared expert of the tokens in buffer positions
@@ -401,6 +400,9 @@ class CapturedEP:
         self.slot_chunk = self.slot_token // Tc
         self.buckets = torch.arange(C * W + 1, device=dev)[:, None]         # (chunk, destination) pairs, then "not sent"
         self.none = torch.tensor([[-1, 0]], dtype=torch.int32, device=dev)  # a padding row's (expert id, weight bits)
+        self.rows = R                                                        # the send and receive buffers' rows
+        # each chunk's rows: (the other ranks' segments, this rank's own)
+        self.parts = [(slice(j * W * cap, (j + 1) * W * cap - cap), slice((j + 1) * W * cap - cap, (j + 1) * W * cap)) for j in range(C)]
         self.graph = None
         if not cuda: return
         # the router's and the shared expert's buffers (split: the router's alone, the parts have their own)
@@ -418,8 +420,6 @@ class CapturedEP:
         if ep.payload == "bf16": self.send, self.recv = z(R, H), z(R, H)   # the rows: gathered into send (and own ones into recv)
         else: self.recv, self.recv_scale = z(R, H // 2, dt=torch.uint8), z(R, H // 16, dt=torch.uint8)   # NVFP4 codes, scales
         self.recv_meta = z(R, 2, dt=torch.int32)
-        # each chunk's rows: (the other ranks' segments, this rank's own)
-        self.parts = [(slice(j * W * cap, (j + 1) * W * cap - cap), slice((j + 1) * W * cap - cap, (j + 1) * W * cap)) for j in range(C)]
         # a row that reaches no local expert: an expert of another rank (no row); with one rank an invalid id
         # (the router gives it a NaN row on expert 0, never read)
         self.sentinel = (ep.experts.stop % c.num_experts) if W > 1 else -1
@@ -477,7 +477,7 @@ class CapturedEP:
     def _plan(self, ids, n):
         "Each routed slot's row in the send buffer (R: not sent), and the slot of each send row (T k: padding)."
         ep, W, cap, k, C = self.ep, self.ep.world, self.capacity, self.ep.cfg.top_k, self.chunks
-        Tk, R = ids.numel(), C * W * cap
+        Tk, R = ids.numel(), self.rows
         valid = self.slot_token[:Tk] < n                                     # padding tokens send nothing
         dest = (ids.reshape(-1).long() // ep.per_rank).clamp(0, W - 1)     # (a padding token's stale id: never sent)
         key = torch.where(valid, self.slot_chunk[:Tk] * W + dest, C * W)   # (chunk, destination)
@@ -492,7 +492,7 @@ class CapturedEP:
     def _meta(self, w, ids, src):
         "Each send row's (expert id, weight bits), (R, 2) int32 (padding rows: (-1, 0)), and its token (R,)."
         ms = torch.cat([torch.stack([ids.reshape(-1).int(), w.reshape(-1).float().view(torch.int32)], 1), self.none])
-        return ms[src], (src // self.ep.cfg.top_k).clamp(max=max(self.max_tokens - 1, 0))
+        return ms[src], (src // self.ep.cfg.top_k).clamp(max=self.max_tokens - 1)
 
     def _pack(self, x, w, ids, src):
         """(CPU) The send buffer: each send row's token (bf16 rows, or the NVFP4 payload with its metadata) and its
@@ -522,15 +522,14 @@ class CapturedEP:
 
     def _shared_part(self, a, b, bufs, w, ids):
         "The shared expert of tokens [a, b) (the padding ones excluded) into their rows, from the given routing."
-        R, sh = self.chunks * self.ep.world * self.capacity, self.ep.shared_expert
-        n = (self.n - a).clamp(0, b - a)
-        sh._forward_device(self.x[a:b], given=(w[a:b], ids[a:b]), n_tokens=n, out=self.rows_all[R + 1 + a:R + 1 + b], bufs=bufs)
+        n, R = (self.n - a).clamp(0, b - a), self.rows
+        self.ep.shared_expert._forward_device(self.x[a:b], given=(w[a:b], ids[a:b]), n_tokens=n, out=self.rows_all[R + 1 + a:R + 1 + b], bufs=bufs)
 
     def _body(self):
         "The forward on the GPU: fixed shapes, no host read (the graph's body)."
         ep, c = self.ep, self.ep.cfg
         W, k, H, Tm, C, g = ep.world, c.top_k, c.hidden, self.max_tokens, self.chunks, ep.group
-        Rc = W * self.capacity; R = C * Rc; Ro = Rc - self.capacity         # one chunk's rows; all; the other ranks' part
+        R, Ro = self.rows, (W - 1) * self.capacity                           # all the rows; a chunk's other ranks' part
         x, n, sh, sb = self.x, self.n, ep.shared_expert, self.sbufs
         buf, main = sb[0], torch.cuda.current_stream(x.device)
         a1 = sh.a1_scales if sh.act == "w4a4" else None
@@ -562,8 +561,8 @@ class CapturedEP:
             if not split: combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
             elif before is not None: self._shared_part(*before, w, ids)
         ys = []                                                              # held to the end: the side stream reads them
-        for j in range(C):                                                   # chunk j's experts; its return beside chunk j + 1's
-            s_ = slice(j * Rc, (j + 1) * Rc)
+        for j, (o, own) in enumerate(self.parts):                            # chunk j's experts; its return beside chunk j + 1's
+            s_ = slice(o.start, own.stop)
             main.wait_event(arrived[j])
             with reserve_sms(self.comm_sms if W > 1 and C > 1 else 0):       # chunks: beside another chunk's all-to-alls
                 if ep.payload == "bf16":
@@ -577,8 +576,8 @@ class CapturedEP:
             if W > 1:
                 self.comm.wait_stream(main)
                 with torch.cuda.stream(self.comm):                           # the rows back to the other ranks
-                    dist.all_to_all_single(self.rows_all[j * Rc:j * Rc + Ro], y[:Ro], self.splits, self.splits, group=g)
-            self.rows_all[j * Rc + Ro:(j + 1) * Rc].copy_(y[Ro:])            # and this rank's own, meanwhile
+                    dist.all_to_all_single(self.rows_all[o], y[:Ro], self.splits, self.splits, group=g)
+            self.rows_all[own].copy_(y[Ro:])                                 # and this rank's own, meanwhile
         if split:                                                            # the last tokens' shared expert, beside the return
             with reserve_sms(self.comm_sms if W > 1 else 0): self._shared_part(*after, w, ids)
         main.wait_stream(self.comm)
@@ -588,8 +587,7 @@ class CapturedEP:
     def _body_cpu(self, T):
         "The same steps on the CPU (gloo): the float64 experts, the float64 sum."
         ep, c = self.ep, self.ep.cfg
-        W, k, H, g = ep.world, c.top_k, c.hidden, ep.group
-        Rc = W * self.capacity; R = self.chunks * Rc
+        W, k, H, g, R = ep.world, c.top_k, c.hidden, ep.group, self.rows
         x = self.x
         w, ids = (self.w[:T], self.ids[:T]) if self.given else ep.route(x[:T], None if self.input_ids is None else self.input_ids[:T])
         # as the GPU's route kernel: a given row with an id outside [0, E) or a repeated one goes to experts 0..k-1 (the
@@ -606,21 +604,21 @@ class CapturedEP:
         recv, rmeta = torch.empty_like(pay), torch.empty_like(meta)
         back = torch.empty(R + 1, H, dtype=torch.float64)
         back[R] = float("nan")                                               # row R: a dropped slot's
-        Ro = Rc - self.capacity
-        for j in range(self.chunks):                                         # chunk by chunk, as the GPU's pipeline
-            s_, o, own = slice(j * Rc, (j + 1) * Rc), slice(j * Rc, j * Rc + Ro), slice(j * Rc + Ro, (j + 1) * Rc)
+        for o, own in self.parts:                                            # chunk by chunk, as the GPU's pipeline
+            s_ = slice(o.start, own.stop)
             recv[own], rmeta[own] = pay[own], meta[own]                      # this rank's own segment: never on the wire
             if W > 1:
                 dist.all_to_all_single(recv[o], pay[o], self.splits, self.splits, group=g)
                 dist.all_to_all_single(rmeta[o], meta[o], self.splits, self.splits, group=g)
             er, wr = rmeta[s_, 0], rmeta[s_, 1].view(torch.float32)
             mine = ((er >= ep.experts.start) & (er < ep.experts.stop)).nonzero().squeeze(1)   # the real rows (a host read: CPU)
-            y = torch.zeros(Rc, H, dtype=torch.float64)
+            y = torch.zeros(s_.stop - s_.start, H, dtype=torch.float64)
             if mine.numel():
                 f = ep._rows_bf16 if ep.payload == "bf16" else ep._rows_nvfp4
                 y[mine] = f(recv[s_][mine], wr[mine], er[mine])
+            Ro = o.stop - o.start
             back[own] = y[Ro:]
-            if W > 1: dist.all_to_all_single(back[o], y[:Ro].contiguous(), self.splits, self.splits, group=g)
+            if W > 1: dist.all_to_all_single(back[o], y[:Ro], self.splits, self.splits, group=g)
         pos = spos[:T * k].view(T, k)
         slots = torch.stack([back[pos[:, j]] for j in range(k)] + [ep._shared_rows(x[:T], w, ids)], 1)   # as EPMoE sums them
         return slots.sum(1).masked_fill(bad[:, None], float("nan")).to(torch.bfloat16)
@@ -695,7 +693,7 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     layer's random selection bias refitted by `balanced_gate_bias` on other tokens (what a trained router's bias is
     for); "synthetic" keeps it. The captured variants: the GEMMs beside an all-to-all leaving NCCL's SMs to it
     (`comm_sms`), the shared expert of half or all of the tokens beside the return (`shared_after`), chunks, and on an
-    NCCL group of at least `min_ctas` CTAs. Returns the rows on rank 0 (None elsewhere); `on_row` (rank 0) gets the result so far after each
+    NCCL group of exactly `min_ctas` CTAs. Returns the rows on rank 0 (None elsewhere); `on_row` (rank 0) gets the result so far after each
     size, so a run cut short keeps what it measured."""
     from dsv4_nvfp4.moe import FLASH
     cfg = cfg or FLASH
@@ -797,13 +795,13 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
 
 def _variant_head(k: str) -> str:
     """A captured variant's column name: graph_c2 (chunks), _smsN (GEMMs beside NCCL leave N SMs), _shP (the shared expert
-    of P% of the tokens beside the return), _minN (NCCL on >= N CTAs, GEMMs leave N SMs), _ctasN (older: <= N CTAs)."""
+    of P% of the tokens beside the return), _minN (NCCL on N CTAs, GEMMs leave N SMs), _ctasN (older: <= N CTAs)."""
     parts = ["graph, 1.25x"]
     for w in k.split("_")[1:]:
         if w[:1] == "c" and w[1:].isdigit(): parts.append(f"{w[1:]} chunks")
         elif w.startswith("sms"): parts.append(f"GEMMs leave {w[3:]} SMs")
         elif w.startswith("sh") and w[2:].isdigit(): parts.append(f"shared expert of {w[2:]}% beside the return")
-        elif w.startswith("min"): parts.append(f"NCCL on >= {w[3:]} CTAs, GEMMs leave {w[3:]} SMs")
+        elif w.startswith("min"): parts.append(f"NCCL on {w[3:]} CTAs, GEMMs leave {w[3:]} SMs")
         elif w.startswith("ctas"): parts.append(f"NCCL on <= {w[4:]} CTAs, GEMMs leave {w[4:]} SMs")
     return ", ".join(parts) + " ms (bf16 / NVFP4)"
 
