@@ -22,7 +22,8 @@ from .swiglu import ref_expert_mlp
 
 # %% auto #0
 __all__ = ['PAYLOADS', 'NCCL_SMS', 'ep_experts', 'DispatchPlan', 'dispatch_plan', 'exchange', 'payload_bytes', 'ep_traffic',
-           'EPMoE', 'CapturedEP', 'balanced_gate_bias', 'bench_ep', 'ep_table', 'bench_ep_main']
+           'EPMoE', 'copy_engines_supported', 'CapturedEP', 'balanced_gate_bias', 'bench_ep', 'ep_table',
+           'bench_ep_main']
 
 # %% ../nbs/08a_expert_parallel.ipynb #f0d734f3
 def ep_experts(num_experts: int, world: int, rank: int) -> range:
@@ -269,15 +270,15 @@ class EPMoE(torch.nn.Module):
         if x.is_cuda: return self.shared_expert.forward_routed(x, w, ids, check=False)
         return ref_moe(x, self.shared_expert, routing=(w, ids))
 
-    def _quantize_rows(self, xs, ms):
+    def _quantize_rows(self, xs, ms, out=None):
         """The sent rows' NVFP4 codes and block scales under each row's destination a1 (`ms`: the rows' (expert id,
-        weight bits)): uint8 (n, H/2) and uint8 (n, H/16)."""
+        weight bits)): uint8 (n, H/2) and uint8 (n, H/16) (on the GPU into `out`, a pair of such, when given)."""
         H, n = self.cfg.hidden, xs.shape[0]
         if n == 0: return (torch.empty(0, H // 2, dtype=torch.uint8, device=xs.device), torch.empty(0, H // 16, dtype=torch.uint8, device=xs.device))
         gs = self.a1_all[ms[:, 0].long().clamp(min=0)].to(xs.device)        # a padding row (id -1, `capture`): any scale
         if xs.is_cuda:
             from dsv4_nvfp4.quantize_cuda import quantize_nvfp4_cuda
-            q = quantize_nvfp4_cuda(xs.contiguous(), gs, per_row=True)
+            q = quantize_nvfp4_cuda(xs.contiguous(), gs, per_row=True, **({} if out is None else dict(out_data=out[0], out_scale=out[1])))
         else:
             q = ref_quantize_nvfp4(xs.float(), gs)
         return q.data, q.scale.view(torch.uint8)
@@ -292,10 +293,11 @@ class EPMoE(torch.nn.Module):
         H = self.cfg.hidden
         return self._rows_nvfp4_parts(pk[:, : H // 2], pk[:, H // 2: H // 2 + H // 16], wr, er, bufs)
 
-    def _rows_nvfp4_parts(self, data, scale, wr, er, bufs=None):
+    def _rows_nvfp4_parts(self, data, scale, wr, er, bufs=None, out=None):
         """Received NVFP4 rows, codes uint8 (n, H/2) and block scales uint8 (n, H/16), through the local experts:
-        exactly what the single-GPU W4A4 permute would feed them. Rows whose id is not a local expert (`capture`'s
-        padding) sort after the last group: not computed, their output rows undefined."""
+        exactly what the single-GPU W4A4 permute would feed them (on the GPU into `out`, bf16 (n, H), when given).
+        Rows whose id is not a local expert (`capture`'s padding) sort after the last group: not computed, their output
+        rows undefined."""
         H, n, dev = self.cfg.hidden, data.shape[0], data.device
         g = er.long() - self.experts.start
         g = torch.where((g >= 0) & (g < self.per_rank), g, self.per_rank)
@@ -311,8 +313,8 @@ class EPMoE(torch.nn.Module):
             xr = dequantize_nvfp4_cuda(data, scale, torch.ones(n, device=dev))   # code x block scale: exact in bf16
             rs = torch.stack([a1[order], wr[order]], 1).contiguous()
             back = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=dev))   # where each row went
-            return self.routed.expert_rows(xr, rs, offs, bufs, copy=False).index_select(0, back)   # a row gather (the row
-                                                                                 # scatter out[order] = ... ran at half the speed)
+            rows = self.routed.expert_rows(xr, rs, offs, bufs, copy=False)     # a row gather (the row scatter
+            return rows.index_select(0, back) if out is None else torch.index_select(rows, 0, back, out=out)   # out[order] = ... ran at half the speed)
         else:
             xq = NVFP4Tensor(data, scale, a1[order].contiguous(), (n, H))
             lay, out = self.routed, torch.empty(n, H, dtype=torch.float64)
@@ -321,13 +323,45 @@ class EPMoE(torch.nn.Module):
         return out
 
 # %% ../nbs/08a_expert_parallel.ipynb #c5783207
+def copy_engines_supported() -> bool:
+    """Whether this torch and NCCL can run `CapturedEP`'s all-to-alls on the copy engines: NCCL >= 2.28 (its zero-CTA
+    policy and copy-engine all-to-all on symmetric windows) and torch's symmetric registration
+    (`ProcessGroupNCCL.register_mem_pool(pool, symm=True)`). NCCL itself takes that path only within one node, over
+    CUDA P2P (NVLink), and falls back to its kernels (the same bytes) where it cannot."""
+    try:
+        return (torch.cuda.is_available() and tuple(torch.cuda.nccl.version()) >= (2, 28, 0)
+                and hasattr(dist.ProcessGroupNCCL.Options().config, "cta_policy")
+                and "symm" in (dist.ProcessGroupNCCL.register_mem_pool.__doc__ or ""))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+def _ce_group(ep: "EPMoE"):
+    "`ep`'s ranks again, as an NCCL group under the zero-CTA policy: made once per layer, on first use; collective."
+    g = getattr(ep, "_ce", None)
+    if g is None:
+        o = dist.ProcessGroupNCCL.Options()
+        o.config.cta_policy = getattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO", 2)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        if ep.group is None: g = dist.new_group(backend="nccl", pg_options=o, device_id=dev)
+        else: g = dist.new_group(dist.get_process_group_ranks(ep.group), backend="nccl", pg_options=o, device_id=dev,
+                                 use_local_synchronization=True)
+        ep._ce = g
+    return g
+
 class CapturedEP:
     """`EPMoE`'s forward with fixed shapes and no host read, recorded in one CUDA graph on the GPU (make it with
     `EPMoE.capture`). Every rank holds up to `max_tokens` tokens, and every (source, destination) pair of ranks
     exchanges exactly `capacity` row slots, so the all-to-alls have fixed sizes and no counts are read on the host.
-    A rank's slots for its own experts never go on the wire: the all-to-alls carry only the other ranks' segments
-    (split sizes `capacity` and 0 for itself), and the own segment is a copy on the GPU (a world of one runs no
-    collective at all). Collective: every rank calls it (T may be 0) with the same `max_tokens`, `capacity` and `chunks`.
+    Collective: every rank calls it (T may be 0) with the same `max_tokens`, `capacity`, `chunks` and `copy_engines`.
+
+    The all-to-alls run on the GPUs' copy engines where NCCL can (`copy_engines`, the default where
+    `copy_engines_supported()`): its own all-to-all under the zero-CTA policy, on send and receive buffers registered as
+    one symmetric window (an NCCL group of the same ranks, made once per layer; the buffers are views of one
+    allocation with the same layout on every rank). No SM moves a byte, so the GEMMs beside a transfer keep every SM;
+    the split is uniform, and each rank's own segment is a local copy by the copy engine. Call `close()` (collective)
+    before dropping it. With `copy_engines=False` the all-to-alls are NCCL's kernels, and a rank's slots for its own
+    experts never go on the wire: the all-to-alls carry only the other ranks' segments (split sizes `capacity` and 0 for
+    itself), and the own segment is a copy on the GPU. A world of one runs no collective at all.
 
     The default capacity, `max_tokens x min(k, E/W)`, is what one rank's tokens can send to one rank at most: no
     routing overflows it, and the output equals `EPMoE.forward_routed`'s (and the one-GPU layer's) bit for bit for the
@@ -350,7 +384,7 @@ class CapturedEP:
     the given routing, the same bits), so that both all-to-alls have work beside them; a call with fewer tokens has
     less (or nothing) in that part.
 
-    Drop it (`del`) before `dist.destroy_process_group()`: a graph holds NCCL kernels of the group's communicator (on
+    `close()` it (or drop it) before `dist.destroy_process_group()`: a graph holds NCCL work of the group's communicator (on
     2 H100s a check that tore the group down with its graphs alive hung at exit; the benchmark, which drops each one,
     did not). On the CPU (gloo) the same fixed-shape steps run eagerly with the float64 experts, so the gloo tests hold
     the logic."""
@@ -360,7 +394,8 @@ class CapturedEP:
                  graph: bool = True,             # False: run the fixed-shape steps eagerly (the CPU always does)
                  chunks: int = 1,                # C > 1: C chunks of tokens, each one's all-to-alls beside another's experts
                  comm_sms: int = 0,              # SMs the GEMMs beside a collective leave to it (GPU)
-                 shared_after: float = 0.0):     # the fraction of the tokens whose shared expert runs beside the return (GPU)
+                 shared_after: float = 0.0,      # the fraction of the tokens whose shared expert runs beside the return (GPU)
+                 copy_engines: bool | None = None):   # the all-to-alls on the copy engines (GPU, 2+ ranks); None: where supported
         c, W, k, H = ep.cfg, ep.world, ep.cfg.top_k, ep.cfg.hidden
         if max_tokens < 1: raise ValueError(f"EPMoE.capture: max_tokens must be >= 1, got {max_tokens}")
         C = int(chunks)
@@ -378,19 +413,26 @@ class CapturedEP:
         cuda = dev.type == "cuda"
         if (dist.get_backend(ep.group) == "nccl") != cuda:
             raise ValueError("EPMoE.capture: the layer must be on the GPU under NCCL (EPMoE(...).to('cuda')), on the CPU under gloo")
-        mine = torch.tensor([max_tokens, cap, int(given), C], device=dev)   # the all-to-alls' sizes must agree
+        if copy_engines and not (cuda and copy_engines_supported()):
+            raise ValueError("EPMoE.capture: copy_engines=True needs the GPU, NCCL >= 2.28 and torch's symmetric registration "
+                             "(ProcessGroupNCCL.register_mem_pool(pool, symm=True)); see copy_engines_supported()")
+        ce = cuda and W > 1 and (copy_engines_supported() if copy_engines is None else bool(copy_engines))
+        mine = torch.tensor([max_tokens, cap, int(given), C, int(ce)], device=dev)   # the all-to-alls' sizes must agree
         every = [torch.empty_like(mine) for _ in range(W)]
         dist.all_gather(every, mine, group=ep.group)
         if any(not torch.equal(e, every[0]) for e in every):
-            raise ValueError("EPMoE.capture: every rank must capture the same (max_tokens, capacity, given, chunks); "
+            raise ValueError("EPMoE.capture: every rank must capture the same (max_tokens, capacity, given, chunks, copy engines); "
                              f"got {[e.tolist() for e in every]}")
-        self.ep, self.max_tokens, self.capacity, self.given, self.cuda = ep, max_tokens, cap, given, cuda
+        self.ep, self.max_tokens, self.capacity, self.given, self.cuda, self.ce = ep, max_tokens, cap, given, cuda, ce
+        self._pool = self._backend = None                                   # (copy engines: the registered allocation)
+        self.a2a_group = _ce_group(ep) if ce else ep.group
         self.chunks, self.chunk_tokens, self.comm_sms = C, Tc, int(comm_sms)
         self.shared_split = S = max_tokens - round(shared_after * max_tokens)   # tokens [0, S): shared expert beside the dispatch
         Tm, R = max_tokens, C * W * cap                                      # the send buffer: chunk-major, then by destination
-        # within a chunk: the other ranks' segments in rank order (what the all-to-alls move), then this rank's own
-        self.seg = torch.tensor([W - 1 if d == ep.rank else d - (d > ep.rank) for d in range(W)], device=dev)
-        self.splits = [0 if d == ep.rank else cap for d in range(W)]        # every all-to-all's split sizes, both ways
+        # within a chunk: copy engines, every destination in rank order (a uniform split); NCCL's kernels, the other
+        # ranks' segments in rank order (what the all-to-alls move), then this rank's own
+        self.seg = torch.tensor([d if ce else W - 1 if d == ep.rank else d - (d > ep.rank) for d in range(W)], device=dev)
+        self.splits = None if ce else [0 if d == ep.rank else cap for d in range(W)]   # every all-to-all's split sizes, both ways
         z = lambda *s, dt=torch.bfloat16: torch.zeros(*s, dtype=dt, device=dev)
         self.x, self.n, self.out = z(Tm, H), z((), dt=torch.long), z(Tm, H)
         self.w, self.ids = (z(Tm, k, dt=torch.float32), z(Tm, k, dt=torch.int32)) if given else (None, None)
@@ -401,8 +443,9 @@ class CapturedEP:
         self.buckets = torch.arange(C * W + 1, device=dev)[:, None]         # (chunk, destination) pairs, then "not sent"
         self.none = torch.tensor([[-1, 0]], dtype=torch.int32, device=dev)  # a padding row's (expert id, weight bits)
         self.rows = R                                                        # the send and receive buffers' rows
-        # each chunk's rows: (the other ranks' segments, this rank's own)
-        self.parts = [(slice(j * W * cap, (j + 1) * W * cap - cap), slice((j + 1) * W * cap - cap, (j + 1) * W * cap)) for j in range(C)]
+        # each chunk's rows: (what the all-to-alls move, this rank's own segment copied beside them; copy engines: none)
+        own = 0 if ce else cap
+        self.parts = [(slice(j * W * cap, (j + 1) * W * cap - own), slice((j + 1) * W * cap - own, (j + 1) * W * cap)) for j in range(C)]
         self.graph = None
         if not cuda: return
         # the router's and the shared expert's buffers (split: the router's alone, the parts have their own)
@@ -413,13 +456,21 @@ class CapturedEP:
         # the routed experts' buffers, the graph's own (the eager ones are replaced when a larger call needs more):
         # one chunk's rows at a time (bf16: as tokens of the one-slot layer; NVFP4: `expert_rows`' rows)
         self.rbufs = ep.routed.buffers(W * cap if ep.payload == "bf16" else -(-W * cap // (ep.routed.cfg.top_k + 1)), dev)
-        # the rows back: [0, R) the returned slots, R a NaN row (dropped slots point at it), then the shared rows
-        self.rows_all = z(max(R + 1 + Tm, Tm * (k + 1)), H)
+        # the all-to-alls' buffers. rows_all, the rows back: [0, R) the returned slots, R a NaN row (dropped slots point at
+        # it), then the shared rows. bf16: the rows gathered into send (kernels: the own ones straight into recv); NVFP4:
+        # the codes and scales; meta: each row's (expert id, weight bits). Copy engines: the send side and the experts'
+        # output rows too, all in the registered window
+        b16, u8, i32 = torch.bfloat16, torch.uint8, torch.int32
+        spec = dict(rows_all=((max(R + 1 + Tm, Tm * (k + 1)), H), b16), recv_meta=((R, 2), i32))
+        if ep.payload == "bf16": spec.update(send=((R, H), b16), recv=((R, H), b16))
+        else: spec.update(recv=((R, H // 2), u8), recv_scale=((R, H // 16), u8))
+        if ce:
+            spec.update(send_meta=((R, 2), i32), yout=((R, H), b16))
+            if ep.payload == "nvfp4": spec.update(send=((R, H // 2), u8), send_scale=((R, H // 16), u8))
+        for name, t in (self._symmetric(spec, dev) if ce else {n_: z(*s_, dt=d_) for n_, (s_, d_) in spec.items()}).items():
+            setattr(self, name, t)
         self.rows_all[R] = float("nan")
         self.shared_slot = torch.arange(R + 1, R + 1 + Tm, device=dev, dtype=torch.int32)[:, None]
-        if ep.payload == "bf16": self.send, self.recv = z(R, H), z(R, H)   # the rows: gathered into send (and own ones into recv)
-        else: self.recv, self.recv_scale = z(R, H // 2, dt=torch.uint8), z(R, H // 16, dt=torch.uint8)   # NVFP4 codes, scales
-        self.recv_meta = z(R, 2, dt=torch.int32)
         # a row that reaches no local expert: an expert of another rank (no row); with one rank an invalid id
         # (the router gives it a NaN row on expert 0, never read)
         self.sentinel = (ep.experts.stop % c.num_experts) if W > 1 else -1
@@ -440,6 +491,7 @@ class CapturedEP:
         """This rank's tokens x (T <= max_tokens, H) bf16 through the layer (with `given`: and their routing): a view of a
         static buffer on the GPU, overwritten by the next call. Collective."""
         ep, T = self.ep, x.shape[0]
+        if getattr(self, "closed", False): raise ValueError("CapturedEP: closed (capture again)")
         ep.shared_expert._check_x(x, None, "CapturedEP", need_ids=False)
         if T > self.max_tokens: raise ValueError(f"CapturedEP: {T} tokens > the captured max_tokens {self.max_tokens}")
         if self.given != (topk_ids is not None) or (topk_ids is None) != (topk_weights is None):
@@ -460,6 +512,31 @@ class CapturedEP:
         elif self.cuda: self._body()
         else: return self._body_cpu(T)
         return self.out[:T]
+
+    def _symmetric(self, spec: dict, dev) -> dict:
+        """Zeroed buffers {name: (shape, dtype)} as views of one allocation from NCCL's allocator, registered as a
+        symmetric window of the copy-engine group: every rank lays them out the same, as the copy engines need."""
+        offs, n = {}, 0
+        for name, (shape, dt) in spec.items():
+            offs[name] = n
+            n += -(-math.prod(shape) * dt.itemsize // 4096) * 4096
+        be = self.a2a_group._get_backend(dev)
+        pool = torch.cuda.MemPool(be.mem_allocator)
+        with torch.cuda.use_mem_pool(pool): arena = torch.zeros(n, dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize(dev)
+        be.register_mem_pool(pool, symm=True)                               # collective
+        self._pool, self._backend = pool, be
+        return {name: arena[offs[name]:offs[name] + math.prod(s) * dt.itemsize].view(dt).view(s) for name, (s, dt) in spec.items()}
+
+    def close(self):
+        """Collective (every rank): drop the graph and, with copy engines, deregister the buffers' window. Call it before
+        dropping the object, and before `dist.destroy_process_group()`; it cannot be called again after."""
+        if self.cuda: torch.cuda.synchronize()
+        self.graph = None
+        if self._pool is not None:
+            self._backend.deregister_mem_pool(self._pool)
+            self._pool = None
+        self.closed = True
 
     @property
     def dropped(self) -> int:
@@ -489,10 +566,10 @@ class CapturedEP:
         src = torch.full((R + 1,), Tk, dtype=torch.long, device=ids.device).scatter_(0, spos, torch.arange(Tk, device=ids.device))[:R]
         return spos, src
 
-    def _meta(self, w, ids, src):
+    def _meta(self, w, ids, src, out=None):
         "Each send row's (expert id, weight bits), (R, 2) int32 (padding rows: (-1, 0)), and its token (R,)."
         ms = torch.cat([torch.stack([ids.reshape(-1).int(), w.reshape(-1).float().view(torch.int32)], 1), self.none])
-        return ms[src], (src // self.ep.cfg.top_k).clamp(max=self.max_tokens - 1)
+        return (ms[src] if out is None else torch.index_select(ms, 0, src, out=out)), (src // self.ep.cfg.top_k).clamp(max=self.max_tokens - 1)
 
     def _pack(self, x, w, ids, src):
         """(CPU) The send buffer: each send row's token (bf16 rows, or the NVFP4 payload with its metadata) and its
@@ -504,9 +581,16 @@ class CapturedEP:
     def _send(self, x, w, ids, src):
         """(GPU) The payload: [(sent, received)] buffer pairs, (R, ...) each, for the all-to-alls. bf16: the rows,
         gathered straight into the send buffer, this rank's own straight into the receive buffer (no copy); NVFP4: the
-        codes and the block scales; and the rows' (expert id, weight bits). The own segments of the others are copied."""
+        codes and the block scales; and the rows' (expert id, weight bits). The own segments of the others are copied.
+        Copy engines: everything into the registered send buffers, the own segments too (the all-to-alls copy them)."""
         ep = self.ep
-        meta, tok = self._meta(w, ids, src)
+        meta, tok = self._meta(w, ids, src, out=self.send_meta if self.ce else None)
+        if self.ce:
+            if ep.payload == "bf16":
+                torch.index_select(x, 0, tok, out=self.send)
+                return [(self.send, self.recv), (meta, self.recv_meta)]
+            ep._quantize_rows(x.index_select(0, tok), meta, out=(self.send, self.send_scale))
+            return [(self.send, self.recv), (self.send_scale, self.recv_scale), (meta, self.recv_meta)]
         if ep.payload == "bf16":
             for o, own in self.parts:
                 torch.index_select(x, 0, tok[o], out=self.send[o])
@@ -528,8 +612,8 @@ class CapturedEP:
     def _body(self):
         "The forward on the GPU: fixed shapes, no host read (the graph's body)."
         ep, c = self.ep, self.ep.cfg
-        W, k, H, Tm, C, g = ep.world, c.top_k, c.hidden, self.max_tokens, self.chunks, ep.group
-        R, Ro = self.rows, (W - 1) * self.capacity                           # all the rows; a chunk's other ranks' part
+        W, k, H, Tm, C, g = ep.world, c.top_k, c.hidden, self.max_tokens, self.chunks, self.a2a_group
+        R = self.rows
         x, n, sh, sb = self.x, self.n, ep.shared_expert, self.sbufs
         buf, main = sb[0], torch.cuda.current_stream(x.device)
         a1 = sh.a1_scales if sh.act == "w4a4" else None
@@ -562,22 +646,23 @@ class CapturedEP:
             elif before is not None: self._shared_part(*before, w, ids)
         ys = []                                                              # held to the end: the side stream reads them
         for j, (o, own) in enumerate(self.parts):                            # chunk j's experts; its return beside chunk j + 1's
-            s_ = slice(o.start, own.stop)
+            s_, Ro = slice(o.start, own.stop), o.stop - o.start              # the chunk's rows; those that travel
+            yo = self.yout[s_] if self.ce else None                          # (copy engines: the output in the window)
             main.wait_event(arrived[j])
             with reserve_sms(self.comm_sms if W > 1 and C > 1 else 0):       # chunks: beside another chunk's all-to-alls
                 if ep.payload == "bf16":
                     er, wr = self.recv_meta[s_, 0], self.recv_meta[s_, 1].view(torch.float32)
                     er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
-                    y = ep.routed._forward_device(self.recv[s_], given=(wr[:, None].contiguous(), er[:, None].contiguous()), bufs=self.rbufs)
+                    y = ep.routed._forward_device(self.recv[s_], given=(wr[:, None].contiguous(), er[:, None].contiguous()), out=yo, bufs=self.rbufs)
                 else:
                     m = self.recv_meta[s_]
-                    y = ep._rows_nvfp4_parts(self.recv[s_], self.recv_scale[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs)
+                    y = ep._rows_nvfp4_parts(self.recv[s_], self.recv_scale[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs, out=yo)
             ys.append(y)
             if W > 1:
                 self.comm.wait_stream(main)
                 with torch.cuda.stream(self.comm):                           # the rows back to the other ranks
                     dist.all_to_all_single(self.rows_all[o], y[:Ro], self.splits, self.splits, group=g)
-            self.rows_all[own].copy_(y[Ro:])                                 # and this rank's own, meanwhile
+            if own.stop > own.start: self.rows_all[own].copy_(y[Ro:])        # and this rank's own, meanwhile
         if split:                                                            # the last tokens' shared expert, beside the return
             with reserve_sms(self.comm_sms if W > 1 else 0): self._shared_part(*after, w, ids)
         main.wait_stream(self.comm)
@@ -624,9 +709,9 @@ class CapturedEP:
         return slots.sum(1).masked_fill(bad[:, None], float("nan")).to(torch.bfloat16)
 
 def _capture(self, max_tokens: int, capacity: int | None = None, given: bool = False, graph: bool = True,
-             chunks: int = 1, comm_sms: int = 0, shared_after: float = 0.0) -> CapturedEP:
+             chunks: int = 1, comm_sms: int = 0, shared_after: float = 0.0, copy_engines: bool | None = None) -> CapturedEP:
     "Record this rank's forward in one CUDA graph for up to `max_tokens` tokens (see `CapturedEP`); collective."
-    return CapturedEP(self, max_tokens, capacity, given, graph, chunks, comm_sms, shared_after)
+    return CapturedEP(self, max_tokens, capacity, given, graph, chunks, comm_sms, shared_after, copy_engines)
 
 EPMoE.capture = _capture
 
@@ -679,7 +764,7 @@ def _nccl_group(min_ctas: int):
     return dist.new_group(backend="nccl", pg_options=o)
 
 def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print, micro_batches=(1, 2, 4),
-             on_row=None, router: str = "balanced", min_ctas=(32,)) -> dict:
+             on_row=None, router: str = "balanced", min_ctas=(32,), variants=None) -> dict:
     """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4 with fixed static scales, the same on every
     rank) as `EPMoE` over W GPUs, bf16 and NVFP4 payloads, against the whole layer on one GPU over the same total batch
     (W T tokens); with T tokens per rank: latency (in 1, 2 and 4 micro-batches; with the shared expert on a side stream;
@@ -693,8 +778,9 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     layer's random selection bias refitted by `balanced_gate_bias` on other tokens (what a trained router's bias is
     for); "synthetic" keeps it. The captured variants: the GEMMs beside an all-to-all leaving NCCL's SMs to it
     (`comm_sms`), the shared expert of half or all of the tokens beside the return (`shared_after`), chunks, and on an
-    NCCL group of exactly `min_ctas` CTAs. Returns the rows on rank 0 (None elsewhere); `on_row` (rank 0) gets the result so far after each
-    size, so a run cut short keeps what it measured."""
+    NCCL group of exactly `min_ctas` CTAs; and the all-to-alls on the copy engines (`_ce`, no SMs; the others run NCCL's
+    kernels). `variants`: the keys of the captured variants to run (default: all). Returns the rows on rank 0 (None
+    elsewhere); `on_row` (rank 0) gets the result so far after each size, so a run cut short keeps what it measured."""
     from dsv4_nvfp4.moe import FLASH
     cfg = cfg or FLASH
     W, r = dist.get_world_size(), dist.get_rank()
@@ -754,19 +840,22 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             full = T * min(cfg.top_k, ep.per_rank)
             cap125 = lambda t: -(-5 * t * cfg.top_k // (4 * W)) + 64
             cap_c = lambda C: min(-(-T // C) * min(cfg.top_k, ep.per_rank), cap125(-(-T // C)))
-            S = NCCL_SMS                                                 # (key, capacity, chunks, comm_sms, shared_after, EP)
-            variants = [("graph", full, 1, 0, 0.0, ep), ("graph_cap", cap_c(1), 1, 0, 0.0, ep), (f"graph_cap_sms{S}", cap_c(1), 1, S, 0.0, ep),
-                        (f"graph_cap_sh50_sms{S}", cap_c(1), 1, S, 0.5, ep), (f"graph_cap_sh100_sms{S}", cap_c(1), 1, S, 1.0, ep)]
-            variants += [(f"graph_cap_sh50_min{n}", cap_c(1), 1, n, 0.5, eps_c[(p, n)]) for n in min_ctas if (p, n) in eps_c]
-            if T >= 512: variants += [(f"graph_c{C}", cap_c(C), C, 0, 0.0, ep) for C in (2, 4)] + [(f"graph_c2_sms{S}", cap_c(2), 2, S, 0.0, ep)]
-            for key, cap, C, sms, after, e in variants:
-                if key.startswith("graph_cap") and cap == full: continue
-                cg = e.capture(T, capacity=cap, chunks=C, comm_sms=sms, shared_after=after)
+            S = NCCL_SMS                                                 # (key, capacity, chunks, comm_sms, shared_after, EP, copy engines)
+            vs = [("graph", full, 1, 0, 0.0, ep, False), ("graph_cap", cap_c(1), 1, 0, 0.0, ep, False), (f"graph_cap_sms{S}", cap_c(1), 1, S, 0.0, ep, False),
+                  (f"graph_cap_sh50_sms{S}", cap_c(1), 1, S, 0.5, ep, False), (f"graph_cap_sh100_sms{S}", cap_c(1), 1, S, 1.0, ep, False)]
+            vs += [(f"graph_cap_sh50_min{n}", cap_c(1), 1, n, 0.5, eps_c[(p, n)], False) for n in min_ctas if (p, n) in eps_c]
+            if T >= 512: vs += [(f"graph_c{C}", cap_c(C), C, 0, 0.0, ep, False) for C in (2, 4)] + [(f"graph_c2_sms{S}", cap_c(2), 2, S, 0.0, ep, False)]
+            if copy_engines_supported():                                 # the same bytes on the copy engines: no SMs to leave
+                vs += [("graph_ce", full, 1, 0, 0.0, ep, True)] + [(f"graph_cap{h}_ce", cap_c(1), 1, 0, a, ep, True)
+                                                                   for h, a in (("", 0.0), ("_sh50", 0.5), ("_sh100", 1.0))]
+            for key, cap, C, sms, after, e, ce in vs:
+                if (key.startswith("graph_cap") and cap == full) or (variants is not None and key not in variants): continue
+                cg = e.capture(T, capacity=cap, chunks=C, comm_sms=sms, shared_after=after, copy_engines=ce)
                 ok = torch.equal(cg(x), want[r * T:(r + 1) * T]) and cg.dropped == 0
                 same = torch.tensor([int(ok)], device=dev)
                 dist.all_reduce(same, op=dist.ReduceOp.MIN)
                 row[f"t_ep_{p}_{key}_ms"], row[f"bit_exact_{p}_{key}"], row[f"cap_{key}"] = _timed(lambda: cg(x), iters), bool(same.item()), cap
-                del cg
+                cg.close(); del cg
             torch.cuda.empty_cache()
             # the dispatch alone: this routing's plan, its payload, one all_to_all_single
             w, ids = ep.route(x)
@@ -796,13 +885,14 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
 def _variant_head(k: str) -> str:
     """A captured variant's column name: graph_c2 (chunks), _smsN (GEMMs beside NCCL leave N SMs), _shP (the shared expert
     of P% of the tokens beside the return), _minN (NCCL on N CTAs, GEMMs leave N SMs), _ctasN (older: <= N CTAs)."""
-    parts = ["graph, 1.25x"]
+    parts = ["graph, no-drop capacity" if k.split("_")[1:2] == ["ce"] else "graph, 1.25x"]
     for w in k.split("_")[1:]:
         if w[:1] == "c" and w[1:].isdigit(): parts.append(f"{w[1:]} chunks")
         elif w.startswith("sms"): parts.append(f"GEMMs leave {w[3:]} SMs")
         elif w.startswith("sh") and w[2:].isdigit(): parts.append(f"shared expert of {w[2:]}% beside the return")
         elif w.startswith("min"): parts.append(f"NCCL on {w[3:]} CTAs, GEMMs leave {w[3:]} SMs")
         elif w.startswith("ctas"): parts.append(f"NCCL on <= {w[4:]} CTAs, GEMMs leave {w[4:]} SMs")
+        elif w == "ce": parts.append("on the copy engines")
     return ", ".join(parts) + " ms (bf16 / NVFP4)"
 
 def ep_table(res: dict) -> str:

@@ -1,16 +1,18 @@
 """Run under `torchrun --nproc-per-node 2` (any number of GPUs, 1 included): EPMoE on NCCL against the one-GPU layer, bit
-for bit, eager and captured in a CUDA graph (`EPMoE.capture`). Arguments: the activation kinds to check (w4a16, w4a4;
+for bit, eager and captured in a CUDA graph (`EPMoE.capture`): the all-to-alls on the copy engines (the default where
+supported; checked to launch no NCCL kernel) and on NCCL's kernels. Arguments: the activation kinds to check (w4a16, w4a4;
 default both), so that one run can stay short (each kind compiles its own GEMMs: minutes on a fresh machine)."""
 import gc
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout, installed or not
 from dsv4_nvfp4 import moe as M
-from dsv4_nvfp4.ep import EPMoE
+from dsv4_nvfp4.ep import EPMoE, copy_engines_supported
 from dsv4_nvfp4 import gemm_sm90 as S90
 
 CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
@@ -23,17 +25,24 @@ def main(acts=("w4a16", "w4a4")):
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
-    fails = []
+    fails, made = [], []
+    CE = W > 1 and copy_engines_supported()
+    if r == 0: print(f"world {W}, copy engines {'supported' if CE else 'not supported: NCCL kernels only'}", flush=True)
+    def cap(*a_, **k_):                                                 # a capture, closed (collective) at the end
+        made.append(ep.capture(*a_, **k_)); return made[-1]
     for act in acts:
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)     # the same layer on every rank
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
-            caps = {payload: ep.capture(MAX_T, given=True)}
-            chunked = ep.capture(MAX_T, given=True, chunks=3, comm_sms=8)  # the pipelined chunks (107, 107, 106 tokens), GEMMs
+            caps = {payload: cap(MAX_T, given=True)}                       # (2 GPUs: copy engines where supported)
+            if CE and not caps[payload].ce: fails.append(f"{act} {payload}: copy engines supported, not used")
+            kern = cap(MAX_T, given=True, copy_engines=False)              # NCCL's kernels: the own segment off the wire
+            chunked = cap(MAX_T, given=True, chunks=3, comm_sms=8)         # the pipelined chunks (107, 107, 106 tokens), GEMMs
                                                                           # leaving 8 SMs; the eager calls below need larger
                                                                           # expert buffers than its own
-            split = ep.capture(MAX_T, given=True, shared_after=0.5, comm_sms=16)   # the shared expert half beside each all-to-all
-            split_chunks = ep.capture(MAX_T, given=True, chunks=2, shared_after=0.3)    # and with chunks
+            chunked_k = cap(MAX_T, given=True, chunks=3, comm_sms=8, copy_engines=False)
+            split = cap(MAX_T, given=True, shared_after=0.5, comm_sms=16)  # the shared expert half beside each all-to-all
+            split_chunks = cap(MAX_T, given=True, chunks=2, shared_after=0.3)   # and with chunks
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
                 Ts = (Ts * W)[:W]
                 g = torch.Generator(device=dev).manual_seed(sum(Ts))
@@ -54,7 +63,9 @@ def main(acts=("w4a16", "w4a4")):
                     got = cap(x, w[a:a + Ts[r]], ids[a:a + Ts[r]])
                     want_r = lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]
                     if not torch.equal(got, want_r): fails.append(f"{act} {payload} captured T={Ts}")
+                    if not torch.equal(kern(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, NCCL kernels T={Ts}")
                     if not torch.equal(chunked(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in chunks T={Ts}")
+                    if not torch.equal(chunked_k(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in chunks, NCCL kernels T={Ts}")
                     if not torch.equal(split(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split T={Ts}")
                     if not torch.equal(split_chunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split, chunks T={Ts}")
                 # skewed: four of every token's six experts on rank 0, two elsewhere
@@ -66,6 +77,7 @@ def main(acts=("w4a16", "w4a4")):
                     want = lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]
                     if not torch.equal(ep.forward_routed(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} skewed T={Ts}")
                     if not torch.equal(caps[payload](x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured skewed T={Ts}")
+                    if not torch.equal(kern(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured, NCCL kernels, skewed T={Ts}")
                     if not torch.equal(chunked(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured in chunks, skewed T={Ts}")
                     if not torch.equal(split(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured, shared split, skewed T={Ts}")
             # the router inside the graph, on a full buffer (the same logits GEMM shape as the eager forward's)
@@ -73,15 +85,27 @@ def main(acts=("w4a16", "w4a4")):
             g = torch.Generator(device=dev).manual_seed(5)
             x_all = (torch.randn(W * full, CFG.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)
             x = x_all[r * full:(r + 1) * full]
-            routed = ep.capture(full)
+            routed = cap(full)
             if not torch.equal(routed(x), ep(x)): fails.append(f"{act} {payload} captured router != eager EP")
+            if CE:                                                       # the copy engines move the rows: no NCCL kernel runs
+                from torch.profiler import profile, ProfilerActivity
+                eager = ep.capture(full, graph=False)
+                eager(x); torch.cuda.synchronize(); dist.barrier()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    y_ = eager(x); torch.cuda.synchronize()
+                names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+                nccl = [n for n in names if "nccl" in n.lower()]
+                peer = [n for n in names if "PtoP" in n]
+                if nccl or not peer: fails.append(f"{act} {payload} copy engines: NCCL kernels {sorted(set(nccl))[:3]}, peer copies {len(peer)}")
+                if not torch.equal(y_, ep(x)): fails.append(f"{act} {payload} copy engines, eager fixed shapes != eager EP")
+                eager.close(); del eager
             for after in (1.0, 0.4):                                    # all, or the last 40% of the shared expert beside the return
                 routed_after = ep.capture(full, shared_after=after, comm_sms=8)
                 if not torch.equal(routed_after(x), ep(x)): fails.append(f"{act} {payload} captured router, shared after {after} != eager EP")
-                del routed_after
+                routed_after.close(); del routed_after
             tiny = ep.capture(3, shared_after=0.5)                       # the fused router path (<= 4 tokens), split
             if not torch.equal(tiny(x[:3]), ep(x[:3])): fails.append(f"{act} {payload} captured router, 3 tokens, shared split != eager EP")
-            del tiny
+            tiny.close(); del tiny
             # where the SMs are left to NCCL: the shared expert's GEMMs beside the all-to-alls; the routed ones only with chunks
             if W > 1:
                 seen, run = [], S90.run_sm90
@@ -94,12 +118,12 @@ def main(acts=("w4a16", "w4a4")):
                         probe = ep.capture(full, graph=False, comm_sms=12, shared_after=0.5, chunks=C_)   # (its warm-up launches too)
                         seen.clear(); probe(x); torch.cuda.synchronize()
                         if seen != want_seen: fails.append(f"{act} {payload} chunks={C_}: SM reserve per GEMM launch {seen}, expected {want_seen}")
-                        del probe
+                        probe.close(); del probe
                 finally:
                     S90.run_sm90 = run
             # a capacity that the skewed routing overflows: NaN exactly for the tokens that lost a slot, counted
             if W > 1:
-                small = ep.capture(MAX_T, capacity=64, given=True)
+                small = cap(MAX_T, capacity=64, given=True)
                 per, gen = CFG.num_experts // W, torch.Generator().manual_seed(9)
                 ids = torch.stack([torch.cat([torch.randperm(per, generator=gen)[:4], per + torch.randperm(CFG.num_experts - per, generator=gen)[:2]])
                                    for _ in range(W * 40)]).to(device=dev, dtype=torch.int32)
@@ -115,11 +139,17 @@ def main(acts=("w4a16", "w4a4")):
     if fails: print(f"rank {r}: FAIL " + "; ".join(fails), flush=True)
     dist.barrier()
     if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
-    del caps, chunked, split, split_chunks, routed  # the graphs go before the communicator they hold (it hung at exit otherwise)
+    # the graphs and the registered windows go before the communicators they use (a teardown with graphs alive hung)
+    for c in made: c.close()
+    del caps, kern, chunked, chunked_k, split, split_chunks, routed, made
     if W > 1: del small
     gc.collect(); torch.cuda.synchronize()
+    done = threading.Event()                                            # a teardown that hangs fails the check, at once
+    threading.Thread(target=lambda: done.wait(120) or (print(f"rank {r}: FAIL teardown (destroy_process_group) hung", flush=True),
+                                                        os._exit(3)), daemon=True).start()
     dist.barrier()
     dist.destroy_process_group()
+    done.set()
     return 0 if bad.item() == 0 else 1
 
 
