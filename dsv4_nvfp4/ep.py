@@ -21,8 +21,8 @@ from .routing import (ROUTE_FUSED_MAX_T, bad_expert_rows, combine_tokens, permut
 from .swiglu import ref_expert_mlp
 
 # %% auto #0
-__all__ = ['PAYLOADS', 'NCCL_SMS', 'ep_experts', 'DispatchPlan', 'dispatch_plan', 'exchange', 'payload_bytes', 'ep_traffic',
-           'EPMoE', 'copy_engines_supported', 'CapturedEP', 'balanced_gate_bias', 'bench_ep', 'ep_table',
+__all__ = ['PAYLOADS', 'EP_PLAN_MAX_KEYS', 'NCCL_SMS', 'ep_experts', 'DispatchPlan', 'dispatch_plan', 'exchange', 'payload_bytes',
+           'ep_traffic', 'EPMoE', 'copy_engines_supported', 'CapturedEP', 'balanced_gate_bias', 'bench_ep', 'ep_table',
            'bench_ep_main']
 
 # %% ../nbs/08a_expert_parallel.ipynb #f0d734f3
@@ -301,7 +301,8 @@ class EPMoE(torch.nn.Module):
         H, n, dev = self.cfg.hidden, data.shape[0], data.device
         g = er.long() - self.experts.start
         g = torch.where((g >= 0) & (g < self.per_rank), g, self.per_rank)
-        order = torch.argsort(g, stable=True)
+        order = torch.argsort(g.to(torch.uint8 if self.per_rank < 255 else torch.int16), stable=True)   # (8-bit keys: one
+                                                                           # radix pass on the GPU; int64 took eight)
         counts = torch.zeros(self.per_rank + 1, dtype=torch.long, device=dev).index_add_(0, g, torch.ones_like(g))  # no host read
         offs = torch.cumsum(counts[:-1], 0).to(torch.int32)
         a1 = self.a1_all[er.long().clamp(min=0)]
@@ -323,6 +324,8 @@ class EPMoE(torch.nn.Module):
         return out
 
 # %% ../nbs/08a_expert_parallel.ipynb #c5783207
+EP_PLAN_MAX_KEYS = 64   # the fused send plan's (chunk, destination) keys at most (kernels_cu/ep_plan.cu's EP_MAXB)
+
 def copy_engines_supported() -> bool:
     """Whether this torch and NCCL can run `CapturedEP`'s all-to-alls on the copy engines: NCCL >= 2.28 (its zero-CTA
     policy and copy-engine all-to-all on symmetric windows) and torch's symmetric registration
@@ -471,6 +474,10 @@ class CapturedEP:
             setattr(self, name, t)
         self.rows_all[R] = float("nan")
         self.shared_slot = torch.arange(R + 1, R + 1 + Tm, device=dev, dtype=torch.int32)[:, None]
+        # the send plan in one launch (kernels_cu/ep_plan.cu) where its keys fit, else the torch ops of `_plan`, `_meta`
+        self.fused_plan = C * W <= EP_PLAN_MAX_KEYS
+        self.plan_spos, self.plan_tok = z(Tm * k, dt=i32), z(R, dt=torch.long)
+        self.plan_meta = self.send_meta if ce else z(R, 2, dt=i32)
         # a row that reaches no local expert: an expert of another rank (no row); with one rank an invalid id
         # (the router gives it a NaN row on expert 0, never read)
         self.sentinel = (ep.experts.stop % c.num_experts) if W > 1 else -1
@@ -578,13 +585,25 @@ class CapturedEP:
         rows = x.index_select(0, tok)
         return (rows if self.ep.payload == "bf16" else self.ep._pack(rows, meta)), meta
 
-    def _send(self, x, w, ids, src):
+    def _plan_fused(self, w, ids, n):
+        """(GPU) `_plan` and `_meta` in one launch (kernels_cu/ep_plan.cu): each slot's send row (int32, R: none), each
+        send row's (expert id, weight bits) and its token, into the capture's own buffers; counts the drops the same."""
+        from dsv4_nvfp4 import runtime as rt
+        ep, k = self.ep, self.ep.cfg.top_k
+        rt.launch_1d("ep_plan.cu", "ep_plan", 1, 1024,
+                     [rt.ptr(ids), rt.ptr(w), rt.ptr(n), rt.ptr(self.seg), rt.ptr(self.plan_spos), rt.ptr(self.plan_meta),
+                      rt.ptr(self.plan_tok), rt.ptr(self.dropped_), rt.i32(ids.numel()), rt.i32(k), rt.i32(ep.per_rank),
+                      rt.i32(ep.world), rt.i32(self.chunks), rt.i32(self.chunk_tokens), rt.i32(self.capacity), rt.i32(self.rows),
+                      rt.i32(self.max_tokens)])
+        return self.plan_spos, self.plan_meta, self.plan_tok
+
+    def _send(self, x, meta, tok):
         """(GPU) The payload: [(sent, received)] buffer pairs, (R, ...) each, for the all-to-alls. bf16: the rows,
         gathered straight into the send buffer, this rank's own straight into the receive buffer (no copy); NVFP4: the
         codes and the block scales; and the rows' (expert id, weight bits). The own segments of the others are copied.
-        Copy engines: everything into the registered send buffers, the own segments too (the all-to-alls copy them)."""
+        Copy engines: everything into the registered send buffers, the own segments too (the all-to-alls copy them).
+        `meta` and `tok`: the send rows' (expert id, weight bits) (copy engines: already in the send buffer) and tokens."""
         ep = self.ep
-        meta, tok = self._meta(w, ids, src, out=self.send_meta if self.ce else None)
         if self.ce:
             if ep.payload == "bf16":
                 torch.index_select(x, 0, tok, out=self.send)
@@ -631,8 +650,11 @@ class CapturedEP:
             route_rows(buf, Tm, logits, sh.gate_bias, tid2eid=sh.tid2eid, input_ids=self.input_ids, n_tokens=n, **kw)
             xr, rs = (None, None) if split else permute_rows(x, buf, a1, n)
         w, ids = buf.topk_weights[:Tm], buf.topk_ids[:Tm]
-        spos, src = self._plan(ids, n)
-        pairs = self._send(x, w, ids, src)
+        if self.fused_plan: spos, meta, tok = self._plan_fused(w, ids, n)
+        else:
+            spos, src = self._plan(ids, n)
+            meta, tok = self._meta(w, ids, src, out=self.send_meta if self.ce else None)
+        pairs = self._send(x, meta, tok)
         self.comm.wait_stream(main)
         arrived = []
         with torch.cuda.stream(self.comm):                                   # every chunk's dispatch, beside the shared expert
@@ -847,7 +869,7 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             if T >= 512: vs += [(f"graph_c{C}", cap_c(C), C, 0, 0.0, ep, False) for C in (2, 4)] + [(f"graph_c2_sms{S}", cap_c(2), 2, S, 0.0, ep, False)]
             if copy_engines_supported():                                 # the same bytes on the copy engines: no SMs to leave
                 vs += [("graph_ce", full, 1, 0, 0.0, ep, True)] + [(f"graph_cap{h}_ce", cap_c(1), 1, 0, a, ep, True)
-                                                                   for h, a in (("", 0.0), ("_sh50", 0.5), ("_sh100", 1.0))]
+                                                                   for h, a in (("", 0.0), ("_sh25", 0.25), ("_sh50", 0.5), ("_sh75", 0.75), ("_sh100", 1.0))]
             for key, cap, C, sms, after, e, ce in vs:
                 if (key.startswith("graph_cap") and cap == full) or (variants is not None and key not in variants): continue
                 cg = e.capture(T, capacity=cap, chunks=C, comm_sms=sms, shared_after=after, copy_engines=ce)

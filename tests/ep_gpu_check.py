@@ -30,6 +30,18 @@ def main(acts=("w4a16", "w4a4")):
     if r == 0: print(f"world {W}, copy engines {'supported' if CE else 'not supported: NCCL kernels only'}", flush=True)
     def cap(*a_, **k_):                                                 # a capture, closed (collective) at the end
         made.append(ep.capture(*a_, **k_)); return made[-1]
+    def plan_same(c, T_, seed):                                         # the fused send plan (one kernel) against the torch ops
+        g_ = torch.Generator(device=dev).manual_seed(seed)
+        ids_ = torch.randint(0, CFG.num_experts, (c.max_tokens, CFG.top_k), generator=g_, device=dev, dtype=torch.int32)
+        w_ = torch.rand(c.max_tokens, CFG.top_k, generator=g_, device=dev)
+        n_, d0 = torch.tensor(T_, device=dev), c.dropped_.clone()
+        spos, src = c._plan(ids_, n_)
+        meta, tok = c._meta(w_, ids_, src)
+        d1 = c.dropped_.clone()
+        fs, fm, ft = c._plan_fused(w_, ids_, n_)
+        d2 = c.dropped_.clone()
+        c.dropped_.copy_(d0)
+        return c.fused_plan and torch.equal(spos.int(), fs) and torch.equal(meta, fm) and torch.equal(tok, ft) and torch.equal(d1 - d0, d2 - d1)
     for act in acts:
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)     # the same layer on every rank
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
@@ -43,6 +55,9 @@ def main(acts=("w4a16", "w4a4")):
             chunked_k = cap(MAX_T, given=True, chunks=3, comm_sms=8, copy_engines=False)
             split = cap(MAX_T, given=True, shared_after=0.5, comm_sms=16)  # the shared expert half beside each all-to-all
             split_chunks = cap(MAX_T, given=True, chunks=2, shared_after=0.3)   # and with chunks
+            for nm, c_ in (("one chunk", caps[payload]), ("NCCL kernels", kern), ("chunks", chunked), ("chunks, NCCL kernels", chunked_k)):
+                for T_ in (MAX_T, 37, 1, 0):
+                    if not plan_same(c_, T_, T_ + 1): fails.append(f"{act} {payload} fused send plan != torch ops ({nm}, T={T_})")
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
                 Ts = (Ts * W)[:W]
                 g = torch.Generator(device=dev).manual_seed(sum(Ts))
@@ -124,6 +139,8 @@ def main(acts=("w4a16", "w4a4")):
             # a capacity that the skewed routing overflows: NaN exactly for the tokens that lost a slot, counted
             if W > 1:
                 small = cap(MAX_T, capacity=64, given=True)
+                for T_ in (MAX_T, 100):                                     # random routing past the capacity: drops counted alike
+                    if not plan_same(small, T_, 7 + T_): fails.append(f"{act} {payload} fused send plan != torch ops (capacity 64, T={T_})")
                 per, gen = CFG.num_experts // W, torch.Generator().manual_seed(9)
                 ids = torch.stack([torch.cat([torch.randperm(per, generator=gen)[:4], per + torch.randperm(CFG.num_experts - per, generator=gen)[:2]])
                                    for _ in range(W * 40)]).to(device=dev, dtype=torch.int32)

@@ -51,6 +51,7 @@ EXPECTED_KERNELS = {
     | {f"nvfp4_{k}_{dt}" for k in ("amax_tensor", "amax_rows", "quantize", "quantize_rowgs") for dt in _DT3},
     "nvfp4_dequantize.cu": {"nvfp4_dequantize_bf16", "nvfp4_dequantize_f32"},
     "nvfp4_gather.cu": {"nvfp4_gather_dequant_bf16"},
+    "ep_plan.cu": {"ep_plan"},
     "nvfp4_rmsnorm_quantize.cu": {f"nvfp4_{k}_{dt}" for k in ("rmsnorm_quantize", "mhc_rmsnorm_quantize")
                                   for dt in _DT3},
 }
@@ -551,5 +552,14 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
                                                          swizzle=True)))
         seen |= set(run(lambda: NM.mhc_rmsnorm_quantize_nvfp4(x.to(dt).reshape(65, 2, 256), torch.rand(65, 2), w,
                                                              1e-6, round_to_bf16=True)))
+    from types import SimpleNamespace as NS                           # the expert-parallel layer's fused send plan
+    from dsv4_nvfp4.ep import CapturedEP
+    Tm_, k_, R_ = 10, 3, 24
+    fake = NS(ep=NS(cfg=NS(top_k=k_), per_rank=4, world=2), chunks=2, chunk_tokens=5, capacity=6, rows=R_, max_tokens=Tm_,
+              seg=torch.tensor([1, 0]), plan_spos=torch.empty(Tm_ * k_, dtype=torch.int32),
+              plan_meta=torch.empty(R_, 2, dtype=torch.int32), plan_tok=torch.empty(R_, dtype=torch.long),
+              dropped_=torch.zeros((), dtype=torch.long))
+    seen |= set(run(lambda: CapturedEP._plan_fused(fake, torch.rand(Tm_, k_), torch.zeros(Tm_, k_, dtype=torch.int32),
+                                                    torch.tensor(Tm_))))
     every = set().union(*EXPECTED_KERNELS.values())
     assert seen == every, f"kernels no launcher uses: {sorted(every - seen)}"

@@ -1,0 +1,106 @@
+// ep_plan.cu -- the send plan of the expert-parallel layer's fixed-shape forward (nbs/08a_expert_parallel.ipynb,
+// `CapturedEP`), in one launch instead of some thirty small torch ops:
+//
+//   ep_plan   every routed (token, slot) s of this rank's T_max tokens gets its row in the send buffer, and every send
+//             row its (expert id, weight bits) and its token:
+//               key(s)    = chunk(s) * W + dest(s) for a real token (token < n), else "not sent";
+//                           chunk(s) = token / Tc, dest(s) = clamp(id / per_rank, 0, W - 1)
+//               within(s) = the slots before s (in slot order) with the same key: a stable counting sort
+//               spos(s)   = (chunk * W + seg[dest]) * cap + within   when within < cap, else R (dropped, or not sent)
+//               meta[r]   = (id, weight bits) of the slot at row r, (-1, 0) for a padding row
+//               tok[r]    = the token of the slot at row r, T_max - 1 for a padding row (any valid row: never used)
+//               *dropped += the real slots past the capacity
+//             exactly what the torch ops of `CapturedEP._plan` and `_meta` compute (the tests compare them).
+//
+// One CTA of 1024 threads (32 warps): warp w owns a contiguous run of slots and counts them per key in 32-slot tiles
+// (__match_any_sync groups a tile's equal keys), a scan over the warps gives each (warp, key) its base, and a second
+// pass over the same tiles places every slot; the padding rows are written last, each row exactly once. Keys: at most
+// EP_MAXB = 64 (chunks x ranks); the launcher checks. No host read: CUDA-graph capturable.
+
+
+#ifndef EP_MAXB
+#define EP_MAXB 64
+#endif
+
+extern "C" __global__ void __launch_bounds__(1024)
+ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of each slot
+        const float* __restrict__ w,          // fp32 (T_max * k): routing weight of each slot
+        const long long* __restrict__ n_ptr,  // int64 (): real tokens (<= T_max)
+        const long long* __restrict__ seg,    // int64 (W,): segment of each destination within a chunk
+        int* __restrict__ spos,               // int32 (T_max * k) out: send row of each slot (R: none)
+        int* __restrict__ meta,               // int32 (R, 2) out: (expert id, weight bits) of each send row
+        long long* __restrict__ tok,          // int64 (R,) out: token of each send row
+        unsigned long long* __restrict__ dropped,   // int64 (): += real slots past the capacity
+        int Tk, int k, int per_rank, int W, int C, int Tc, int cap, int R, int T_max)
+{
+    __shared__ int cnt[32][EP_MAXB];          // per warp, per key: slots (phase 1); then the next free place (phase 3)
+    __shared__ int total[EP_MAXB];
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int B = C * W;                      // keys; B itself means "not sent"
+    const long long n = *n_ptr;
+    for (int i = tid; i < 32 * EP_MAXB; i += 1024) (&cnt[0][0])[i] = 0;
+    __syncthreads();
+
+    const int per_w = ((Tk + 32 * 32 - 1) / (32 * 32)) * 32;      // slots per warp, whole tiles
+    const int beg = wid * per_w, end = min(Tk, beg + per_w);
+    auto key_of = [&](int s, int& dest, int& chunk) -> int {
+        if (s >= end) return B + 1;                                 // past the warp's run: no slot
+        const int t = s / k;
+        chunk = t / Tc;
+        int d = ids[s] / per_rank;                                  // (a bad id clamps, as the torch ops do)
+        dest = d < 0 ? 0 : (d > W - 1 ? W - 1 : d);
+        return t < n ? chunk * W + dest : B;
+    };
+    // phase 1: count each warp's slots per key
+    for (int t0 = beg; t0 < beg + per_w; t0 += 32) {
+        int dest = 0, chunk = 0;
+        const int key = key_of(t0 + lane, dest, chunk);
+        const unsigned m = __match_any_sync(0xffffffffu, key);
+        if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
+    }
+    __syncthreads();
+    // phase 2: exclusive scan over the warps, per key
+    for (int b = tid; b < B; b += 1024) {
+        int run = 0;
+        for (int v = 0; v < 32; ++v) { const int c = cnt[v][b]; cnt[v][b] = run; run += c; }
+        total[b] = run;
+    }
+    __syncthreads();
+    // phase 3: place every slot, in slot order within its key
+    unsigned long long lost = 0;
+    for (int t0 = beg; t0 < beg + per_w; t0 += 32) {
+        const int s = t0 + lane;
+        int dest = 0, chunk = 0;
+        const int key = key_of(s, dest, chunk);
+        const unsigned m = __match_any_sync(0xffffffffu, key);
+        int within = 0;
+        if (key < B) within = cnt[wid][key] + __popc(m & ((1u << lane) - 1u));
+        __syncwarp();
+        if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
+        __syncwarp();
+        if (s < end) {
+            const bool ok = key < B && within < cap;
+            const int row = ok ? (int)((chunk * W + seg[dest]) * cap + within) : R;
+            spos[s] = row;
+            if (ok) {
+                meta[2 * row] = ids[s];
+                meta[2 * row + 1] = __float_as_int(w[s]);
+                tok[row] = s / k;
+            } else if (key < B) {
+                ++lost;
+            }
+        }
+    }
+    for (int o = 16; o; o >>= 1) lost += __shfl_xor_sync(0xffffffffu, lost, o);
+    if (lane == 0 && lost) atomicAdd(dropped, lost);
+    // the padding rows: each key's segment past its slots
+    for (int i = tid; i < B * cap; i += 1024) {
+        const int b = i / cap, j = i - b * cap;
+        if (j < total[b]) continue;
+        const int chunk = b / W, dest = b - chunk * W;
+        const int row = (int)((chunk * W + seg[dest]) * cap + j);
+        meta[2 * row] = -1;
+        meta[2 * row + 1] = 0;
+        tok[row] = T_max - 1;
+    }
+}
