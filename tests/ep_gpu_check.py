@@ -28,7 +28,7 @@ def main(acts=("w4a16", "w4a4")):
     fails, made = [], []
     CE = W > 1 and copy_engines_supported()
     if r == 0: print(f"world {W}, copy engines {'supported' if CE else 'not supported: NCCL kernels only'}", flush=True)
-    def cap(*a_, **k_):                                                 # a capture, closed (collective) at the end
+    def capture_(*a_, **k_):                                               # a capture, closed (collective) at the end
         made.append(ep.capture(*a_, **k_)); return made[-1]
     def plan_same(c, T_, seed):                                         # the fused send plan (one kernel) against the torch ops
         g_ = torch.Generator(device=dev).manual_seed(seed)
@@ -46,15 +46,15 @@ def main(acts=("w4a16", "w4a4")):
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)     # the same layer on every rank
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
-            caps = {payload: cap(MAX_T, given=True)}                       # (2 GPUs: copy engines where supported)
+            caps = {payload: capture_(MAX_T, given=True)}                       # (2 GPUs: copy engines where supported)
             if CE and not caps[payload].ce: fails.append(f"{act} {payload}: copy engines supported, not used")
-            kern = cap(MAX_T, given=True, copy_engines=False)              # NCCL's kernels: the own segment off the wire
-            chunked = cap(MAX_T, given=True, chunks=3, comm_sms=8)         # the pipelined chunks (107, 107, 106 tokens), GEMMs
+            kern = capture_(MAX_T, given=True, copy_engines=False)              # NCCL's kernels: the own segment off the wire
+            chunked = capture_(MAX_T, given=True, chunks=3, comm_sms=8)         # the pipelined chunks (107, 107, 106 tokens), GEMMs
                                                                           # leaving 8 SMs; the eager calls below need larger
                                                                           # expert buffers than its own
-            chunked_k = cap(MAX_T, given=True, chunks=3, comm_sms=8, copy_engines=False)
-            split = cap(MAX_T, given=True, shared_after=0.5, comm_sms=16)  # the shared expert half beside each all-to-all
-            split_chunks = cap(MAX_T, given=True, chunks=2, shared_after=0.3)   # and with chunks
+            chunked_k = capture_(MAX_T, given=True, chunks=3, comm_sms=8, copy_engines=False)
+            split = capture_(MAX_T, given=True, shared_after=0.5, comm_sms=16)  # the shared expert half beside each all-to-all
+            split_chunks = capture_(MAX_T, given=True, chunks=2, shared_after=0.3)   # and with chunks
             for nm, c_ in (("one chunk", caps[payload]), ("NCCL kernels", kern), ("chunks", chunked), ("chunks, NCCL kernels", chunked_k)):
                 for T_ in (MAX_T, 37, 1, 0):
                     if not plan_same(c_, T_, T_ + 1): fails.append(f"{act} {payload} fused send plan != torch ops ({nm}, T={T_})")
@@ -100,7 +100,7 @@ def main(acts=("w4a16", "w4a4")):
             g = torch.Generator(device=dev).manual_seed(5)
             x_all = (torch.randn(W * full, CFG.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)
             x = x_all[r * full:(r + 1) * full]
-            routed = cap(full)
+            routed = capture_(full)
             if not torch.equal(routed(x), ep(x)): fails.append(f"{act} {payload} captured router != eager EP")
             if CE:                                                       # the copy engines move the rows: no NCCL kernel runs
                 from torch.profiler import profile, ProfilerActivity
@@ -138,7 +138,7 @@ def main(acts=("w4a16", "w4a4")):
                     S90.run_sm90 = run
             # a capacity that the skewed routing overflows: NaN exactly for the tokens that lost a slot, counted
             if W > 1:
-                small = cap(MAX_T, capacity=64, given=True)
+                small = capture_(MAX_T, capacity=64, given=True)
                 for T_ in (MAX_T, 100):                                     # random routing past the capacity: drops counted alike
                     if not plan_same(small, T_, 7 + T_): fails.append(f"{act} {payload} fused send plan != torch ops (capacity 64, T={T_})")
                 per, gen = CFG.num_experts // W, torch.Generator().manual_seed(9)
