@@ -379,6 +379,9 @@ class CapturedEP:
     tokens go in chunks of ceil(max_tokens / C) (C shrinks if the last would always be empty), each with its own fixed
     all-to-alls and `capacity` slots per rank pair (default `ceil(max_tokens / C) x min(k, E/W)`): chunk j + 1's
     dispatch and chunk j - 1's return travel while chunk j's experts compute, and the output is the same, bit for bit.
+    With `chunk_by="experts"` chunk j holds instead the slots of every token for each rank's j-th C-th of its experts
+    (default capacity `max_tokens x min(k, ceil(E/W / C))`): each expert's weights are still read once, and chunk j's
+    return travels while chunk j + 1's experts compute.
     NCCL's all-to-all kernel holds its SMs until it ends (17 between 2 H100s), and the persistent GEMM deals its tiles over a
     fixed grid, so a GEMM beside it waits for those SMs; with `comm_sms` n the GEMMs that run beside a collective (the
     shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`, Hopper's GEMM; other
@@ -398,19 +401,27 @@ class CapturedEP:
                  chunks: int = 1,                # C > 1: C chunks of tokens, each one's all-to-alls beside another's experts
                  comm_sms: int = 0,              # SMs the GEMMs beside a collective leave to it (GPU)
                  shared_after: float = 0.0,      # the fraction of the tokens whose shared expert runs beside the return (GPU)
-                 copy_engines: bool | None = None):   # the all-to-alls on the copy engines (GPU, 2+ ranks); None: where supported
+                 copy_engines: bool | None = None,    # the all-to-alls on the copy engines (GPU, 2+ ranks); None: where supported
+                 chunk_by: str = "tokens"):      # "experts": chunk j holds the slots of each rank's j-th C-th of its experts
         c, W, k, H = ep.cfg, ep.world, ep.cfg.top_k, ep.cfg.hidden
         if max_tokens < 1: raise ValueError(f"EPMoE.capture: max_tokens must be >= 1, got {max_tokens}")
         C = int(chunks)
         if int(comm_sms) < 0: raise ValueError(f"EPMoE.capture: comm_sms must be >= 0, got {comm_sms}")
         if not 0.0 <= shared_after <= 1.0: raise ValueError(f"EPMoE.capture: shared_after must be in [0, 1], got {shared_after}")
-        if not 1 <= C <= max_tokens: raise ValueError(f"EPMoE.capture: chunks must be in [1, max_tokens = {max_tokens}], got {chunks}")
-        Tc = -(-max_tokens // C)                                            # tokens per chunk (the last may hold fewer)
-        C = -(-max_tokens // Tc)                                            # and no chunk that is always empty (9 in 4: 3 of 3)
-        full = Tc * min(k, ep.per_rank)
+        if chunk_by not in ("tokens", "experts"): raise ValueError(f"EPMoE.capture: chunk_by must be 'tokens' or 'experts', got {chunk_by!r}")
+        by_expert = chunk_by == "experts"
+        if by_expert:                                                       # every token in every chunk, a C-th of the experts each
+            if not 1 <= C <= ep.per_rank: raise ValueError(f"EPMoE.capture: expert chunks must be in [1, E/W = {ep.per_rank}], got {chunks}")
+            Tc, full = max_tokens, max_tokens * min(k, -(-ep.per_rank // C))
+        else:
+            if not 1 <= C <= max_tokens: raise ValueError(f"EPMoE.capture: chunks must be in [1, max_tokens = {max_tokens}], got {chunks}")
+            Tc = -(-max_tokens // C)                                        # tokens per chunk (the last may hold fewer)
+            C = -(-max_tokens // Tc)                                        # and no chunk that is always empty (9 in 4: 3 of 3)
+            full = Tc * min(k, ep.per_rank)
         cap = full if capacity is None else int(capacity)
         if not 1 <= cap <= full:
-            raise ValueError(f"EPMoE.capture: capacity must be in [1, {full}] (ceil(max_tokens / chunks) x min(k, E/W)), got {capacity}")
+            raise ValueError(f"EPMoE.capture: capacity must be in [1, {full}] " + ("(max_tokens x min(k, ceil(E/W / chunks)))" if by_expert else
+                             "(ceil(max_tokens / chunks) x min(k, E/W))") + f", got {capacity}")
         sh = ep.shared_expert
         dev = sh.gate_weight.device
         cuda = dev.type == "cuda"
@@ -420,16 +431,16 @@ class CapturedEP:
             raise ValueError("EPMoE.capture: copy_engines=True needs the GPU, NCCL >= 2.28 and torch's symmetric registration "
                              "(ProcessGroupNCCL.register_mem_pool(pool, symm=True)); see copy_engines_supported()")
         ce = cuda and W > 1 and (copy_engines_supported() if copy_engines is None else bool(copy_engines))
-        mine = torch.tensor([max_tokens, cap, int(given), C, int(ce)], device=dev)   # the all-to-alls' sizes must agree
+        mine = torch.tensor([max_tokens, cap, int(given), C, int(ce), int(by_expert)], device=dev)   # the all-to-alls' sizes must agree
         every = [torch.empty_like(mine) for _ in range(W)]
         dist.all_gather(every, mine, group=ep.group)
         if any(not torch.equal(e, every[0]) for e in every):
-            raise ValueError("EPMoE.capture: every rank must capture the same (max_tokens, capacity, given, chunks, copy engines); "
+            raise ValueError("EPMoE.capture: every rank must capture the same (max_tokens, capacity, given, chunks, copy engines, chunk_by); "
                              f"got {[e.tolist() for e in every]}")
         self.ep, self.max_tokens, self.capacity, self.given, self.cuda, self.ce = ep, max_tokens, cap, given, cuda, ce
         self._pool = self._backend = None                                   # (copy engines: the registered allocation)
         self.a2a_group = _ce_group(ep) if ce else ep.group
-        self.chunks, self.chunk_tokens, self.comm_sms = C, Tc, int(comm_sms)
+        self.chunks, self.chunk_tokens, self.comm_sms, self.by_expert = C, Tc, int(comm_sms), by_expert
         self.shared_split = S = max_tokens - round(shared_after * max_tokens)   # tokens [0, S): shared expert beside the dispatch
         Tm, R = max_tokens, C * W * cap                                      # the send buffer: chunk-major, then by destination
         # within a chunk: copy engines, every destination in rank order (a uniform split); NCCL's kernels, the other
@@ -564,11 +575,14 @@ class CapturedEP:
         Tk, R = ids.numel(), self.rows
         valid = self.slot_token[:Tk] < n                                     # padding tokens send nothing
         dest = (ids.reshape(-1).long() // ep.per_rank).clamp(0, W - 1)     # (a padding token's stale id: never sent)
-        key = torch.where(valid, self.slot_chunk[:Tk] * W + dest, C * W)   # (chunk, destination)
+        if self.by_expert:                                                   # the chunk of the slot's expert among its rank's
+            chunk = (ids.reshape(-1).long() - dest * ep.per_rank).clamp(0, ep.per_rank - 1) * C // ep.per_rank
+        else: chunk = self.slot_chunk[:Tk]
+        key = torch.where(valid, chunk * W + dest, C * W)                   # (chunk, destination)
         hit = (self.buckets == key[None, :]).to(torch.int32)                # (C W + 1, T k): the counting sort of dispatch_plan
         within = hit.cumsum(1, dtype=torch.int32).gather(0, key[None, :]).squeeze(0) - 1
         ok = (key < C * W) & (within < cap)
-        spos = torch.where(ok, (self.slot_chunk[:Tk] * W + self.seg[dest]) * cap + within, R)
+        spos = torch.where(ok, (chunk * W + self.seg[dest]) * cap + within, R)
         self.dropped_ += (valid & ~ok).sum()
         src = torch.full((R + 1,), Tk, dtype=torch.long, device=ids.device).scatter_(0, spos, torch.arange(Tk, device=ids.device))[:R]
         return spos, src
@@ -590,11 +604,11 @@ class CapturedEP:
         send row's (expert id, weight bits) and its token, into the capture's own buffers; counts the drops the same."""
         from dsv4_nvfp4 import runtime as rt
         ep, k = self.ep, self.ep.cfg.top_k
-        rt.launch_1d("ep_plan.cu", "ep_plan", 1, 1024,
+        rt.launch_1d("ep_plan.cu", "ep_plan", 1, 512,
                      [rt.ptr(ids), rt.ptr(w), rt.ptr(n), rt.ptr(self.seg), rt.ptr(self.plan_spos), rt.ptr(self.plan_meta),
                       rt.ptr(self.plan_tok), rt.ptr(self.dropped_), rt.i32(ids.numel()), rt.i32(k), rt.i32(ep.per_rank),
                       rt.i32(ep.world), rt.i32(self.chunks), rt.i32(self.chunk_tokens), rt.i32(self.capacity), rt.i32(self.rows),
-                      rt.i32(self.max_tokens)])
+                      rt.i32(self.max_tokens), rt.i32(int(self.by_expert))])
         return self.plan_spos, self.plan_meta, self.plan_tok
 
     def _send(self, x, meta, tok):
@@ -731,9 +745,10 @@ class CapturedEP:
         return slots.sum(1).masked_fill(bad[:, None], float("nan")).to(torch.bfloat16)
 
 def _capture(self, max_tokens: int, capacity: int | None = None, given: bool = False, graph: bool = True,
-             chunks: int = 1, comm_sms: int = 0, shared_after: float = 0.0, copy_engines: bool | None = None) -> CapturedEP:
+             chunks: int = 1, comm_sms: int = 0, shared_after: float = 0.0, copy_engines: bool | None = None,
+             chunk_by: str = "tokens") -> CapturedEP:
     "Record this rank's forward in one CUDA graph for up to `max_tokens` tokens (see `CapturedEP`); collective."
-    return CapturedEP(self, max_tokens, capacity, given, graph, chunks, comm_sms, shared_after, copy_engines)
+    return CapturedEP(self, max_tokens, capacity, given, graph, chunks, comm_sms, shared_after, copy_engines, chunk_by)
 
 EPMoE.capture = _capture
 
@@ -863,6 +878,7 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             cap125 = lambda t: -(-5 * t * cfg.top_k // (4 * W)) + 64
             cap_c = lambda C: min(-(-T // C) * min(cfg.top_k, ep.per_rank), cap125(-(-T // C)))
             S = NCCL_SMS                                                 # (key, capacity, chunks, comm_sms, shared_after, EP, copy engines)
+            cap_e = lambda C: min(T * min(cfg.top_k, -(-ep.per_rank // C)), cap125(-(-T // C)))   # expert chunks: as many slots
             vs = [("graph", full, 1, 0, 0.0, ep, False), ("graph_cap", cap_c(1), 1, 0, 0.0, ep, False), (f"graph_cap_sms{S}", cap_c(1), 1, S, 0.0, ep, False),
                   (f"graph_cap_sh50_sms{S}", cap_c(1), 1, S, 0.5, ep, False), (f"graph_cap_sh100_sms{S}", cap_c(1), 1, S, 1.0, ep, False)]
             vs += [(f"graph_cap_sh50_min{n}", cap_c(1), 1, n, 0.5, eps_c[(p, n)], False) for n in min_ctas if (p, n) in eps_c]
@@ -870,9 +886,11 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             if copy_engines_supported():                                 # the same bytes on the copy engines: no SMs to leave
                 vs += [("graph_ce", full, 1, 0, 0.0, ep, True)] + [(f"graph_cap{h}_ce", cap_c(1), 1, 0, a, ep, True)
                                                                    for h, a in (("", 0.0), ("_sh25", 0.25), ("_sh50", 0.5), ("_sh75", 0.75), ("_sh100", 1.0))]
+                vs += [(f"graph_e{C}{h}_ce", cap_e(C), C, 0, a, ep, True) for C in (2, 4) for h, a in (("", 0.0), ("_sh25", 0.25), ("_sh50", 0.5))]
             for key, cap, C, sms, after, e, ce in vs:
                 if (key.startswith("graph_cap") and cap == full) or (variants is not None and key not in variants): continue
-                cg = e.capture(T, capacity=cap, chunks=C, comm_sms=sms, shared_after=after, copy_engines=ce)
+                cg = e.capture(T, capacity=cap, chunks=C, comm_sms=sms, shared_after=after, copy_engines=ce,
+                               chunk_by="experts" if key.startswith("graph_e") else "tokens")
                 ok = torch.equal(cg(x), want[r * T:(r + 1) * T]) and cg.dropped == 0
                 same = torch.tensor([int(ok)], device=dev)
                 dist.all_reduce(same, op=dist.ReduceOp.MIN)
@@ -910,6 +928,7 @@ def _variant_head(k: str) -> str:
     parts = ["graph, no-drop capacity" if k.split("_")[1:2] == ["ce"] else "graph, 1.25x"]
     for w in k.split("_")[1:]:
         if w[:1] == "c" and w[1:].isdigit(): parts.append(f"{w[1:]} chunks")
+        elif w[:1] == "e" and w[1:].isdigit(): parts.append(f"{w[1:]} expert chunks")
         elif w.startswith("sms"): parts.append(f"GEMMs leave {w[3:]} SMs")
         elif w.startswith("sh") and w[2:].isdigit(): parts.append(f"shared expert of {w[2:]}% beside the return")
         elif w.startswith("min"): parts.append(f"NCCL on {w[3:]} CTAs, GEMMs leave {w[3:]} SMs")

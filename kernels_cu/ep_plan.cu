@@ -4,7 +4,8 @@
 //   ep_plan   every routed (token, slot) s of this rank's T_max tokens gets its row in the send buffer, and every send
 //             row its (expert id, weight bits) and its token:
 //               key(s)    = chunk(s) * W + dest(s) for a real token (token < n), else "not sent";
-//                           chunk(s) = token / Tc, dest(s) = clamp(id / per_rank, 0, W - 1)
+//                           dest(s) = clamp(id / per_rank, 0, W - 1); chunk(s) = token / Tc, or with by_expert the
+//                           chunk of the slot's expert among its rank's: clamp(id - dest * per_rank, 0, per_rank - 1) * C / per_rank
 //               within(s) = the slots before s (in slot order) with the same key: a stable counting sort
 //               spos(s)   = (chunk * W + seg[dest]) * cap + within   when within < cap, else R (dropped, or not sent)
 //               meta[r]   = (id, weight bits) of the slot at row r, (-1, 0) for a padding row
@@ -12,7 +13,7 @@
 //               *dropped += the real slots past the capacity
 //             exactly what the torch ops of `CapturedEP._plan` and `_meta` compute (the tests compare them).
 //
-// One CTA of 1024 threads (32 warps): warp w owns a contiguous run of slots and counts them per key in 32-slot tiles
+// One CTA of EP_THREADS = 512 threads (16 warps): warp w owns a contiguous run of slots and counts them per key in 32-slot tiles
 // (__match_any_sync groups a tile's equal keys), a scan over the warps gives each (warp, key) its base, and a second
 // pass over the same tiles places every slot; the padding rows are written last, each row exactly once. Keys: at most
 // EP_MAXB = 64 (chunks x ranks); the launcher checks. No host read: CUDA-graph capturable.
@@ -21,8 +22,10 @@
 #ifndef EP_MAXB
 #define EP_MAXB 64
 #endif
+#define EP_THREADS 512
+#define EP_WARPS (EP_THREADS / 32)
 
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(EP_THREADS)
 ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of each slot
         const float* __restrict__ w,          // fp32 (T_max * k): routing weight of each slot
         const long long* __restrict__ n_ptr,  // int64 (): real tokens (<= T_max)
@@ -31,24 +34,30 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
         int* __restrict__ meta,               // int32 (R, 2) out: (expert id, weight bits) of each send row
         long long* __restrict__ tok,          // int64 (R,) out: token of each send row
         unsigned long long* __restrict__ dropped,   // int64 (): += real slots past the capacity
-        int Tk, int k, int per_rank, int W, int C, int Tc, int cap, int R, int T_max)
+        int Tk, int k, int per_rank, int W, int C, int Tc, int cap, int R, int T_max, int by_expert)
 {
-    __shared__ int cnt[32][EP_MAXB];          // per warp, per key: slots (phase 1); then the next free place (phase 3)
+    __shared__ int cnt[EP_WARPS][EP_MAXB];          // per warp, per key: slots (phase 1); then the next free place (phase 3)
     __shared__ int total[EP_MAXB];
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int B = C * W;                      // keys; B itself means "not sent"
     const long long n = *n_ptr;
-    for (int i = tid; i < 32 * EP_MAXB; i += 1024) (&cnt[0][0])[i] = 0;
+    for (int i = tid; i < EP_WARPS * EP_MAXB; i += EP_THREADS) (&cnt[0][0])[i] = 0;
     __syncthreads();
 
-    const int per_w = ((Tk + 32 * 32 - 1) / (32 * 32)) * 32;      // slots per warp, whole tiles
+    const int per_w = ((Tk + EP_THREADS - 1) / EP_THREADS) * 32;  // slots per warp, whole tiles
     const int beg = wid * per_w, end = min(Tk, beg + per_w);
     auto key_of = [&](int s, int& dest, int& chunk) -> int {
         if (s >= end) return B + 1;                                 // past the warp's run: no slot
-        const int t = s / k;
-        chunk = t / Tc;
-        int d = ids[s] / per_rank;                                  // (a bad id clamps, as the torch ops do)
+        const int t = s / k, id = ids[s];
+        int d = id / per_rank;                                      // (a bad id clamps, as the torch ops do)
         dest = d < 0 ? 0 : (d > W - 1 ? W - 1 : d);
+        if (by_expert) {
+            int l = id - dest * per_rank;
+            l = l < 0 ? 0 : (l > per_rank - 1 ? per_rank - 1 : l);
+            chunk = (int)(((long long)l * C) / per_rank);
+        } else {
+            chunk = t / Tc;
+        }
         return t < n ? chunk * W + dest : B;
     };
     // phase 1: count each warp's slots per key
@@ -60,9 +69,9 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
     }
     __syncthreads();
     // phase 2: exclusive scan over the warps, per key
-    for (int b = tid; b < B; b += 1024) {
+    for (int b = tid; b < B; b += EP_THREADS) {
         int run = 0;
-        for (int v = 0; v < 32; ++v) { const int c = cnt[v][b]; cnt[v][b] = run; run += c; }
+        for (int v = 0; v < EP_WARPS; ++v) { const int c = cnt[v][b]; cnt[v][b] = run; run += c; }
         total[b] = run;
     }
     __syncthreads();
@@ -94,7 +103,7 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
     for (int o = 16; o; o >>= 1) lost += __shfl_xor_sync(0xffffffffu, lost, o);
     if (lane == 0 && lost) atomicAdd(dropped, lost);
     // the padding rows: each key's segment past its slots
-    for (int i = tid; i < B * cap; i += 1024) {
+    for (int i = tid; i < B * cap; i += EP_THREADS) {
         const int b = i / cap, j = i - b * cap;
         if (j < total[b]) continue;
         const int chunk = b / W, dest = b - chunk * W;

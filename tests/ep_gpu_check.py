@@ -55,7 +55,9 @@ def main(acts=("w4a16", "w4a4")):
             chunked_k = capture_(MAX_T, given=True, chunks=3, comm_sms=8, copy_engines=False)
             split = capture_(MAX_T, given=True, shared_after=0.5, comm_sms=16)  # the shared expert half beside each all-to-all
             split_chunks = capture_(MAX_T, given=True, chunks=2, shared_after=0.3)   # and with chunks
-            for nm, c_ in (("one chunk", caps[payload]), ("NCCL kernels", kern), ("chunks", chunked), ("chunks, NCCL kernels", chunked_k)):
+            echunks = capture_(MAX_T, given=True, chunks=2, chunk_by="experts", shared_after=0.5)   # 2 chunks of each rank's experts
+            for nm, c_ in (("one chunk", caps[payload]), ("NCCL kernels", kern), ("chunks", chunked), ("chunks, NCCL kernels", chunked_k),
+                           ("expert chunks", echunks)):
                 for T_ in (MAX_T, 37, 1, 0):
                     if not plan_same(c_, T_, T_ + 1): fails.append(f"{act} {payload} fused send plan != torch ops ({nm}, T={T_})")
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
@@ -83,6 +85,7 @@ def main(acts=("w4a16", "w4a4")):
                     if not torch.equal(chunked_k(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in chunks, NCCL kernels T={Ts}")
                     if not torch.equal(split(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split T={Ts}")
                     if not torch.equal(split_chunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split, chunks T={Ts}")
+                    if not torch.equal(echunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in expert chunks T={Ts}")
                 # skewed: four of every token's six experts on rank 0, two elsewhere
                 if x_all.shape[0] and W > 1:
                     w, _ = lay.route(x_all)
@@ -95,6 +98,7 @@ def main(acts=("w4a16", "w4a4")):
                     if not torch.equal(kern(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured, NCCL kernels, skewed T={Ts}")
                     if not torch.equal(chunked(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured in chunks, skewed T={Ts}")
                     if not torch.equal(split(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured, shared split, skewed T={Ts}")
+                    if not torch.equal(echunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured in expert chunks, skewed T={Ts}")
             # the router inside the graph, on a full buffer (the same logits GEMM shape as the eager forward's)
             full = MAX_T
             g = torch.Generator(device=dev).manual_seed(5)
@@ -158,7 +162,7 @@ def main(acts=("w4a16", "w4a4")):
     if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
     # the graphs and the registered windows go before the communicators they use (a teardown with graphs alive hung)
     for c in made: c.close()
-    del caps, kern, chunked, chunked_k, split, split_chunks, routed, made
+    del caps, kern, chunked, chunked_k, split, split_chunks, echunks, routed, made
     if W > 1: del small
     gc.collect(); torch.cuda.synchronize()
     done = threading.Event()                                            # a teardown that hangs fails the check, at once

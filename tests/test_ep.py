@@ -1,7 +1,7 @@
 """Expert parallelism on the CPU (gloo, 2 and 4 processes): the dispatch / combine of `EPMoE` against the single-process
 layer on the concatenated batch, bit for bit, for both payloads, ragged and skewed routing, an empty rank, T = 1,
-micro-batches (some empty) and the fixed shapes of `EPMoE.capture`, in one chunk and in three (a capacity that
-overflows, whole or per chunk: NaN for exactly the tokens that lost a slot, the others exact)."""
+micro-batches (some empty) and the fixed shapes of `EPMoE.capture`, in one chunk, in three chunks of tokens and in two
+of experts (a capacity that overflows, whole or per chunk: NaN for exactly the tokens that lost a slot, the others exact)."""
 import io
 import os
 import queue
@@ -56,6 +56,8 @@ def _worker(rank, W, path, q):
             res[(act, payload, "fixed skewed")] = ep.capture(MAX_T, given=True)(xs[rank], *rt[rank]).clone()
             res[(act, payload, "chunks")] = ep.capture(MAX_T, chunks=CHUNKS)(xs[rank]).clone()
             res[(act, payload, "chunks skewed")] = ep.capture(MAX_T, given=True, chunks=CHUNKS)(xs[rank], *rt[rank]).clone()
+            res[(act, payload, "expert chunks")] = ep.capture(MAX_T, chunks=2, chunk_by="experts")(xs[rank]).clone()
+            res[(act, payload, "expert chunks skewed")] = ep.capture(MAX_T, given=True, chunks=2, chunk_by="experts")(xs[rank], *rt[rank]).clone()
         ep = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act="w4a4"), payload="nvfp4")
         small = ep.capture(MAX_T, capacity=SMALL_CAP, given=True)                     # the skewed routing overflows it
         res["small"], res["small dropped"] = small(xs[rank], *rt[rank]).clone(), small.dropped
@@ -133,6 +135,10 @@ def test_ep_layer_equals_the_single_process_layer(W):
         assert torch.equal(fx, lay(x)), f"{act} {payload} fixed shapes in {CHUNKS} chunks"
         fx = torch.cat([got[r][(act, payload, "chunks skewed")] for r in range(W)])
         assert torch.equal(fx, lay.forward_routed(x, w, ids)), f"{act} {payload} fixed shapes in {CHUNKS} chunks, skewed routing"
+        fx = torch.cat([got[r][(act, payload, "expert chunks")] for r in range(W)])
+        assert torch.equal(fx, lay(x)), f"{act} {payload} fixed shapes in 2 expert chunks"
+        fx = torch.cat([got[r][(act, payload, "expert chunks skewed")] for r in range(W)])
+        assert torch.equal(fx, lay.forward_routed(x, w, ids)), f"{act} {payload} fixed shapes in 2 expert chunks, skewed routing"
     # the small capacity: a slot fits when it is among the first SMALL_CAP its source rank sends to its destination
     # (in token order; with chunks, to its destination in its chunk of tokens); a token with a slot that does not is
     # NaN, every other token exact
