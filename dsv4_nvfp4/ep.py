@@ -390,6 +390,10 @@ class CapturedEP:
     the given routing, the same bits), so that both all-to-alls have work beside them; a call with fewer tokens has
     less (or nothing) in that part.
 
+    The send plan (the counting sort, each slot's row, each row's expert id, weight bits and token, the drop count) is
+    one launch (kernels_cu/ep_plan.cu) where the chunks times the ranks are at most `EP_PLAN_MAX_KEYS`, else the same
+    steps as torch ops (the GPU check compares the two).
+
     `close()` it (or drop it) before `dist.destroy_process_group()`: a graph holds NCCL work of the group's communicator (on
     2 H100s a check that tore the group down with its graphs alive hung at exit; the benchmark, which drops each one,
     did not). On the CPU (gloo) the same fixed-shape steps run eagerly with the float64 experts, so the gloo tests hold
