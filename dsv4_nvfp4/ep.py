@@ -338,9 +338,12 @@ def copy_engines_supported() -> bool:
     except (AttributeError, RuntimeError, TypeError):
         return False
 
+_CE_GROUPS = {}   # a process group -> its ranks again under the zero-CTA policy (one communicator, every layer's)
+
 def _ce_group(ep: "EPMoE"):
-    "`ep`'s ranks again, as an NCCL group under the zero-CTA policy: made once per layer, on first use; collective."
-    g = getattr(ep, "_ce", None)
+    "`ep`'s ranks again, as an NCCL group under the zero-CTA policy: made once per group, on first use; collective."
+    base = dist.group.WORLD if ep.group is None else ep.group
+    g = _CE_GROUPS.get(base)
     if g is None:
         o = dist.ProcessGroupNCCL.Options()
         o.config.cta_policy = getattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO", 2)
@@ -348,7 +351,9 @@ def _ce_group(ep: "EPMoE"):
         if ep.group is None: g = dist.new_group(backend="nccl", pg_options=o, device_id=dev)
         else: g = dist.new_group(dist.get_process_group_ranks(ep.group), backend="nccl", pg_options=o, device_id=dev,
                                  use_local_synchronization=True)
-        ep._ce = g
+        if dist.get_rank(g) != ep.rank:                                     # the segments go by group rank
+            raise RuntimeError(f"EPMoE.capture: the copy-engine group ranks this process {dist.get_rank(g)}, the layer's group {ep.rank}")
+        _CE_GROUPS[base] = g
     return g
 
 class CapturedEP:
@@ -359,7 +364,7 @@ class CapturedEP:
 
     The all-to-alls run on the GPUs' copy engines where NCCL can (`copy_engines`, the default where
     `copy_engines_supported()`): its own all-to-all under the zero-CTA policy, on send and receive buffers registered as
-    one symmetric window (an NCCL group of the same ranks, made once per layer; the buffers are views of one
+    one symmetric window (an NCCL group of the same ranks, made once per process group; the buffers are views of one
     allocation with the same layout on every rank). No SM moves a byte, so the GEMMs beside a transfer keep every SM;
     the split is uniform, and each rank's own segment is a local copy by the copy engine. Call `close()` (collective)
     before dropping it. With `copy_engines=False` the all-to-alls are NCCL's kernels, and a rank's slots for its own
@@ -394,7 +399,7 @@ class CapturedEP:
     one launch (kernels_cu/ep_plan.cu) where the chunks times the ranks are at most `EP_PLAN_MAX_KEYS`, else the same
     steps as torch ops (the GPU check compares the two).
 
-    `close()` it (or drop it) before `dist.destroy_process_group()`: a graph holds NCCL work of the group's communicator (on
+    `close()` it before dropping it and before `dist.destroy_process_group()`: a graph holds NCCL work of the group's communicator (on
     2 H100s a check that tore the group down with its graphs alive hung at exit; the benchmark, which drops each one,
     did not). On the CPU (gloo) the same fixed-shape steps run eagerly with the float64 experts, so the gloo tests hold
     the logic."""
@@ -431,13 +436,15 @@ class CapturedEP:
         cuda = dev.type == "cuda"
         if (dist.get_backend(ep.group) == "nccl") != cuda:
             raise ValueError("EPMoE.capture: the layer must be on the GPU under NCCL (EPMoE(...).to('cuda')), on the CPU under gloo")
-        if copy_engines and not (cuda and copy_engines_supported()):
-            raise ValueError("EPMoE.capture: copy_engines=True needs the GPU, NCCL >= 2.28 and torch's symmetric registration "
-                             "(ProcessGroupNCCL.register_mem_pool(pool, symm=True)); see copy_engines_supported()")
-        ce = cuda and W > 1 and (copy_engines_supported() if copy_engines is None else bool(copy_engines))
-        mine = torch.tensor([max_tokens, cap, int(given), C, int(ce), int(by_expert)], device=dev)   # the all-to-alls' sizes must agree
+        sup = cuda and copy_engines_supported()
+        unmet = bool(copy_engines) and not sup                             # raised on every rank, after the gather
+        ce = cuda and W > 1 and not unmet and (sup if copy_engines is None else bool(copy_engines))
+        mine = torch.tensor([max_tokens, cap, int(given), C, int(ce), int(by_expert), int(unmet)], device=dev)   # the all-to-alls' sizes must agree
         every = [torch.empty_like(mine) for _ in range(W)]
         dist.all_gather(every, mine, group=ep.group)
+        if any(int(e[-1]) for e in every):
+            raise ValueError("EPMoE.capture: copy_engines=True needs the GPU, NCCL >= 2.28 and torch's symmetric registration "
+                             "(ProcessGroupNCCL.register_mem_pool(pool, symm=True)) on every rank; see copy_engines_supported()")
         if any(not torch.equal(e, every[0]) for e in every):
             raise ValueError("EPMoE.capture: every rank must capture the same (max_tokens, capacity, given, chunks, copy engines, chunk_by); "
                              f"got {[e.tolist() for e in every]}")
@@ -498,15 +505,21 @@ class CapturedEP:
         self.sentinel = (ep.experts.stop % c.num_experts) if W > 1 else -1
         self.comm = torch.cuda.Stream(dev)
         self.n.fill_(Tm)                                                     # before the warm-up stream starts
-        s = torch.cuda.Stream(dev); s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            for _ in range(2): self._body()                                  # compile, prepare, warm the caches and NCCL
-        torch.cuda.current_stream(dev).wait_stream(s)
-        self.dropped_.zero_()
-        if graph:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):   # NCCL's watchdog thread queries events
-                self._body()
+        try:
+            s = torch.cuda.Stream(dev); s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s):
+                for _ in range(2): self._body()                              # compile, prepare, warm the caches and NCCL
+            torch.cuda.current_stream(dev).wait_stream(s)
+            self.dropped_.zero_()
+            if graph:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):   # NCCL's watchdog thread queries events
+                    self._body()
+        except BaseException:
+            if self._pool is not None:                                       # no registered window outlives a failed capture
+                try: self.close()
+                except Exception: pass
+            raise
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
                  input_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -66,6 +66,7 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
         const int key = key_of(t0 + lane, dest, chunk);
         const unsigned m = __match_any_sync(0xffffffffu, key);
         if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
+        __syncwarp();                                               // (the next tile's leader may be another lane)
     }
     __syncthreads();
     // phase 2: exclusive scan over the warps, per key

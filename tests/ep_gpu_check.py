@@ -56,6 +56,8 @@ def main(acts=("w4a16", "w4a4")):
             split = capture_(MAX_T, given=True, shared_after=0.5, comm_sms=16)  # the shared expert half beside each all-to-all
             split_chunks = capture_(MAX_T, given=True, chunks=2, shared_after=0.3)   # and with chunks
             echunks = capture_(MAX_T, given=True, chunks=2, chunk_by="experts", shared_after=0.5)   # 2 chunks of each rank's experts
+            many = capture_(MAX_T, given=True, chunks=80)                  # 80 x W keys > EP_PLAN_MAX_KEYS: the torch plan
+            if many.fused_plan or not caps[payload].fused_plan: fails.append(f"{act} {payload}: the fused plan chosen wrongly")
             for nm, c_ in (("one chunk", caps[payload]), ("NCCL kernels", kern), ("chunks", chunked), ("chunks, NCCL kernels", chunked_k),
                            ("expert chunks", echunks)):
                 for T_ in (MAX_T, 37, 1, 0):
@@ -86,6 +88,7 @@ def main(acts=("w4a16", "w4a4")):
                     if not torch.equal(split(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split T={Ts}")
                     if not torch.equal(split_chunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split, chunks T={Ts}")
                     if not torch.equal(echunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in expert chunks T={Ts}")
+                    if not torch.equal(many(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in 80 chunks (torch plan) T={Ts}")
                 # skewed: four of every token's six experts on rank 0, two elsewhere
                 if x_all.shape[0] and W > 1:
                     w, _ = lay.route(x_all)
@@ -118,6 +121,12 @@ def main(acts=("w4a16", "w4a4")):
                 if nccl or not peer: fails.append(f"{act} {payload} copy engines: NCCL kernels {sorted(set(nccl))[:3]}, peer copies {len(peer)}")
                 if not torch.equal(y_, ep(x)): fails.append(f"{act} {payload} copy engines, eager fixed shapes != eager EP")
                 eager.close(); del eager
+                routed(x); torch.cuda.synchronize(); dist.barrier()          # and the graph's replay: copies, no NCCL kernel
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    routed(x); torch.cuda.synchronize()
+                names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+                nccl = [n for n in names if "nccl" in n.lower()]
+                if nccl or not any("PtoP" in n for n in names): fails.append(f"{act} {payload} copy engines, graph: NCCL kernels {sorted(set(nccl))[:3]}")
             for after in (1.0, 0.4):                                    # all, or the last 40% of the shared expert beside the return
                 routed_after = ep.capture(full, shared_after=after, comm_sms=8)
                 if not torch.equal(routed_after(x), ep(x)): fails.append(f"{act} {payload} captured router, shared after {after} != eager EP")
@@ -143,8 +152,10 @@ def main(acts=("w4a16", "w4a4")):
             # a capacity that the skewed routing overflows: NaN exactly for the tokens that lost a slot, counted
             if W > 1:
                 small = capture_(MAX_T, capacity=64, given=True)
+                small_e = capture_(MAX_T, capacity=48, given=True, chunks=2, chunk_by="experts")
                 for T_ in (MAX_T, 100):                                     # random routing past the capacity: drops counted alike
                     if not plan_same(small, T_, 7 + T_): fails.append(f"{act} {payload} fused send plan != torch ops (capacity 64, T={T_})")
+                    if not plan_same(small_e, T_, 9 + T_): fails.append(f"{act} {payload} fused send plan != torch ops (expert chunks, capacity 48, T={T_})")
                 per, gen = CFG.num_experts // W, torch.Generator().manual_seed(9)
                 ids = torch.stack([torch.cat([torch.randperm(per, generator=gen)[:4], per + torch.randperm(CFG.num_experts - per, generator=gen)[:2]])
                                    for _ in range(W * 40)]).to(device=dev, dtype=torch.int32)
@@ -162,8 +173,8 @@ def main(acts=("w4a16", "w4a4")):
     if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
     # the graphs and the registered windows go before the communicators they use (a teardown with graphs alive hung)
     for c in made: c.close()
-    del caps, kern, chunked, chunked_k, split, split_chunks, echunks, routed, made
-    if W > 1: del small
+    del caps, kern, chunked, chunked_k, split, split_chunks, echunks, many, routed, made
+    if W > 1: del small, small_e
     gc.collect(); torch.cuda.synchronize()
     done = threading.Event()                                            # a teardown that hangs fails the check, at once
     threading.Thread(target=lambda: done.wait(120) or (print(f"rank {r}: FAIL teardown (destroy_process_group) hung", flush=True),

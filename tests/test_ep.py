@@ -73,6 +73,8 @@ def _worker(rank, W, path, q):
         except ValueError as e: res["mismatch chunks"] = str(e)
         try: ep.capture(MAX_T + rank); res["mismatch"] = "no error"                  # ranks disagree: every rank raises
         except ValueError as e: res["mismatch"] = str(e)
+        try: ep.capture(MAX_T, copy_engines=True if rank == 0 else None); res["ce"] = "no error"   # one rank asks for the copy
+        except ValueError as e: res["ce"] = str(e)                                   # engines (none on gloo): every rank raises
         lay = M.DSV4MoE.synthetic(CFG, seed=3)
         try: EPMoE(lay, payload="nvfp4")
         except ValueError as e: res["nvfp4-w4a16"] = str(e)
@@ -156,6 +158,7 @@ def test_ep_layer_equals_the_single_process_layer(W):
     assert torch.isnan(gb).all(1).equal(bad) and torch.equal(gb[~bad], want[~bad]), "bad given ids: NaN for exactly those tokens"
     assert all(("did not fit the capacity 4" in got[r]["small check"]) == bool(got[r]["small dropped"]) for r in range(W))
     assert all("every rank must capture the same" in got[r]["mismatch"] for r in range(W))
+    assert all("copy_engines=True needs the GPU" in got[r]["ce"] for r in range(W))   # no rank left waiting
     assert all("every rank must capture the same" in got[r]["mismatch chunks"] for r in range(W))
     assert "act='w4a4'" in got[0]["nvfp4-w4a16"]
     assert all("expert ids must be in [0, 8)" in got[r]["bad"] for r in range(W)), [got[r]["bad"] for r in range(W)]
