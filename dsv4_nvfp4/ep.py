@@ -496,10 +496,11 @@ class CapturedEP:
             setattr(self, name, t)
         self.rows_all[R] = float("nan")
         self.shared_slot = torch.arange(R + 1, R + 1 + Tm, device=dev, dtype=torch.int32)[:, None]
-        # the send plan in one launch (kernels_cu/ep_plan.cu) where its keys fit, else the torch ops of `_plan`, `_meta`
+        # the send plan in one launch (kernels_cu/ep_plan.cu) where its keys fit, else the torch ops of `_plan`, `_meta`;
+        # either way the send rows' metadata lands in plan_meta (copy engines: the registered send buffer)
         self.fused_plan = C * W <= EP_PLAN_MAX_KEYS
-        self.plan_spos, self.plan_tok = z(Tm * k, dt=i32), z(R, dt=torch.long)
         self.plan_meta = self.send_meta if ce else z(R, 2, dt=i32)
+        if self.fused_plan: self.plan_spos, self.plan_tok = z(Tm * k, dt=i32), z(R, dt=torch.long)
         # a row that reaches no local expert: an expert of another rank (no row); with one rank an invalid id
         # (the router gives it a NaN row on expert 0, never read)
         self.sentinel = (ep.experts.stop % c.num_experts) if W > 1 else -1
@@ -684,7 +685,7 @@ class CapturedEP:
         if self.fused_plan: spos, meta, tok = self._plan_fused(w, ids, n)
         else:
             spos, src = self._plan(ids, n)
-            meta, tok = self._meta(w, ids, src, out=self.send_meta if self.ce else None)
+            meta, tok = self._meta(w, ids, src, out=self.plan_meta)
         pairs = self._send(x, meta, tok)
         self.comm.wait_stream(main)
         arrived = []

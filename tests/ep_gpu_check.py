@@ -111,22 +111,18 @@ def main(acts=("w4a16", "w4a4")):
             if not torch.equal(routed(x), ep(x)): fails.append(f"{act} {payload} captured router != eager EP")
             if CE:                                                       # the copy engines move the rows: no NCCL kernel runs
                 from torch.profiler import profile, ProfilerActivity
+                def on_gpu(fn):                                          # (fn's output, the CUDA events' names of one call)
+                    fn(); torch.cuda.synchronize(); dist.barrier()
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        y_ = fn(); torch.cuda.synchronize()
+                    return y_, [e.name for e in prof.events() if e.device_type.name == "CUDA"]
                 eager = ep.capture(full, graph=False)
-                eager(x); torch.cuda.synchronize(); dist.barrier()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    y_ = eager(x); torch.cuda.synchronize()
-                names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-                nccl = [n for n in names if "nccl" in n.lower()]
-                peer = [n for n in names if "PtoP" in n]
-                if nccl or not peer: fails.append(f"{act} {payload} copy engines: NCCL kernels {sorted(set(nccl))[:3]}, peer copies {len(peer)}")
-                if not torch.equal(y_, ep(x)): fails.append(f"{act} {payload} copy engines, eager fixed shapes != eager EP")
+                for how, fn in (("eager", lambda: eager(x)), ("graph", lambda: routed(x))):   # the fixed-shape steps, the replay
+                    y_, names = on_gpu(fn)
+                    nccl = sorted({n for n in names if "nccl" in n.lower()})
+                    if nccl or not any("PtoP" in n for n in names): fails.append(f"{act} {payload} copy engines, {how}: NCCL kernels {nccl[:3]}, no peer copy")
+                    if not torch.equal(y_, ep(x)): fails.append(f"{act} {payload} copy engines, {how} != eager EP")
                 eager.close(); del eager
-                routed(x); torch.cuda.synchronize(); dist.barrier()          # and the graph's replay: copies, no NCCL kernel
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    routed(x); torch.cuda.synchronize()
-                names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-                nccl = [n for n in names if "nccl" in n.lower()]
-                if nccl or not any("PtoP" in n for n in names): fails.append(f"{act} {payload} copy engines, graph: NCCL kernels {sorted(set(nccl))[:3]}")
             for after in (1.0, 0.4):                                    # all, or the last 40% of the shared expert beside the return
                 routed_after = ep.capture(full, shared_after=after, comm_sms=8)
                 if not torch.equal(routed_after(x), ep(x)): fails.append(f"{act} {payload} captured router, shared after {after} != eager EP")
