@@ -22,8 +22,8 @@ from .swiglu import ref_expert_mlp
 
 # %% auto #0
 __all__ = ['PAYLOADS', 'EP_PLAN_MAX_KEYS', 'NCCL_SMS', 'ep_experts', 'DispatchPlan', 'dispatch_plan', 'exchange', 'payload_bytes',
-           'ep_traffic', 'EPMoE', 'copy_engines_supported', 'CapturedEP', 'balanced_gate_bias', 'bench_ep', 'ep_table',
-           'bench_ep_main']
+           'ep_traffic', 'EPMoE', 'copy_engines_supported', 'ctas_supported', 'CapturedEP', 'balanced_gate_bias',
+           'bench_ep', 'ep_table', 'bench_ep_main']
 
 # %% ../nbs/08a_expert_parallel.ipynb #f0d734f3
 def ep_experts(num_experts: int, world: int, rank: int) -> range:
@@ -338,22 +338,33 @@ def copy_engines_supported() -> bool:
     except (AttributeError, RuntimeError, TypeError):
         return False
 
-_CE_GROUPS = {}   # a process group -> its ranks again under the zero-CTA policy (one communicator, every layer's)
+_CE_GROUPS = {}   # (a process group, "ce" or a CTA count) -> its ranks again under that policy (one communicator, every layer's)
 
-def _ce_group(ep: "EPMoE"):
-    "`ep`'s ranks again, as an NCCL group under the zero-CTA policy: made once per group, on first use; collective."
+def ctas_supported() -> bool:
+    "Whether this torch can make an NCCL group whose kernels take a given number of CTAs (`CapturedEP`'s `tail_ctas`)."
+    try:
+        o = dist.ProcessGroupNCCL.Options()
+        o.config.min_ctas = o.config.max_ctas = 8
+        return True
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+def _ce_group(ep: "EPMoE", ctas: int | None = None):
+    """`ep`'s ranks again, as an NCCL group under the zero-CTA policy (the copy engines), or with `ctas`: whose kernels take
+    exactly that many CTAs (NCCL's minimum and maximum); made once per group and kind, on first use; collective."""
     base = dist.group.WORLD if ep.group is None else ep.group
-    g = _CE_GROUPS.get(base)
+    g = _CE_GROUPS.get((base, ctas or "ce"))
     if g is None:
         o = dist.ProcessGroupNCCL.Options()
-        o.config.cta_policy = getattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO", 2)
+        if ctas: o.config.min_ctas = o.config.max_ctas = int(ctas)
+        else: o.config.cta_policy = getattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO", 2)
         dev = torch.device("cuda", torch.cuda.current_device())
         if ep.group is None: g = dist.new_group(backend="nccl", pg_options=o, device_id=dev)
         else: g = dist.new_group(dist.get_process_group_ranks(ep.group), backend="nccl", pg_options=o, device_id=dev,
                                  use_local_synchronization=True)
         if dist.get_rank(g) != ep.rank:                                     # the segments go by group rank
-            raise RuntimeError(f"EPMoE.capture: the copy-engine group ranks this process {dist.get_rank(g)}, the layer's group {ep.rank}")
-        _CE_GROUPS[base] = g
+            raise RuntimeError(f"EPMoE.capture: the second NCCL group ranks this process {dist.get_rank(g)}, the layer's group {ep.rank}")
+        _CE_GROUPS[(base, ctas or "ce")] = g
     return g
 
 class CapturedEP:
@@ -369,7 +380,8 @@ class CapturedEP:
     the split is uniform, and each rank's own segment is a local copy by the copy engine. Call `close()` (collective)
     before dropping it. With `copy_engines=False` the all-to-alls are NCCL's kernels, and a rank's slots for its own
     experts never go on the wire: the all-to-alls carry only the other ranks' segments (split sizes `capacity` and 0 for
-    itself), and the own segment is a copy on the GPU. A world of one runs no collective at all.
+    itself), and the own rows are gathered straight into the receive buffer. Either way the final combine reads a rank's
+    own rows back where its experts wrote them. A world of one runs no collective at all.
 
     The default capacity, `max_tokens x min(k, E/W)`, is what one rank's tokens can send to one rank at most: no
     routing overflows it, and the output equals `EPMoE.forward_routed`'s (and the one-GPU layer's) bit for bit for the
@@ -388,9 +400,15 @@ class CapturedEP:
     (default capacity `max_tokens x min(k, ceil(E/W / C))`): each expert's weights are still read once, and chunk j's
     return travels while chunk j + 1's experts compute.
     NCCL's all-to-all kernel holds its SMs until it ends (17 between 2 H100s), and the persistent GEMM deals its tiles over a
-    fixed grid, so a GEMM beside it waits for those SMs; with `comm_sms` n the GEMMs that run beside a collective (the
-    shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`, Hopper's GEMM; other
-    GPUs ignore it), same bits. With `shared_after` f > 0 the shared expert of the tokens in buffer positions
+    fixed grid, so a GEMM beside it waits for those SMs; with `comm_sms` n the GEMMs that run beside one of NCCL's
+    kernels (the shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`, Hopper's
+    GEMM; other GPUs ignore it), same bits. Beside the copy engines no GEMM leaves any.
+    With `tail_kernels` (copy engines only) the last chunk's return, which no routed expert hides, runs on NCCL's kernels
+    instead, split so that a rank's own segment stays off the wire (the copy engines' all-to-all copies it too, before
+    the others'). With `tail_ctas` n that return (and with `copy_engines=False` it alone) runs on a second NCCL group of
+    the same ranks whose kernels take exactly n CTAs (made once per process group and n): more SMs move the bytes
+    faster where nothing else runs beside them.
+    With `shared_after` f > 0 the shared expert of the tokens in buffer positions
     [round((1 - f) max_tokens), max_tokens) runs beside the return all-to-all instead of the dispatch (its own route of
     the given routing, the same bits), so that both all-to-alls have work beside them; a call with fewer tokens has
     less (or nothing) in that part.
@@ -411,7 +429,9 @@ class CapturedEP:
                  comm_sms: int = 0,              # SMs the GEMMs beside a collective leave to it (GPU)
                  shared_after: float = 0.0,      # the fraction of the tokens whose shared expert runs beside the return (GPU)
                  copy_engines: bool | None = None,    # the all-to-alls on the copy engines (GPU, 2+ ranks); None: where supported
-                 chunk_by: str = "tokens"):      # "experts": chunk j holds the slots of each rank's j-th C-th of its experts
+                 chunk_by: str = "tokens",       # "experts": chunk j holds the slots of each rank's j-th C-th of its experts
+                 tail_kernels: bool = False,     # copy engines: the last return on NCCL's kernels, the own segment off the wire
+                 tail_ctas: int | None = None):  # the last return on NCCL's kernels of exactly this many CTAs (GPU)
         c, W, k, H = ep.cfg, ep.world, ep.cfg.top_k, ep.cfg.hidden
         if max_tokens < 1: raise ValueError(f"EPMoE.capture: max_tokens must be >= 1, got {max_tokens}")
         C = int(chunks)
@@ -439,18 +459,26 @@ class CapturedEP:
         sup = cuda and copy_engines_supported()
         unmet = bool(copy_engines) and not sup                             # raised on every rank, after the gather
         ce = cuda and W > 1 and not unmet and (sup if copy_engines is None else bool(copy_engines))
-        mine = torch.tensor([max_tokens, cap, int(given), C, int(ce), int(by_expert), int(unmet)], device=dev)   # the all-to-alls' sizes must agree
+        tail = ce and bool(tail_kernels)
+        if tail_ctas is not None:
+            if int(tail_ctas) < 1: raise ValueError(f"EPMoE.capture: tail_ctas must be >= 1, got {tail_ctas}")
+            if cuda and not ctas_supported(): raise ValueError("EPMoE.capture: tail_ctas needs torch's NCCL config min_ctas / max_ctas")
+            if ce and not tail: raise ValueError("EPMoE.capture: tail_ctas with the copy engines needs tail_kernels=True")
+        tc = int(tail_ctas or 0) if cuda and W > 1 else 0
+        mine = torch.tensor([max_tokens, cap, int(given), C, int(ce), int(by_expert), int(tail), tc, int(unmet)], device=dev)   # the all-to-alls' sizes must agree
         every = [torch.empty_like(mine) for _ in range(W)]
         dist.all_gather(every, mine, group=ep.group)
         if any(int(e[-1]) for e in every):
             raise ValueError("EPMoE.capture: copy_engines=True needs the GPU, NCCL >= 2.28 and torch's symmetric registration "
                              "(ProcessGroupNCCL.register_mem_pool(pool, symm=True)) on every rank; see copy_engines_supported()")
         if any(not torch.equal(e, every[0]) for e in every):
-            raise ValueError("EPMoE.capture: every rank must capture the same (max_tokens, capacity, given, chunks, copy engines, chunk_by); "
+            raise ValueError("EPMoE.capture: every rank must capture the same (max_tokens, capacity, given, chunks, copy engines, chunk_by, "
+                             "tail_kernels, tail_ctas); "
                              f"got {[e.tolist() for e in every]}")
-        self.ep, self.max_tokens, self.capacity, self.given, self.cuda, self.ce = ep, max_tokens, cap, given, cuda, ce
+        self.ep, self.max_tokens, self.capacity, self.given, self.cuda, self.ce, self.tail = ep, max_tokens, cap, given, cuda, ce, tail
         self._pool = self._backend = None                                   # (copy engines: the registered allocation)
         self.a2a_group = _ce_group(ep) if ce else ep.group
+        self.tail_group = _ce_group(ep, tc) if tc else ep.group            # the last return's, on NCCL's kernels
         self.chunks, self.chunk_tokens, self.comm_sms, self.by_expert = C, Tc, int(comm_sms), by_expert
         self.shared_split = S = max_tokens - round(shared_after * max_tokens)   # tokens [0, S): shared expert beside the dispatch
         Tm, R = max_tokens, C * W * cap                                      # the send buffer: chunk-major, then by destination
@@ -468,6 +496,10 @@ class CapturedEP:
         self.buckets = torch.arange(C * W + 1, device=dev)[:, None]         # (chunk, destination) pairs, then "not sent"
         self.none = torch.tensor([[-1, 0]], dtype=torch.int32, device=dev)  # a padding row's (expert id, weight bits)
         self.rows = R                                                        # the send and receive buffers' rows
+        # the final combine reads the rows back (GPU) from `back`: the experts' output rows [0, R) (yout), then rows_all
+        # from R. A rank's own slots are read where its experts wrote them, the others at `far` = R past their send row
+        # (the copy engines' return also copies the own segment, unread)
+        self.far = R if cuda else 0
         # each chunk's rows: (what the all-to-alls move, this rank's own segment copied beside them; copy engines: none)
         own = 0 if ce else cap
         self.parts = [(slice(j * W * cap, (j + 1) * W * cap - own), slice((j + 1) * W * cap - own, (j + 1) * W * cap)) for j in range(C)]
@@ -481,21 +513,22 @@ class CapturedEP:
         # the routed experts' buffers, the graph's own (the eager ones are replaced when a larger call needs more):
         # one chunk's rows at a time (bf16: as tokens of the one-slot layer; NVFP4: `expert_rows`' rows)
         self.rbufs = ep.routed.buffers(W * cap if ep.payload == "bf16" else -(-W * cap // (ep.routed.cfg.top_k + 1)), dev)
-        # the all-to-alls' buffers. rows_all, the rows back: [0, R) the returned slots, R a NaN row (dropped slots point at
-        # it), then the shared rows. bf16: the rows gathered into send (kernels: the own ones straight into recv); NVFP4:
-        # the codes and scales; meta: each row's (expert id, weight bits). Copy engines: the send side and the experts'
-        # output rows too, all in the registered window
+        # the all-to-alls' buffers. back: the experts' output rows (yout, [0, R)), then rows_all, the rows back: [0, R) the
+        # returned slots, R a NaN row (dropped slots point at it), then the shared rows. bf16: the rows gathered into send
+        # (kernels: the own ones straight into recv); NVFP4: the codes and scales; meta: each row's (expert id, weight
+        # bits). Copy engines: the send side too, all in the registered window
         b16, u8, i32 = torch.bfloat16, torch.uint8, torch.int32
-        spec = dict(rows_all=((max(R + 1 + Tm, Tm * (k + 1)), H), b16), recv_meta=((R, 2), i32))
+        spec = dict(back=((R + max(R + 1 + Tm, Tm * (k + 1)), H), b16), recv_meta=((R, 2), i32))
         if ep.payload == "bf16": spec.update(send=((R, H), b16), recv=((R, H), b16))
         else: spec.update(recv=((R, H // 2), u8), recv_scale=((R, H // 16), u8))
         if ce:
-            spec.update(send_meta=((R, 2), i32), yout=((R, H), b16))
+            spec.update(send_meta=((R, 2), i32))
             if ep.payload == "nvfp4": spec.update(send=((R, H // 2), u8), send_scale=((R, H // 16), u8))
         for name, t in (self._symmetric(spec, dev) if ce else {n_: z(*s_, dt=d_) for n_, (s_, d_) in spec.items()}).items():
             setattr(self, name, t)
+        self.yout, self.rows_all = self.back[:R], self.back[R:]
         self.rows_all[R] = float("nan")
-        self.shared_slot = torch.arange(R + 1, R + 1 + Tm, device=dev, dtype=torch.int32)[:, None]
+        self.shared_slot = torch.arange(self.far + R + 1, self.far + R + 1 + Tm, device=dev, dtype=torch.int32)[:, None]
         # the send plan in one launch (kernels_cu/ep_plan.cu) where its keys fit, else the torch ops of `_plan`, `_meta`;
         # either way the send rows' metadata lands in plan_meta (copy engines: the registered send buffer)
         self.fused_plan = C * W <= EP_PLAN_MAX_KEYS
@@ -588,7 +621,8 @@ class CapturedEP:
                              "capture with a larger capacity")
 
     def _plan(self, ids, n):
-        "Each routed slot's row in the send buffer (R: not sent), and the slot of each send row (T k: padding)."
+        """Each routed slot's row in the send buffer (R: not sent; on the GPU the row the final combine reads instead:
+        all but this rank's own slots `far` = R further), and the slot of each send row (T k: padding)."""
         ep, W, cap, k, C = self.ep, self.ep.world, self.capacity, self.ep.cfg.top_k, self.chunks
         Tk, R = ids.numel(), self.rows
         valid = self.slot_token[:Tk] < n                                     # padding tokens send nothing
@@ -603,6 +637,7 @@ class CapturedEP:
         spos = torch.where(ok, (chunk * W + self.seg[dest]) * cap + within, R)
         self.dropped_ += (valid & ~ok).sum()
         src = torch.full((R + 1,), Tk, dtype=torch.long, device=ids.device).scatter_(0, spos, torch.arange(Tk, device=ids.device))[:R]
+        if self.far: spos = spos + self.far * (~ok | (dest != ep.rank))    # (GPU) where the final combine reads each slot
         return spos, src
 
     def _meta(self, w, ids, src, out=None):
@@ -626,13 +661,14 @@ class CapturedEP:
                      [rt.ptr(ids), rt.ptr(w), rt.ptr(n), rt.ptr(self.seg), rt.ptr(self.plan_spos), rt.ptr(self.plan_meta),
                       rt.ptr(self.plan_tok), rt.ptr(self.dropped_), rt.i32(ids.numel()), rt.i32(k), rt.i32(ep.per_rank),
                       rt.i32(ep.world), rt.i32(self.chunks), rt.i32(self.chunk_tokens), rt.i32(self.capacity), rt.i32(self.rows),
-                      rt.i32(self.max_tokens), rt.i32(int(self.by_expert))])
+                      rt.i32(self.max_tokens), rt.i32(int(self.by_expert)), rt.i32(ep.rank), rt.i32(self.far)])
         return self.plan_spos, self.plan_meta, self.plan_tok
 
     def _send(self, x, meta, tok):
         """(GPU) The payload: [(sent, received)] buffer pairs, (R, ...) each, for the all-to-alls. bf16: the rows,
         gathered straight into the send buffer, this rank's own straight into the receive buffer (no copy); NVFP4: the
-        codes and the block scales; and the rows' (expert id, weight bits). The own segments of the others are copied.
+        codes and the block scales; last, the rows' (expert id, weight bits), whose all-to-all `_body` starts before this
+        call (it travels while the payload is made). The own segments of the others are copied.
         Copy engines: everything into the registered send buffers, the own segments too (the all-to-alls copy them).
         `meta` and `tok`: the send rows' (expert id, weight bits) (copy engines: already in the send buffer) and tokens."""
         ep = self.ep
@@ -686,24 +722,29 @@ class CapturedEP:
         else:
             spos, src = self._plan(ids, n)
             meta, tok = self._meta(w, ids, src, out=self.plan_meta)
+        if W > 1:                                                            # the rows' metadata first, while the payload is made
+            self.comm.wait_stream(main)
+            with torch.cuda.stream(self.comm):
+                for o, _ in self.parts: dist.all_to_all_single(self.recv_meta[o], meta[o], self.splits, self.splits, group=g)
         pairs = self._send(x, meta, tok)
         self.comm.wait_stream(main)
         arrived = []
         with torch.cuda.stream(self.comm):                                   # every chunk's dispatch, beside the shared expert
             for o, _ in self.parts:                                          # the other ranks' segments
                 if W > 1:
-                    for sent, recv in pairs: dist.all_to_all_single(recv[o], sent[o], self.splits, self.splits, group=g)
+                    for sent, recv in pairs[:-1]: dist.all_to_all_single(recv[o], sent[o], self.splits, self.splits, group=g)
                 arrived.append(torch.cuda.Event()); arrived[-1].record(self.comm)
         from dsv4_nvfp4.gemm_sm90 import reserve_sms                        # (the GPU path alone needs CuTeDSL)
-        with reserve_sms(self.comm_sms if W > 1 else 0):                     # beside the dispatch
+        kern = W > 1 and not self.ce                                         # the all-to-alls on NCCL's kernels (SMs to leave)
+        with reserve_sms(self.comm_sms if kern else 0):                      # beside the dispatch
             if not split: combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
             elif before is not None: self._shared_part(*before, w, ids)
         ys = []                                                              # held to the end: the side stream reads them
         for j, (o, own) in enumerate(self.parts):                            # chunk j's experts; its return beside chunk j + 1's
             s_, Ro = slice(o.start, own.stop), o.stop - o.start              # the chunk's rows; those that travel
-            yo = self.yout[s_] if self.ce else None                          # (copy engines: the output in the window)
+            yo = self.yout[s_]                                               # (kept: the final combine reads the own rows)
             main.wait_event(arrived[j])
-            with reserve_sms(self.comm_sms if W > 1 and C > 1 else 0):       # chunks: beside another chunk's all-to-alls
+            with reserve_sms(self.comm_sms if kern and C > 1 else 0):        # chunks: beside another chunk's all-to-alls
                 if ep.payload == "bf16":
                     er, wr = self.recv_meta[s_, 0], self.recv_meta[s_, 1].view(torch.float32)
                     er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
@@ -712,16 +753,19 @@ class CapturedEP:
                     m = self.recv_meta[s_]
                     y = ep._rows_nvfp4_parts(self.recv[s_], self.recv_scale[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs, out=yo)
             ys.append(y)
+            last = j == C - 1                                                # (the own rows stay where y holds them)
             if W > 1:
                 self.comm.wait_stream(main)
                 with torch.cuda.stream(self.comm):                           # the rows back to the other ranks
-                    dist.all_to_all_single(self.rows_all[o], y[:Ro], self.splits, self.splits, group=g)
-            if own.stop > own.start: self.rows_all[own].copy_(y[Ro:])        # and this rank's own, meanwhile
+                    if self.tail and last:                                   # NCCL's kernels, the own segment left out
+                        cap, seg = self.capacity, lambda t, d: t[d * cap:(d + 1) * cap] if d != ep.rank else t[:0]
+                        dist.all_to_all([seg(self.rows_all[o], d) for d in range(W)], [seg(y, d) for d in range(W)], group=self.tail_group)
+                    else: dist.all_to_all_single(self.rows_all[o], y[:Ro], self.splits, self.splits, group=self.tail_group if last and not self.ce else g)
         if split:                                                            # the last tokens' shared expert, beside the return
-            with reserve_sms(self.comm_sms if W > 1 else 0): self._shared_part(*after, w, ids)
+            with reserve_sms(self.comm_sms if W > 1 and (not self.ce or self.tail) else 0): self._shared_part(*after, w, ids)
         main.wait_stream(self.comm)
-        inv = torch.cat([spos.view(Tm, k).to(torch.int32), self.shared_slot], 1)   # dropped slots: the NaN row R
-        combine_tokens(self.rows_all, _Slots(self.rows_all, inv, H, Tm, k, c.num_experts), self.out, n)
+        inv = torch.cat([spos.view(Tm, k).to(torch.int32), self.shared_slot], 1)   # dropped slots: the NaN row (R + far)
+        combine_tokens(self.back, _Slots(self.back, inv, H, Tm, k, c.num_experts), self.out, n)
 
     def _body_cpu(self, T):
         "The same steps on the CPU (gloo): the float64 experts, the float64 sum."
@@ -764,9 +808,10 @@ class CapturedEP:
 
 def _capture(self, max_tokens: int, capacity: int | None = None, given: bool = False, graph: bool = True,
              chunks: int = 1, comm_sms: int = 0, shared_after: float = 0.0, copy_engines: bool | None = None,
-             chunk_by: str = "tokens") -> CapturedEP:
+             chunk_by: str = "tokens", tail_kernels: bool = False, tail_ctas: int | None = None) -> CapturedEP:
     "Record this rank's forward in one CUDA graph for up to `max_tokens` tokens (see `CapturedEP`); collective."
-    return CapturedEP(self, max_tokens, capacity, given, graph, chunks, comm_sms, shared_after, copy_engines, chunk_by)
+    return CapturedEP(self, max_tokens, capacity, given, graph, chunks, comm_sms, shared_after, copy_engines, chunk_by,
+                      tail_kernels, tail_ctas)
 
 EPMoE.capture = _capture
 
@@ -834,7 +879,7 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     for); "synthetic" keeps it. The captured variants: the GEMMs beside an all-to-all leaving NCCL's SMs to it
     (`comm_sms`), the shared expert of half or all of the tokens beside the return (`shared_after`), chunks, and on an
     NCCL group of exactly `min_ctas` CTAs; and the all-to-alls on the copy engines (`_ce`, no SMs; the others run NCCL's
-    kernels). `variants`: the keys of the captured variants to run (default: all). Returns the rows on rank 0 (None
+    kernels), with the last return on NCCL's kernels (`_ce_tk`, `tail_kernels`), on n CTAs (`_tkN`, `_tN`: `tail_ctas`). `variants`: the keys of the captured variants to run (default: all). Returns the rows on rank 0 (None
     elsewhere); `on_row` (rank 0) gets the result so far after each size, so a run cut short keeps what it measured."""
     from dsv4_nvfp4.moe import FLASH
     cfg = cfg or FLASH
@@ -895,20 +940,28 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
             full = T * min(cfg.top_k, ep.per_rank)
             cap125 = lambda t: -(-5 * t * cfg.top_k // (4 * W)) + 64
             cap_c = lambda C: min(-(-T // C) * min(cfg.top_k, ep.per_rank), cap125(-(-T // C)))
-            S = NCCL_SMS                                                 # (key, capacity, chunks, comm_sms, shared_after, EP, copy engines)
+            S = NCCL_SMS                                                 # (key, capacity, chunks, comm_sms, shared_after, EP, transport)
             cap_e = lambda C: min(T * min(cfg.top_k, -(-ep.per_rank // C)), cap125(-(-T // C)))   # expert chunks: as many slots
             vs = [("graph", full, 1, 0, 0.0, ep, False), ("graph_cap", cap_c(1), 1, 0, 0.0, ep, False), (f"graph_cap_sms{S}", cap_c(1), 1, S, 0.0, ep, False),
-                  (f"graph_cap_sh50_sms{S}", cap_c(1), 1, S, 0.5, ep, False), (f"graph_cap_sh100_sms{S}", cap_c(1), 1, S, 1.0, ep, False)]
+                  (f"graph_cap_sh25_sms{S}", cap_c(1), 1, S, 0.25, ep, False), (f"graph_cap_sh50_sms{S}", cap_c(1), 1, S, 0.5, ep, False),
+                  (f"graph_cap_sh100_sms{S}", cap_c(1), 1, S, 1.0, ep, False)]
+            if ctas_supported(): vs += [(f"graph_cap_sms{S}_t{n}", cap_c(1), 1, S, 0.0, ep, ("kernels", n)) for n in (32, 64)]   # the return on n CTAs
             vs += [(f"graph_cap_sh50_min{n}", cap_c(1), 1, n, 0.5, eps_c[(p, n)], False) for n in min_ctas if (p, n) in eps_c]
             if T >= 512: vs += [(f"graph_c{C}", cap_c(C), C, 0, 0.0, ep, False) for C in (2, 4)] + [(f"graph_c2_sms{S}", cap_c(2), 2, S, 0.0, ep, False)]
             if copy_engines_supported():                                 # the same bytes on the copy engines: no SMs to leave
                 vs += [("graph_ce", full, 1, 0, 0.0, ep, True)] + [(f"graph_cap{h}_ce", cap_c(1), 1, 0, a, ep, True)
                                                                    for h, a in (("", 0.0), ("_sh25", 0.25), ("_sh50", 0.5), ("_sh75", 0.75), ("_sh100", 1.0))]
                 vs += [(f"graph_e{C}{h}_ce", cap_e(C), C, 0, a, ep, True) for C in (2, 4) for h, a in (("", 0.0), ("_sh25", 0.25), ("_sh50", 0.5))]
-            for key, cap, C, sms, after, e, ce in vs:
+                vs += [(f"graph_{c_}{h}_ce_tk", cap, C, sms, a, ep, "tail")          # the last return on NCCL's kernels
+                       for c_, cap, C in (("cap", cap_c(1), 1), ("e2", cap_e(2), 2)) for h, a, sms in (("", 0.0, 0), ("_sh25", 0.25, S))]
+                if ctas_supported(): vs += [(f"graph_cap{h}_ce_tk{n}", cap_c(1), 1, sms, a, ep, ("tail", n))   # on n CTAs
+                                            for h, a, sms, n in (("", 0.0, 0, 32), ("", 0.0, 0, 64), ("_sh25", 0.25, 32, 32))]
+            for key, cap, C, sms, after, e, how in vs:                   # how: copy engines (True), the last return on NCCL's
                 if (key.startswith("graph_cap") and cap == full) or (variants is not None and key not in variants): continue
-                cg = e.capture(T, capacity=cap, chunks=C, comm_sms=sms, shared_after=after, copy_engines=ce,
-                               chunk_by="experts" if key.startswith("graph_e") else "tokens")
+                tail = how == "tail" or (isinstance(how, tuple) and how[0] == "tail")      # kernels ("tail"), on n CTAs
+                cg = e.capture(T, capacity=cap, chunks=C, comm_sms=sms, shared_after=after, copy_engines=how is True or tail,
+                               chunk_by="experts" if key.startswith("graph_e") else "tokens", tail_kernels=tail,
+                               tail_ctas=how[1] if isinstance(how, tuple) else None)
                 ok = torch.equal(cg(x), want[r * T:(r + 1) * T]) and cg.dropped == 0
                 same = torch.tensor([int(ok)], device=dev)
                 dist.all_reduce(same, op=dist.ReduceOp.MIN)
@@ -942,7 +995,8 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
 
 def _variant_head(k: str) -> str:
     """A captured variant's column name: graph_c2 (chunks), _smsN (GEMMs beside NCCL leave N SMs), _shP (the shared expert
-    of P% of the tokens beside the return), _minN (NCCL on N CTAs, GEMMs leave N SMs), _ctasN (older: <= N CTAs)."""
+    of P% of the tokens beside the return), _minN (NCCL on N CTAs, GEMMs leave N SMs), _ctasN (older: <= N CTAs), _ce
+    (copy engines), _tk (and the last return on NCCL's kernels), _tkN / _tN (the last return on N CTAs)."""
     parts = ["graph, no-drop capacity" if k.split("_")[1:2] == ["ce"] else "graph, 1.25x"]
     for w in k.split("_")[1:]:
         if w[:1] == "c" and w[1:].isdigit(): parts.append(f"{w[1:]} chunks")
@@ -952,6 +1006,8 @@ def _variant_head(k: str) -> str:
         elif w.startswith("min"): parts.append(f"NCCL on {w[3:]} CTAs, GEMMs leave {w[3:]} SMs")
         elif w.startswith("ctas"): parts.append(f"NCCL on <= {w[4:]} CTAs, GEMMs leave {w[4:]} SMs")
         elif w == "ce": parts.append("on the copy engines")
+        elif w.startswith("tk"): parts.append("the last return on NCCL's kernels" + (f" of {w[2:]} CTAs" if w[2:] else ""))
+        elif w[:1] == "t" and w[1:].isdigit(): parts.append(f"the last return on {w[1:]} CTAs")
     return ", ".join(parts) + " ms (bf16 / NVFP4)"
 
 def ep_table(res: dict) -> str:

@@ -7,11 +7,14 @@
 //                           dest(s) = clamp(id / per_rank, 0, W - 1); chunk(s) = token / Tc, or with by_expert the
 //                           chunk of the slot's expert among its rank's: clamp(id - dest * per_rank, 0, per_rank - 1) * C / per_rank
 //               within(s) = the slots before s (in slot order) with the same key: a stable counting sort
-//               spos(s)   = (chunk * W + seg[dest]) * cap + within   when within < cap, else R (dropped, or not sent)
+//               spos(s)   = (chunk * W + seg[dest]) * cap + within   when within < cap, else R (dropped, or not sent),
+//                           plus `far` unless dest == rank (the row the final combine reads; far = 0 but with the
+//                           copy engines' tail_kernels, where a rank's own rows are read where its experts wrote them)
 //               meta[r]   = (id, weight bits) of the slot at row r, (-1, 0) for a padding row
 //               tok[r]    = the token of the slot at row r, T_max - 1 for a padding row (any valid row: never used)
 //               *dropped += the real slots past the capacity
-//             exactly what the torch ops of `CapturedEP._plan` and `_meta` compute (the tests compare them).
+//             exactly what the torch ops of `CapturedEP._plan` and `_meta` compute (the tests compare them); meta and tok
+//             are indexed by the send row, without `far`.
 //
 // One CTA of EP_THREADS = 512 threads (16 warps): warp w owns a contiguous run of slots and counts them per key in 32-slot tiles
 // (__match_any_sync groups a tile's equal keys), a scan over the warps gives each (warp, key) its base, and a second
@@ -34,7 +37,9 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
         int* __restrict__ meta,               // int32 (R, 2) out: (expert id, weight bits) of each send row
         long long* __restrict__ tok,          // int64 (R,) out: token of each send row
         unsigned long long* __restrict__ dropped,   // int64 (): += real slots past the capacity
-        int Tk, int k, int per_rank, int W, int C, int Tc, int cap, int R, int T_max, int by_expert)
+        int Tk, int k, int per_rank, int W, int C, int Tc, int cap, int R, int T_max, int by_expert,
+        int rank,                             // this rank
+        int far)                              // added to spos but for this rank's own slots
 {
     __shared__ int cnt[EP_WARPS][EP_MAXB];          // per warp, per key: slots (phase 1); then the next free place (phase 3)
     __shared__ int total[EP_MAXB];
@@ -91,7 +96,7 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
         if (s < end) {
             const bool ok = key < B && within < cap;
             const int row = ok ? (int)((chunk * W + seg[dest]) * cap + within) : R;
-            spos[s] = row;
+            spos[s] = row + (ok && dest == rank ? 0 : far);
             if (ok) {
                 meta[2 * row] = ids[s];
                 meta[2 * row + 1] = __float_as_int(w[s]);

@@ -57,9 +57,17 @@ def main(acts=("w4a16", "w4a4")):
             split_chunks = capture_(MAX_T, given=True, chunks=2, shared_after=0.3)   # and with chunks
             echunks = capture_(MAX_T, given=True, chunks=2, chunk_by="experts", shared_after=0.5)   # 2 chunks of each rank's experts
             many = capture_(MAX_T, given=True, chunks=80)                  # 80 x W keys > EP_PLAN_MAX_KEYS: the torch plan
+            # copy engines with the last return on NCCL's kernels: the own rows read where the experts wrote them
+            tail = capture_(MAX_T, given=True, tail_kernels=True)
+            tail_c = capture_(MAX_T, given=True, chunks=3, tail_kernels=True)
+            tail_e = capture_(MAX_T, given=True, chunks=2, chunk_by="experts", shared_after=0.5, comm_sms=8, tail_kernels=True)
+            tail_m = capture_(MAX_T, given=True, chunks=80, tail_kernels=True)  # and the torch plan
+            tail_n = capture_(MAX_T, given=True, chunks=2, tail_kernels=True, tail_ctas=24)     # on a 24-CTA group
+            kern_n = capture_(MAX_T, given=True, chunks=2, copy_engines=False, tail_ctas=24)    # NCCL's kernels throughout
+            if tail.tail != CE or tail.far != tail.rows: fails.append(f"{act} {payload}: tail_kernels not taken as asked")
             if many.fused_plan or not caps[payload].fused_plan: fails.append(f"{act} {payload}: the fused plan chosen wrongly")
             for nm, c_ in (("one chunk", caps[payload]), ("NCCL kernels", kern), ("chunks", chunked), ("chunks, NCCL kernels", chunked_k),
-                           ("expert chunks", echunks)):
+                           ("expert chunks", echunks), ("tail kernels", tail), ("tail kernels, expert chunks", tail_e)):
                 for T_ in (MAX_T, 37, 1, 0):
                     if not plan_same(c_, T_, T_ + 1): fails.append(f"{act} {payload} fused send plan != torch ops ({nm}, T={T_})")
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
@@ -89,6 +97,9 @@ def main(acts=("w4a16", "w4a4")):
                     if not torch.equal(split_chunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, shared split, chunks T={Ts}")
                     if not torch.equal(echunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in expert chunks T={Ts}")
                     if not torch.equal(many(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured in 80 chunks (torch plan) T={Ts}")
+                    for nm, c_ in (("", tail), (", 3 chunks", tail_c), (", expert chunks", tail_e), (", 80 chunks", tail_m),
+                                   (", 24 CTAs", tail_n), (" (NCCL's throughout), 24 CTAs", kern_n)):
+                        if not torch.equal(c_(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, tail kernels{nm} T={Ts}")
                 # skewed: four of every token's six experts on rank 0, two elsewhere
                 if x_all.shape[0] and W > 1:
                     w, _ = lay.route(x_all)
@@ -102,6 +113,8 @@ def main(acts=("w4a16", "w4a4")):
                     if not torch.equal(chunked(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured in chunks, skewed T={Ts}")
                     if not torch.equal(split(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured, shared split, skewed T={Ts}")
                     if not torch.equal(echunks(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured in expert chunks, skewed T={Ts}")
+                    for nm, c_ in (("", tail), (", 3 chunks", tail_c), (", expert chunks", tail_e), (", 24 CTAs", tail_n), (" (NCCL's throughout), 24 CTAs", kern_n)):
+                        if not torch.equal(c_(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want): fails.append(f"{act} {payload} captured, tail kernels{nm}, skewed T={Ts}")
             # the router inside the graph, on a full buffer (the same logits GEMM shape as the eager forward's)
             full = MAX_T
             g = torch.Generator(device=dev).manual_seed(5)
@@ -137,11 +150,15 @@ def main(acts=("w4a16", "w4a4")):
                     seen.append(S90._SM_RESERVE[0]); return run(*a_, **k_)
                 S90.run_sm90 = spy
                 try:
-                    for C_, want_seen in ((1, [12, 12, 0, 0, 12, 12]), (2, [12] * 8)):
+                    # beside NCCL's kernels only: none beside the copy engines; with tail_kernels, the shared part beside the last return
+                    for C_, how, want_seen in ((1, "kernels", [12, 12, 0, 0, 12, 12]), (2, "kernels", [12] * 8), (1, "ce", [0] * 6),
+                                               (2, "ce", [0] * 8), (1, "tail", [0, 0, 0, 0, 12, 12]), (2, "tail", [0] * 6 + [12, 12])):
+                        if how != "kernels" and not CE: continue
                         seen.clear()
-                        probe = ep.capture(full, graph=False, comm_sms=12, shared_after=0.5, chunks=C_)   # (its warm-up launches too)
+                        probe = ep.capture(full, graph=False, comm_sms=12, shared_after=0.5, chunks=C_, copy_engines=how != "kernels",
+                                           tail_kernels=how == "tail")                  # (its warm-up launches too)
                         seen.clear(); probe(x); torch.cuda.synchronize()
-                        if seen != want_seen: fails.append(f"{act} {payload} chunks={C_}: SM reserve per GEMM launch {seen}, expected {want_seen}")
+                        if seen != want_seen: fails.append(f"{act} {payload} chunks={C_}, {how}: SM reserve per GEMM launch {seen}, expected {want_seen}")
                         probe.close(); del probe
                 finally:
                     S90.run_sm90 = run
@@ -149,19 +166,23 @@ def main(acts=("w4a16", "w4a4")):
             if W > 1:
                 small = capture_(MAX_T, capacity=64, given=True)
                 small_e = capture_(MAX_T, capacity=48, given=True, chunks=2, chunk_by="experts")
+                small_t = capture_(MAX_T, capacity=64, given=True, tail_kernels=True)   # drops read from row R + far
                 for T_ in (MAX_T, 100):                                     # random routing past the capacity: drops counted alike
                     if not plan_same(small, T_, 7 + T_): fails.append(f"{act} {payload} fused send plan != torch ops (capacity 64, T={T_})")
+                    if not plan_same(small_t, T_, 8 + T_): fails.append(f"{act} {payload} fused send plan != torch ops (tail kernels, capacity 64, T={T_})")
                     if not plan_same(small_e, T_, 9 + T_): fails.append(f"{act} {payload} fused send plan != torch ops (expert chunks, capacity 48, T={T_})")
                 per, gen = CFG.num_experts // W, torch.Generator().manual_seed(9)
                 ids = torch.stack([torch.cat([torch.randperm(per, generator=gen)[:4], per + torch.randperm(CFG.num_experts - per, generator=gen)[:2]])
                                    for _ in range(W * 40)]).to(device=dev, dtype=torch.int32)
                 w = torch.rand(W * 40, CFG.top_k, device=dev) + 0.1
-                y, want = small(x_all[r * 40:(r + 1) * 40], w[r * 40:(r + 1) * 40], ids[r * 40:(r + 1) * 40]), lay.forward_routed(x_all[:W * 40], w, ids)[r * 40:(r + 1) * 40]
+                want = lay.forward_routed(x_all[:W * 40], w, ids)[r * 40:(r + 1) * 40]
                 dest = ids[r * 40:(r + 1) * 40].long() // per                   # this rank's slots, in token order per destination
                 pos = torch.stack([(dest.reshape(-1) == d).cumsum(0).view_as(dest) - 1 for d in range(W)]).gather(0, dest[None])[0]
                 lost = (pos >= 64).any(1)
-                if not (torch.isnan(y).all(1).equal(lost) and torch.equal(y[~lost], want[~lost]) and small.dropped == int((pos >= 64).sum())):
-                    fails.append(f"{act} {payload} capacity overflow")
+                for nm, c_ in (("", small), (", tail kernels", small_t)):
+                    y = c_(x_all[r * 40:(r + 1) * 40], w[r * 40:(r + 1) * 40], ids[r * 40:(r + 1) * 40])
+                    if not (torch.isnan(y).all(1).equal(lost) and torch.equal(y[~lost], want[~lost]) and c_.dropped == int((pos >= 64).sum())):
+                        fails.append(f"{act} {payload} capacity overflow{nm}")
     bad = torch.tensor([len(fails)], device=dev)
     dist.all_reduce(bad)
     if fails: print(f"rank {r}: FAIL " + "; ".join(fails), flush=True)
@@ -169,8 +190,8 @@ def main(acts=("w4a16", "w4a4")):
     if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
     # the graphs and the registered windows go before the communicators they use (a teardown with graphs alive hung)
     for c in made: c.close()
-    del caps, kern, chunked, chunked_k, split, split_chunks, echunks, many, routed, made
-    if W > 1: del small, small_e
+    del caps, kern, chunked, chunked_k, split, split_chunks, echunks, many, tail, tail_c, tail_e, tail_m, tail_n, kern_n, routed, made
+    if W > 1: del small, small_e, small_t
     gc.collect(); torch.cuda.synchronize()
     done = threading.Event()                                            # a teardown that hangs fails the check, at once
     threading.Thread(target=lambda: done.wait(120) or (print(f"rank {r}: FAIL teardown (destroy_process_group) hung", flush=True),

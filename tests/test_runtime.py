@@ -555,7 +555,7 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     from types import SimpleNamespace as NS                           # the expert-parallel layer's fused send plan
     from dsv4_nvfp4.ep import CapturedEP
     Tm_, k_, R_ = 10, 3, 24
-    fake = NS(ep=NS(cfg=NS(top_k=k_), per_rank=4, world=2), chunks=2, chunk_tokens=5, capacity=6, rows=R_, max_tokens=Tm_,
+    fake = NS(ep=NS(cfg=NS(top_k=k_), per_rank=4, world=2, rank=1), far=R_, chunks=2, chunk_tokens=5, capacity=6, rows=R_, max_tokens=Tm_,
               seg=torch.tensor([1, 0]), plan_spos=torch.empty(Tm_ * k_, dtype=torch.int32),
               plan_meta=torch.empty(R_, 2, dtype=torch.int32), plan_tok=torch.empty(R_, dtype=torch.long), by_expert=False,
               dropped_=torch.zeros((), dtype=torch.long))
