@@ -21,9 +21,9 @@ from .routing import (ROUTE_FUSED_MAX_T, bad_expert_rows, combine_tokens, permut
 from .swiglu import ref_expert_mlp
 
 # %% auto #0
-__all__ = ['PAYLOADS', 'EP_PLAN_MAX_KEYS', 'NCCL_SMS', 'ep_experts', 'DispatchPlan', 'dispatch_plan', 'exchange', 'payload_bytes',
-           'ep_traffic', 'EPMoE', 'copy_engines_supported', 'ctas_supported', 'CapturedEP', 'balanced_gate_bias',
-           'bench_ep', 'ep_table', 'bench_ep_main']
+__all__ = ['PAYLOADS', 'EP_SORT_MAXK', 'EP_PLAN_MAX_KEYS', 'NCCL_SMS', 'ep_experts', 'DispatchPlan', 'dispatch_plan', 'exchange',
+           'payload_bytes', 'ep_traffic', 'EPMoE', 'copy_engines_supported', 'ctas_supported', 'CapturedEP',
+           'balanced_gate_bias', 'bench_ep', 'ep_table', 'bench_ep_main']
 
 # %% ../nbs/08a_expert_parallel.ipynb #f0d734f3
 def ep_experts(num_experts: int, world: int, rank: int) -> range:
@@ -122,6 +122,16 @@ def ep_traffic(cfg: MoEConfig, world: int) -> dict:
 
 # %% ../nbs/08a_expert_parallel.ipynb #6cf93a22
 PAYLOADS = ("bf16", "nvfp4")
+EP_SORT_MAXK = 400   # the receiver's sort kernel's keys at most, E/W + 1 (kernels_cu/ep_plan.cu's EP_SORT_MAXK)
+
+def _pack_nvfp4(x, tok, meta, a1, codes, sf):
+    """(GPU) The NVFP4 payload of the send rows in one launch (kernels_cu/ep_plan.cu, `ep_pack_nvfp4`): row r's codes and
+    block scales are token tok[r]'s under a1[its expert id], bit for bit `quantize_nvfp4_cuda` of the gathered rows."""
+    from dsv4_nvfp4 import runtime as rt
+    R, K = tok.shape[0], x.shape[1]
+    if R: rt.launch_1d("ep_plan.cu", "ep_pack_nvfp4", R, 256, [rt.ptr(x), rt.ptr(tok), rt.ptr(meta), rt.ptr(a1), rt.i32(a1.numel()),
+                                                                 rt.i64(R), rt.i64(K), rt.ptr(codes), rt.ptr(sf)])
+    return codes, sf
 
 class _Slots(NamedTuple):
     "What `combine_tokens` reads of a routing: the row of each (token, slot), the shared expert's last."
@@ -293,12 +303,33 @@ class EPMoE(torch.nn.Module):
         H = self.cfg.hidden
         return self._rows_nvfp4_parts(pk[:, : H // 2], pk[:, H // 2: H // 2 + H // 16], wr, er, bufs)
 
+    def _rows_nvfp4_sorted(self, data, scale, wr, er, bufs=None, out=None):
+        """`_rows_nvfp4_parts` on the GPU in fewer launches, the same bits: the stable sort by local expert, its inverse,
+        the group ends and the sorted (a1, weight) pairs from one kernel (kernels_cu/ep_plan.cu, `ep_recv_sort`), and the
+        sorted rows decoded by `gather_dequant_nvfp4` (code x block scale x 64 x 2^-6: exactly code x block scale, as
+        `dequantize_nvfp4_cuda` with a global scale of 1 gives)."""
+        from dsv4_nvfp4 import runtime as rt
+        from dsv4_nvfp4.quantize_cuda import gather_dequant_nvfp4
+        n, dev = data.shape[0], data.device
+        er, wr = er.to(torch.int32), wr.to(torch.float32)                  # (no copy where they are: the captured forward)
+        order, back = torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.int32, device=dev)
+        offs, rs = torch.empty(self.per_rank, dtype=torch.int32, device=dev), torch.empty(n, 2, dtype=torch.float32, device=dev)
+        a1 = self.a1_all
+        rt.launch_1d("ep_plan.cu", "ep_recv_sort", 1, 512,
+                     [rt.ptr(er), rt.i64(er.stride(0)), rt.ptr(wr), rt.i64(wr.stride(0)), rt.i32(n), rt.i32(self.experts.start),
+                      rt.i32(self.per_rank), rt.ptr(a1), rt.i32(a1.numel()), rt.ptr(order), rt.ptr(back), rt.ptr(offs), rt.ptr(rs)])
+        xr = gather_dequant_nvfp4(data, order, scale=scale.view(torch.float8_e4m3fn), global_scale=2.0 ** -6)
+        rows = self.routed.expert_rows(xr, rs, offs, bufs, copy=False)
+        return rows.index_select(0, back) if out is None else torch.index_select(rows, 0, back, out=out)
+
     def _rows_nvfp4_parts(self, data, scale, wr, er, bufs=None, out=None):
         """Received NVFP4 rows, codes uint8 (n, H/2) and block scales uint8 (n, H/16), through the local experts:
         exactly what the single-GPU W4A4 permute would feed them (on the GPU into `out`, bf16 (n, H), when given).
         Rows whose id is not a local expert (`capture`'s padding) sort after the last group: not computed, their output
         rows undefined."""
         H, n, dev = self.cfg.hidden, data.shape[0], data.device
+        if data.is_cuda and self.per_rank + 1 <= EP_SORT_MAXK and n and data.is_contiguous() and scale.is_contiguous():   # fewer launches
+            return self._rows_nvfp4_sorted(data, scale, wr, er, bufs, out)
         g = er.long() - self.experts.start
         g = torch.where((g >= 0) & (g < self.per_rank), g, self.per_rank)
         order = torch.argsort(g.to(torch.uint8 if self.per_rank < 255 else torch.int16), stable=True)   # (8-bit keys: one
@@ -667,7 +698,7 @@ class CapturedEP:
     def _send(self, x, meta, tok):
         """(GPU) The payload: [(sent, received)] buffer pairs, (R, ...) each, for the all-to-alls. bf16: the rows,
         gathered straight into the send buffer, this rank's own straight into the receive buffer (no copy); NVFP4: the
-        codes and the block scales; last, the rows' (expert id, weight bits), whose all-to-all `_body` starts before this
+        codes and the block scales, made from the tokens in one launch (`ep_pack_nvfp4`); last, the rows' (expert id, weight bits), whose all-to-all `_body` starts before this
         call (it travels while the payload is made). The own segments of the others are copied.
         Copy engines: everything into the registered send buffers, the own segments too (the all-to-alls copy them).
         `meta` and `tok`: the send rows' (expert id, weight bits) (copy engines: already in the send buffer) and tokens."""
@@ -676,7 +707,7 @@ class CapturedEP:
             if ep.payload == "bf16":
                 torch.index_select(x, 0, tok, out=self.send)
                 return [(self.send, self.recv), (meta, self.recv_meta)]
-            ep._quantize_rows(x.index_select(0, tok), meta, out=(self.send, self.send_scale))
+            _pack_nvfp4(x, tok, meta, ep.a1_all, self.send, self.send_scale)   # (one launch from the tokens)
             return [(self.send, self.recv), (self.send_scale, self.recv_scale), (meta, self.recv_meta)]
         if ep.payload == "bf16":
             for o, own in self.parts:
@@ -685,7 +716,9 @@ class CapturedEP:
             pairs = [(self.send, self.recv), (meta, self.recv_meta)]
             copy = pairs[1:]
         else:
-            data, scale = ep._quantize_rows(x.index_select(0, tok), meta)
+            H = ep.cfg.hidden
+            data, scale = _pack_nvfp4(x, tok, meta, ep.a1_all, torch.empty(self.rows, H // 2, dtype=torch.uint8, device=x.device),
+                                      torch.empty(self.rows, H // 16, dtype=torch.uint8, device=x.device))
             pairs = copy = [(data, self.recv), (scale, self.recv_scale), (meta, self.recv_meta)]
         for _, own in self.parts:                                            # this rank's own segments: never on the wire
             for sent, recv in copy: recv[own].copy_(sent[own])

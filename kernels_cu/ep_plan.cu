@@ -16,10 +16,26 @@
 //             exactly what the torch ops of `CapturedEP._plan` and `_meta` compute (the tests compare them); meta and tok
 //             are indexed by the send row, without `far`.
 //
+//   ep_pack_nvfp4   the NVFP4 payload of every send row r straight from its token: codes and block scales of
+//             x[tok[r]] under the row's destination expert's a1, a1[clamp(meta[r].id, 0, E - 1)] (a padding row: any
+//             scale), bit for bit what quantize_nvfp4_cuda gives the gathered rows with that per-row global scale (the
+//             same quantize_block16); one CTA per row, one 16-block per thread per step. It replaces the row gather, the
+//             scale gather and the quantize launch (and the gathered rows' round trip through HBM).
+//
+//   ep_recv_sort   a receiver's rows sorted by local expert, stably (what torch.argsort(key, stable=True) gives):
+//               key(row)  = id - e0 if that is in [0, per_rank), else per_rank (not a local expert: sorts last)
+//               order[p]  = the row at sorted position p;  back[row] = its position
+//               offs[e]   = the end of local expert e's rows (e < per_rank): the inclusive scan of the counts
+//               rs[p]     = (a1[clamp(id, 0, E - 1)], w) of the row at p (fp32 pairs)
+//             the same counting sort as ep_plan with per_rank + 1 keys (at most EP_SORT_MAXK; the launcher checks).
+//
 // One CTA of EP_THREADS = 512 threads (16 warps): warp w owns a contiguous run of slots and counts them per key in 32-slot tiles
 // (__match_any_sync groups a tile's equal keys), a scan over the warps gives each (warp, key) its base, and a second
 // pass over the same tiles places every slot; the padding rows are written last, each row exactly once. Keys: at most
 // EP_MAXB = 64 (chunks x ranks); the launcher checks. No host read: CUDA-graph capturable.
+
+#include "nvfp4_common.cuh"
+using namespace nvfp4;
 
 
 #ifndef EP_MAXB
@@ -117,5 +133,110 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
         meta[2 * row] = -1;
         meta[2 * row + 1] = 0;
         tok[row] = T_max - 1;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+#define EP_PACK_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(EP_PACK_THREADS)
+ep_pack_nvfp4(const __nv_bfloat16* __restrict__ x,   // bf16 (T_max, K): the tokens
+              const long long* __restrict__ tok,     // int64 (R,): each send row's token
+              const int* __restrict__ meta,          // int32 (R, 2): each send row's (expert id, weight bits)
+              const float* __restrict__ a1,          // fp32 (E,): each expert's activation global scale
+              int E, long long R, long long K,
+              u8* __restrict__ codes,                // uint8 (R, K/2) out
+              u8* __restrict__ sf)                   // uint8 (R, K/16) out: e4m3 block scales, row-major
+{
+    const long long r = blockIdx.x;
+    if (r >= R) return;
+    int id = meta[2 * r];
+    id = id < 0 ? 0 : (id > E - 1 ? E - 1 : id);
+    const float g = a1[id];
+    const long long kb = K >> 4;
+    const __nv_bfloat16* __restrict__ src = x + tok[r] * K;
+    for (long long b = threadIdx.x; b < kb; b += EP_PACK_THREADS) {
+        const uint4* q = reinterpret_cast<const uint4*>(src + b * 16);
+        uint4 w[2];
+        w[0] = q[0]; w[1] = q[1];
+        float v[16];
+        const u32 am = unpack16_amax<__nv_bfloat16>(w, v);
+        u32 lo, hi;
+        const u32 sb = quantize_block16(v, am, g, lo, hi);
+        *reinterpret_cast<uint2*>(codes + (r * kb + b) * 8) = make_uint2(lo, hi);
+        sf[r * kb + b] = (u8)sb;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+#ifndef EP_SORT_MAXK
+#define EP_SORT_MAXK 400
+#endif
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS)
+ep_recv_sort(const int* __restrict__ ids, long long ids_stride,   // int32: each received row's expert id
+             const float* __restrict__ w, long long w_stride,     // fp32: its routing weight
+             int n, int e0, int per_rank,
+             const float* __restrict__ a1, int E,                 // fp32 (E,): each expert's activation global scale
+             int* __restrict__ order,                             // int32 (n,) out
+             int* __restrict__ back,                              // int32 (n,) out
+             int* __restrict__ offs,                              // int32 (per_rank,) out
+             float* __restrict__ rs)                              // fp32 (n, 2) out
+{
+    __shared__ int cnt[EP_WARPS][EP_SORT_MAXK];    // per warp, per key: rows (phase 1); then the next free place (phase 3)
+    __shared__ int base[EP_SORT_MAXK];             // each key's first sorted position
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int B = per_rank + 1;                    // keys; per_rank: not a local expert
+    for (int i = tid; i < EP_WARPS * B; i += EP_THREADS) cnt[i / B][i % B] = 0;
+    __syncthreads();
+    const int per_w = ((n + EP_THREADS - 1) / EP_THREADS) * 32;
+    const int beg = wid * per_w, end = min(n, beg + per_w);
+    auto key_of = [&](int s) -> int {
+        if (s >= end) return B;                                     // past the warp's run: no row
+        const int l = ids[(long long)s * ids_stride] - e0;
+        return (l >= 0 && l < per_rank) ? l : per_rank;
+    };
+    for (int t0 = beg; t0 < beg + per_w; t0 += 32) {
+        const int key = key_of(t0 + lane);
+        const unsigned m = __match_any_sync(0xffffffffu, key);
+        if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int b = tid; b < B; b += EP_THREADS) {                    // per key: exclusive scan over the warps
+        int run = 0;
+        for (int v = 0; v < EP_WARPS; ++v) { const int c = cnt[v][b]; cnt[v][b] = run; run += c; }
+        base[b] = run;                                              // (the key's total, for now)
+    }
+    __syncthreads();
+    if (tid < 32) {                                                 // exclusive scan over the keys: one warp
+        int carry = 0;
+        for (int b0 = 0; b0 < B; b0 += 32) {
+            const int b = b0 + lane, v = b < B ? base[b] : 0;
+            int inc = v;
+            for (int o = 1; o < 32; o <<= 1) { const int u = __shfl_up_sync(0xffffffffu, inc, o); if (lane >= o) inc += u; }
+            if (b < B) base[b] = carry + inc - v;
+            if (b < per_rank) offs[b] = carry + inc;
+            carry += __shfl_sync(0xffffffffu, inc, 31);
+        }
+    }
+    __syncthreads();
+    for (int t0 = beg; t0 < beg + per_w; t0 += 32) {
+        const int s = t0 + lane;
+        const int key = key_of(s);
+        const unsigned m = __match_any_sync(0xffffffffu, key);
+        int p = 0;
+        if (key < B) p = base[key] + cnt[wid][key] + __popc(m & ((1u << lane) - 1u));
+        __syncwarp();
+        if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
+        __syncwarp();
+        if (s < end) {
+            int id = ids[(long long)s * ids_stride];
+            id = id < 0 ? 0 : (id > E - 1 ? E - 1 : id);
+            order[p] = s;
+            back[s] = p;
+            rs[2 * p] = a1[id];
+            rs[2 * p + 1] = w[(long long)s * w_stride];
+        }
     }
 }

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout, installed or not
 from dsv4_nvfp4 import moe as M
+from dsv4_nvfp4 import ep as EPm
 from dsv4_nvfp4.ep import EPMoE, copy_engines_supported
 from dsv4_nvfp4 import gemm_sm90 as S90
 
@@ -46,6 +47,24 @@ def main(acts=("w4a16", "w4a4")):
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)     # the same layer on every rank
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
+            if payload == "nvfp4":                                      # the payload kernel and the receiver's sort kernel
+                g_ = torch.Generator(device=dev).manual_seed(11)       # against the torch ops they replace
+                xs_ = (torch.randn(50, CFG.hidden, generator=g_, device=dev) * 0.5).to(torch.bfloat16)
+                tok_ = torch.randint(0, 50, (300,), generator=g_, device=dev)
+                ms_ = torch.stack([torch.randint(-1, CFG.num_experts, (300,), generator=g_, device=dev, dtype=torch.int32),
+                                   torch.rand(300, generator=g_, device=dev).view(torch.int32)], 1)
+                c_, s_ = EPm._pack_nvfp4(xs_, tok_, ms_, ep.a1_all, torch.empty(300, CFG.hidden // 2, dtype=torch.uint8, device=dev),
+                                         torch.empty(300, CFG.hidden // 16, dtype=torch.uint8, device=dev))
+                c0, s0 = ep._quantize_rows(xs_.index_select(0, tok_), ms_)
+                if not (torch.equal(c_, c0) and torch.equal(s_, s0)): fails.append(f"{act}: ep_pack_nvfp4 != gather + quantize")
+                for n_ in (300, 1, 37):
+                    d_, sc_, m_ = c_[:n_], s_[:n_], ms_[:n_]
+                    y1 = ep._rows_nvfp4_sorted(d_, sc_, m_[:, 1].view(torch.float32), m_[:, 0])
+                    keep, EPm.EP_SORT_MAXK = EPm.EP_SORT_MAXK, 0                # the torch ops
+                    try: y0 = ep._rows_nvfp4_parts(d_, sc_, m_[:, 1].view(torch.float32), m_[:, 0])
+                    finally: EPm.EP_SORT_MAXK = keep
+                    loc = (m_[:, 0] >= ep.experts.start) & (m_[:, 0] < ep.experts.stop)   # (other rows: undefined)
+                    if not torch.equal(y1[loc], y0[loc]): fails.append(f"{act}: ep_recv_sort + gather_dequant != the torch ops (n={n_})")
             caps = {payload: capture_(MAX_T, given=True)}                       # (2 GPUs: copy engines where supported)
             if CE and not caps[payload].ce: fails.append(f"{act} {payload}: copy engines supported, not used")
             kern = capture_(MAX_T, given=True, copy_engines=False)              # NCCL's kernels: the own segment off the wire

@@ -51,7 +51,7 @@ EXPECTED_KERNELS = {
     | {f"nvfp4_{k}_{dt}" for k in ("amax_tensor", "amax_rows", "quantize", "quantize_rowgs") for dt in _DT3},
     "nvfp4_dequantize.cu": {"nvfp4_dequantize_bf16", "nvfp4_dequantize_f32"},
     "nvfp4_gather.cu": {"nvfp4_gather_dequant_bf16"},
-    "ep_plan.cu": {"ep_plan"},
+    "ep_plan.cu": {"ep_plan", "ep_pack_nvfp4", "ep_recv_sort"},
     "nvfp4_rmsnorm_quantize.cu": {f"nvfp4_{k}_{dt}" for k in ("rmsnorm_quantize", "mhc_rmsnorm_quantize")
                                   for dt in _DT3},
 }
@@ -561,5 +561,20 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
               dropped_=torch.zeros((), dtype=torch.long))
     seen |= set(run(lambda: CapturedEP._plan_fused(fake, torch.rand(Tm_, k_), torch.zeros(Tm_, k_, dtype=torch.int32),
                                                     torch.tensor(Tm_))))
+    from dsv4_nvfp4.ep import EPMoE, _pack_nvfp4                      # its NVFP4 payload, and the receiver's sort
+    R_, H_ = 12, 256
+    seen |= set(run(lambda: _pack_nvfp4(torch.randn(Tm_, H_).bfloat16(), torch.zeros(R_, dtype=torch.long), torch.zeros(R_, 2, dtype=torch.int32),
+                                        torch.ones(8), torch.empty(R_, H_ // 2, dtype=torch.uint8), torch.empty(R_, H_ // 16, dtype=torch.uint8))))
+    meta_ = torch.zeros(R_, 2, dtype=torch.int32)
+    fake_ep = NS(per_rank=4, experts=range(4, 8), a1_all=torch.ones(8), routed=NS(expert_rows=lambda xr, rs, offs, bufs, copy: xr))
+    def sorted_():                                                    # (the launches are recorded, not run: the final
+        try:                                                          # row gather reads an unwritten index)
+            EPMoE._rows_nvfp4_sorted(fake_ep, torch.zeros(R_, H_ // 2, dtype=torch.uint8), torch.zeros(R_, H_ // 16, dtype=torch.uint8),
+                                     meta_[:, 1].view(torch.float32), meta_[:, 0])
+        except (IndexError, RuntimeError):
+            pass
+    seq = run(sorted_)
+    assert seq == ["ep_recv_sort", "nvfp4_gather_dequant_bf16"], seq
+    seen |= set(seq)
     every = set().union(*EXPECTED_KERNELS.values())
     assert seen == every, f"kernels no launcher uses: {sorted(every - seen)}"
