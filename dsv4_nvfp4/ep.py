@@ -306,8 +306,8 @@ class EPMoE(torch.nn.Module):
     def _rows_nvfp4_sorted(self, data, scale, wr, er, bufs=None, out=None):
         """`_rows_nvfp4_parts` on the GPU in fewer launches, the same bits: the stable sort by local expert, its inverse,
         the group ends and the sorted (a1, weight) pairs from one kernel (kernels_cu/ep_plan.cu, `ep_recv_sort`), and the
-        sorted rows decoded by `gather_dequant_nvfp4` (code x block scale x 64 x 2^-6: exactly code x block scale, as
-        `dequantize_nvfp4_cuda` with a global scale of 1 gives)."""
+        sorted rows decoded by `gather_dequant_nvfp4` with a global scale of 1 (code x block scale: exact in bf16, as
+        `dequantize_nvfp4_cuda` gives)."""
         from dsv4_nvfp4 import runtime as rt
         from dsv4_nvfp4.quantize_cuda import gather_dequant_nvfp4
         n, dev = data.shape[0], data.device
@@ -318,7 +318,7 @@ class EPMoE(torch.nn.Module):
         rt.launch_1d("ep_plan.cu", "ep_recv_sort", 1, 512,
                      [rt.ptr(er), rt.i64(er.stride(0)), rt.ptr(wr), rt.i64(wr.stride(0)), rt.i32(n), rt.i32(self.experts.start),
                       rt.i32(self.per_rank), rt.ptr(a1), rt.i32(a1.numel()), rt.ptr(order), rt.ptr(back), rt.ptr(offs), rt.ptr(rs)])
-        xr = gather_dequant_nvfp4(data, order, scale=scale.view(torch.float8_e4m3fn), global_scale=2.0 ** -6)
+        xr = gather_dequant_nvfp4(data, order, scale=scale.view(torch.float8_e4m3fn), global_scale=1.0)
         rows = self.routed.expert_rows(xr, rs, offs, bufs, copy=False)
         return rows.index_select(0, back) if out is None else torch.index_select(rows, 0, back, out=out)
 
