@@ -698,8 +698,9 @@ class CapturedEP:
     def _send(self, x, meta, tok):
         """(GPU) The payload: [(sent, received)] buffer pairs, (R, ...) each, for the all-to-alls. bf16: the rows,
         gathered straight into the send buffer, this rank's own straight into the receive buffer (no copy); NVFP4: the
-        codes and the block scales, made from the tokens in one launch (`ep_pack_nvfp4`); last, the rows' (expert id, weight bits), whose all-to-all `_body` starts before this
-        call (it travels while the payload is made). The own segments of the others are copied.
+        codes and the block scales, made from the tokens in one launch (`ep_pack_nvfp4`); last, the rows' (expert id,
+        weight bits), whose all-to-all `_body` starts before this call (it travels while the payload is made). The own
+        segments of the others are copied.
         Copy engines: everything into the registered send buffers, the own segments too (the all-to-alls copy them).
         `meta` and `tok`: the send rows' (expert id, weight bits) (copy engines: already in the send buffer) and tokens."""
         ep = self.ep
