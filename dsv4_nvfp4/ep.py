@@ -129,6 +129,12 @@ def _pack_nvfp4(x, tok, meta, a1, codes, sf):
     block scales are token tok[r]'s under a1[its expert id], bit for bit `quantize_nvfp4_cuda` of the gathered rows."""
     from dsv4_nvfp4 import runtime as rt
     R, K = tok.shape[0], x.shape[1]
+    for t, nm, dt in ((x, "x", torch.bfloat16), (tok, "tok", torch.int64), (meta, "meta", torch.int32), (a1, "a1", torch.float32),
+                      (codes, "codes", torch.uint8), (sf, "sf", torch.uint8)):
+        if t.dtype != dt or not t.is_contiguous(): raise TypeError(f"_pack_nvfp4: {nm} must be contiguous {dt}, got {t.dtype}")
+    if K % 16 or tuple(meta.shape) != (R, 2) or tuple(codes.shape) != (R, K // 2) or tuple(sf.shape) != (R, K // 16):
+        raise ValueError(f"_pack_nvfp4: shapes x {tuple(x.shape)}, tok {tuple(tok.shape)}, meta {tuple(meta.shape)}, codes "
+                         f"{tuple(codes.shape)}, sf {tuple(sf.shape)} do not fit (K % 16 == 0, (R, 2), (R, K/2), (R, K/16))")
     if R: rt.launch_1d("ep_plan.cu", "ep_pack_nvfp4", R, 256, [rt.ptr(x), rt.ptr(tok), rt.ptr(meta), rt.ptr(a1), rt.i32(a1.numel()),
                                                                  rt.i64(R), rt.i64(K), rt.ptr(codes), rt.ptr(sf)])
     return codes, sf
@@ -311,6 +317,9 @@ class EPMoE(torch.nn.Module):
         from dsv4_nvfp4 import runtime as rt
         from dsv4_nvfp4.quantize_cuda import gather_dequant_nvfp4
         n, dev = data.shape[0], data.device
+        if self.per_rank + 1 > EP_SORT_MAXK: raise ValueError(f"EPMoE: the sort kernel takes E/W + 1 <= {EP_SORT_MAXK} keys, got {self.per_rank + 1}")
+        if self.a1_all.dtype != torch.float32 or not self.a1_all.is_contiguous(): raise TypeError("EPMoE: a1_all must be contiguous fp32")
+        if n == 0: return torch.empty(0, self.cfg.hidden, dtype=torch.bfloat16, device=dev) if out is None else out
         er, wr = er.to(torch.int32), wr.to(torch.float32)                  # (no copy where they are: the captured forward)
         order, back = torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.int32, device=dev)
         offs, rs = torch.empty(self.per_rank, dtype=torch.int32, device=dev), torch.empty(n, 2, dtype=torch.float32, device=dev)
@@ -411,8 +420,9 @@ class CapturedEP:
     the split is uniform, and each rank's own segment is a local copy by the copy engine. Call `close()` (collective)
     before dropping it. With `copy_engines=False` the all-to-alls are NCCL's kernels, and a rank's slots for its own
     experts never go on the wire: the all-to-alls carry only the other ranks' segments (split sizes `capacity` and 0 for
-    itself), and the own rows are gathered straight into the receive buffer. Either way the final combine reads a rank's
-    own rows back where its experts wrote them. A world of one runs no collective at all.
+    itself), and the own rows are put in the receive buffer on the GPU (bf16: gathered straight there; NVFP4: copied
+    from the packed rows). Either way the final combine reads a rank's own rows back where its experts wrote them. A
+    world of one runs no collective at all.
 
     The default capacity, `max_tokens x min(k, E/W)`, is what one rank's tokens can send to one rank at most: no
     routing overflows it, and the output equals `EPMoE.forward_routed`'s (and the one-GPU layer's) bit for bit for the
@@ -436,9 +446,9 @@ class CapturedEP:
     GEMM; other GPUs ignore it), same bits. Beside the copy engines no GEMM leaves any.
     With `tail_kernels` (copy engines only) the last chunk's return, which no routed expert hides, runs on NCCL's kernels
     instead, split so that a rank's own segment stays off the wire (the copy engines' all-to-all copies it too, before
-    the others'). With `tail_ctas` n that return (and with `copy_engines=False` it alone) runs on a second NCCL group of
-    the same ranks whose kernels take exactly n CTAs (made once per process group and n): more SMs move the bytes
-    faster where nothing else runs beside them.
+    the others'). With `tail_ctas` n (implies `tail_kernels`) that return (and with `copy_engines=False` it alone) runs
+    on a second NCCL group of the same ranks whose kernels take exactly n CTAs (made once per process group and n):
+    more SMs move the bytes faster where nothing else runs beside them.
     With `shared_after` f > 0 the shared expert of the tokens in buffer positions
     [round((1 - f) max_tokens), max_tokens) runs beside the return all-to-all instead of the dispatch (its own route of
     the given routing, the same bits), so that both all-to-alls have work beside them; a call with fewer tokens has
@@ -462,7 +472,7 @@ class CapturedEP:
                  copy_engines: bool | None = None,    # the all-to-alls on the copy engines (GPU, 2+ ranks); None: where supported
                  chunk_by: str = "tokens",       # "experts": chunk j holds the slots of each rank's j-th C-th of its experts
                  tail_kernels: bool = False,     # copy engines: the last return on NCCL's kernels, the own segment off the wire
-                 tail_ctas: int | None = None):  # the last return on NCCL's kernels of exactly this many CTAs (GPU)
+                 tail_ctas: int | None = None):  # the last return on NCCL's kernels of exactly this many CTAs (GPU, 2+ ranks)
         c, W, k, H = ep.cfg, ep.world, ep.cfg.top_k, ep.cfg.hidden
         if max_tokens < 1: raise ValueError(f"EPMoE.capture: max_tokens must be >= 1, got {max_tokens}")
         C = int(chunks)
@@ -490,15 +500,15 @@ class CapturedEP:
         sup = cuda and copy_engines_supported()
         unmet = bool(copy_engines) and not sup                             # raised on every rank, after the gather
         ce = cuda and W > 1 and not unmet and (sup if copy_engines is None else bool(copy_engines))
-        tail = ce and bool(tail_kernels)
-        if tail_ctas is not None:
-            if int(tail_ctas) < 1: raise ValueError(f"EPMoE.capture: tail_ctas must be >= 1, got {tail_ctas}")
-            if cuda and not ctas_supported(): raise ValueError("EPMoE.capture: tail_ctas needs torch's NCCL config min_ctas / max_ctas")
-            if ce and not tail: raise ValueError("EPMoE.capture: tail_ctas with the copy engines needs tail_kernels=True")
+        if tail_ctas is not None and int(tail_ctas) < 1: raise ValueError(f"EPMoE.capture: tail_ctas must be >= 1, got {tail_ctas}")
+        tail = ce and (bool(tail_kernels) or tail_ctas is not None)
         tc = int(tail_ctas or 0) if cuda and W > 1 else 0
-        mine = torch.tensor([max_tokens, cap, int(given), C, int(ce), int(by_expert), int(tail), tc, int(unmet)], device=dev)   # the all-to-alls' sizes must agree
+        no_ctas = bool(tc) and not ctas_supported()                          # raised on every rank, after the gather
+        mine = torch.tensor([max_tokens, cap, int(given), C, int(ce), int(by_expert), int(tail), tc, int(no_ctas), int(unmet)], device=dev)   # the all-to-alls' sizes must agree
         every = [torch.empty_like(mine) for _ in range(W)]
         dist.all_gather(every, mine, group=ep.group)
+        if any(int(e[-2]) for e in every):
+            raise ValueError("EPMoE.capture: tail_ctas needs torch's NCCL config min_ctas / max_ctas on every rank; see ctas_supported()")
         if any(int(e[-1]) for e in every):
             raise ValueError("EPMoE.capture: copy_engines=True needs the GPU, NCCL >= 2.28 and torch's symmetric registration "
                              "(ProcessGroupNCCL.register_mem_pool(pool, symm=True)) on every rank; see copy_engines_supported()")
@@ -531,7 +541,7 @@ class CapturedEP:
         # from R. A rank's own slots are read where its experts wrote them, the others at `far` = R past their send row
         # (the copy engines' return also copies the own segment, unread)
         self.far = R if cuda else 0
-        # each chunk's rows: (what the all-to-alls move, this rank's own segment copied beside them; copy engines: none)
+        # each chunk's rows: (what the all-to-alls move, this rank's own segment, put in place on the GPU; copy engines: none)
         own = 0 if ce else cap
         self.parts = [(slice(j * W * cap, (j + 1) * W * cap - own), slice((j + 1) * W * cap - own, (j + 1) * W * cap)) for j in range(C)]
         self.graph = None

@@ -8,8 +8,9 @@
 //                           chunk of the slot's expert among its rank's: clamp(id - dest * per_rank, 0, per_rank - 1) * C / per_rank
 //               within(s) = the slots before s (in slot order) with the same key: a stable counting sort
 //               spos(s)   = (chunk * W + seg[dest]) * cap + within   when within < cap, else R (dropped, or not sent),
-//                           plus `far` unless dest == rank (the row the final combine reads; far = 0 but with the
-//                           copy engines' tail_kernels, where a rank's own rows are read where its experts wrote them)
+//                           plus `far` unless the slot is sent and dest == rank: the row the final combine reads
+//                           (on the GPU far = R: a rank's own rows are read where its experts wrote them, the others
+//                           R rows further, a dropped slot at 2R, the NaN row; far = 0 gives the send rows)
 //               meta[r]   = (id, weight bits) of the slot at row r, (-1, 0) for a padding row
 //               tok[r]    = the token of the slot at row r, T_max - 1 for a padding row (any valid row: never used)
 //               *dropped += the real slots past the capacity
@@ -27,7 +28,8 @@
 //               order[p]  = the row at sorted position p;  back[row] = its position
 //               offs[e]   = the end of local expert e's rows (e < per_rank): the inclusive scan of the counts
 //               rs[p]     = (a1[clamp(id, 0, E - 1)], w) of the row at p (fp32 pairs)
-//             the same counting sort as ep_plan with per_rank + 1 keys (at most EP_SORT_MAXK; the launcher checks).
+//             the same counting sort as ep_plan with per_rank + 1 keys (at most EP_SORT_MAXK: the launcher checks, and
+//             the kernel traps on more).
 //
 // One CTA of EP_THREADS = 512 threads (16 warps): warp w owns a contiguous run of slots and counts them per key in 32-slot tiles
 // (__match_any_sync groups a tile's equal keys), a scan over the warps gives each (warp, key) its base, and a second
@@ -49,7 +51,7 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
         const float* __restrict__ w,          // fp32 (T_max * k): routing weight of each slot
         const long long* __restrict__ n_ptr,  // int64 (): real tokens (<= T_max)
         const long long* __restrict__ seg,    // int64 (W,): segment of each destination within a chunk
-        int* __restrict__ spos,               // int32 (T_max * k) out: send row of each slot (R: none)
+        int* __restrict__ spos,               // int32 (T_max * k) out: each slot's row for the combine (R + far: none)
         int* __restrict__ meta,               // int32 (R, 2) out: (expert id, weight bits) of each send row
         long long* __restrict__ tok,          // int64 (R,) out: token of each send row
         unsigned long long* __restrict__ dropped,   // int64 (): += real slots past the capacity
@@ -172,6 +174,7 @@ ep_pack_nvfp4(const __nv_bfloat16* __restrict__ x,   // bf16 (T_max, K): the tok
 #ifndef EP_SORT_MAXK
 #define EP_SORT_MAXK 400
 #endif
+static_assert(EP_SORT_MAXK * (EP_WARPS + 1) * 4 <= 48 * 1024, "ep_recv_sort: its counters must fit 48 KB of static shared memory");
 
 extern "C" __global__ void __launch_bounds__(EP_THREADS)
 ep_recv_sort(const int* __restrict__ ids, long long ids_stride,   // int32: each received row's expert id
@@ -187,6 +190,7 @@ ep_recv_sort(const int* __restrict__ ids, long long ids_stride,   // int32: each
     __shared__ int base[EP_SORT_MAXK];             // each key's first sorted position
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int B = per_rank + 1;                    // keys; per_rank: not a local expert
+    if (B > EP_SORT_MAXK) __trap();                // (the launcher checks first)
     for (int i = tid; i < EP_WARPS * B; i += EP_THREADS) cnt[i / B][i % B] = 0;
     __syncthreads();
     const int per_w = ((n + EP_THREADS - 1) / EP_THREADS) * 32;
