@@ -128,11 +128,12 @@ def _pack_nvfp4(x, tok, meta, a1, codes, sf):
     """(GPU) The NVFP4 payload of the send rows in one launch (kernels_cu/ep_plan.cu, `ep_pack_nvfp4`): row r's codes and
     block scales are token tok[r]'s under a1[its expert id], bit for bit `quantize_nvfp4_cuda` of the gathered rows."""
     from dsv4_nvfp4 import runtime as rt
+    what, dev = "ep_pack_nvfp4", x.device
+    for t, nm, dt, al in ((x, "x", torch.bfloat16, 16), (tok, "tok", torch.int64, 8), (meta, "meta", torch.int32, 8),
+                          (a1, "a1", torch.float32, 4), (codes, "codes", torch.uint8, 8), (sf, "sf", torch.uint8, 1)):
+        rt.check_tensor(t, what, nm, (dt,), device=dev, align=al)
     R, K = tok.shape[0], x.shape[1]
-    for t, nm, dt in ((x, "x", torch.bfloat16), (tok, "tok", torch.int64), (meta, "meta", torch.int32), (a1, "a1", torch.float32),
-                      (codes, "codes", torch.uint8), (sf, "sf", torch.uint8)):
-        if t.dtype != dt or not t.is_contiguous(): raise TypeError(f"_pack_nvfp4: {nm} must be contiguous {dt}, got {t.dtype}")
-    if K % 16 or tuple(meta.shape) != (R, 2) or tuple(codes.shape) != (R, K // 2) or tuple(sf.shape) != (R, K // 16):
+    if x.dim() != 2 or K % 16 or tuple(meta.shape) != (R, 2) or tuple(codes.shape) != (R, K // 2) or tuple(sf.shape) != (R, K // 16):
         raise ValueError(f"_pack_nvfp4: shapes x {tuple(x.shape)}, tok {tuple(tok.shape)}, meta {tuple(meta.shape)}, codes "
                          f"{tuple(codes.shape)}, sf {tuple(sf.shape)} do not fit (K % 16 == 0, (R, 2), (R, K/2), (R, K/16))")
     if R: rt.launch_1d("ep_plan.cu", "ep_pack_nvfp4", R, 256, [rt.ptr(x), rt.ptr(tok), rt.ptr(meta), rt.ptr(a1), rt.i32(a1.numel()),
@@ -286,15 +287,15 @@ class EPMoE(torch.nn.Module):
         if x.is_cuda: return self.shared_expert.forward_routed(x, w, ids, check=False)
         return ref_moe(x, self.shared_expert, routing=(w, ids))
 
-    def _quantize_rows(self, xs, ms, out=None):
+    def _quantize_rows(self, xs, ms):
         """The sent rows' NVFP4 codes and block scales under each row's destination a1 (`ms`: the rows' (expert id,
-        weight bits)): uint8 (n, H/2) and uint8 (n, H/16) (on the GPU into `out`, a pair of such, when given)."""
+        weight bits)): uint8 (n, H/2) and uint8 (n, H/16)."""
         H, n = self.cfg.hidden, xs.shape[0]
         if n == 0: return (torch.empty(0, H // 2, dtype=torch.uint8, device=xs.device), torch.empty(0, H // 16, dtype=torch.uint8, device=xs.device))
         gs = self.a1_all[ms[:, 0].long().clamp(min=0)].to(xs.device)        # a padding row (id -1, `capture`): any scale
         if xs.is_cuda:
             from dsv4_nvfp4.quantize_cuda import quantize_nvfp4_cuda
-            q = quantize_nvfp4_cuda(xs.contiguous(), gs, per_row=True, **({} if out is None else dict(out_data=out[0], out_scale=out[1])))
+            q = quantize_nvfp4_cuda(xs.contiguous(), gs, per_row=True)
         else:
             q = ref_quantize_nvfp4(xs.float(), gs)
         return q.data, q.scale.view(torch.uint8)
@@ -309,27 +310,39 @@ class EPMoE(torch.nn.Module):
         H = self.cfg.hidden
         return self._rows_nvfp4_parts(pk[:, : H // 2], pk[:, H // 2: H // 2 + H // 16], wr, er, bufs)
 
-    def _rows_nvfp4_sorted(self, data, scale, wr, er, bufs=None, out=None):
-        """`_rows_nvfp4_parts` on the GPU in fewer launches, the same bits: the stable sort by local expert, its inverse,
-        the group ends and the sorted (a1, weight) pairs from one kernel (kernels_cu/ep_plan.cu, `ep_recv_sort`), and the
-        sorted rows decoded by `gather_dequant_nvfp4` with a global scale of 1 (code x block scale: exact in bf16, as
-        `dequantize_nvfp4_cuda` gives)."""
+    def _sort_torch(self, er):
+        "The received rows' stable sort by local expert in torch ops: (order, each local expert's end, each row's a1)."
+        g = er.long() - self.experts.start
+        g = torch.where((g >= 0) & (g < self.per_rank), g, self.per_rank)  # not a local expert: after the last group
+        order = torch.argsort(g.to(torch.uint8 if self.per_rank < 255 else torch.int16), stable=True)   # (8-bit keys: one
+                                                                           # radix pass on the GPU; int64 took eight)
+        counts = torch.zeros(self.per_rank + 1, dtype=torch.long, device=er.device).index_add_(0, g, torch.ones_like(g))  # no host read
+        return order, torch.cumsum(counts[:-1], 0).to(torch.int32), self.a1_all[er.long().clamp(min=0)]
+
+    def _sort_decode(self, data, scale, wr, er):
+        """(GPU) The received NVFP4 rows (n >= 1) sorted stably by local expert and decoded to bf16 (code x block scale:
+        exact), each sorted row's (a1, weight), each local expert's end and each row's sorted position: (xr, rs, offs,
+        back). Where E/W + 1 <= `EP_SORT_MAXK` and the rows are contiguous: one sort kernel (kernels_cu/ep_plan.cu,
+        `ep_recv_sort`) and the gather-and-decode kernel of the KV path (`gather_dequant_nvfp4`, global scale 1); else the
+        torch ops (`_sort_torch`, two row gathers, `dequantize_nvfp4_cuda`). The GPU check compares the two."""
         from dsv4_nvfp4 import runtime as rt
-        from dsv4_nvfp4.quantize_cuda import gather_dequant_nvfp4
         n, dev = data.shape[0], data.device
-        if self.per_rank + 1 > EP_SORT_MAXK: raise ValueError(f"EPMoE: the sort kernel takes E/W + 1 <= {EP_SORT_MAXK} keys, got {self.per_rank + 1}")
-        if self.a1_all.dtype != torch.float32 or not self.a1_all.is_contiguous(): raise TypeError("EPMoE: a1_all must be contiguous fp32")
-        if n == 0: return torch.empty(0, self.cfg.hidden, dtype=torch.bfloat16, device=dev) if out is None else out
-        er, wr = er.to(torch.int32), wr.to(torch.float32)                  # (no copy where they are: the captured forward)
-        order, back = torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.int32, device=dev)
-        offs, rs = torch.empty(self.per_rank, dtype=torch.int32, device=dev), torch.empty(n, 2, dtype=torch.float32, device=dev)
-        a1 = self.a1_all
-        rt.launch_1d("ep_plan.cu", "ep_recv_sort", 1, 512,
-                     [rt.ptr(er), rt.i64(er.stride(0)), rt.ptr(wr), rt.i64(wr.stride(0)), rt.i32(n), rt.i32(self.experts.start),
-                      rt.i32(self.per_rank), rt.ptr(a1), rt.i32(a1.numel()), rt.ptr(order), rt.ptr(back), rt.ptr(offs), rt.ptr(rs)])
-        xr = gather_dequant_nvfp4(data, order, scale=scale.view(torch.float8_e4m3fn), global_scale=1.0)
-        rows = self.routed.expert_rows(xr, rs, offs, bufs, copy=False)
-        return rows.index_select(0, back) if out is None else torch.index_select(rows, 0, back, out=out)
+        if self.per_rank + 1 <= EP_SORT_MAXK and data.is_contiguous() and scale.is_contiguous():
+            from dsv4_nvfp4.quantize_cuda import gather_dequant_nvfp4
+            a1 = rt.check_tensor(self.a1_all, "ep_recv_sort", "a1_all", (torch.float32,), device=dev, align=4)
+            er, wr = er.to(torch.int32), wr.to(torch.float32)              # (no copy where they are: the captured forward)
+            order, back = torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.int32, device=dev)
+            offs, rs = torch.empty(self.per_rank, dtype=torch.int32, device=dev), torch.empty(n, 2, dtype=torch.float32, device=dev)
+            rt.launch_1d("ep_plan.cu", "ep_recv_sort", 1, 512,
+                         [rt.ptr(er), rt.i64(er.stride(0)), rt.ptr(wr), rt.i64(wr.stride(0)), rt.i32(n), rt.i32(self.experts.start),
+                          rt.i32(self.per_rank), rt.ptr(a1), rt.i32(a1.numel()), rt.ptr(order), rt.ptr(back), rt.ptr(offs), rt.ptr(rs)])
+            return gather_dequant_nvfp4(data, order, scale=scale.view(torch.float8_e4m3fn), global_scale=1.0), rs, offs, back
+        from dsv4_nvfp4.quantize_cuda import dequantize_nvfp4_cuda
+        order, offs, a1 = self._sort_torch(er)
+        scale = scale.index_select(0, order).view(torch.float8_e4m3fn)      # (index_select: a vectorized row gather;
+        xr = dequantize_nvfp4_cuda(data.index_select(0, order), scale, torch.ones(n, device=dev))   # data[order] took 0.55 ms
+        rs = torch.stack([a1[order], wr[order]], 1).contiguous()                                   # at 61568 rows on an H100)
+        return xr, rs, offs, torch.empty_like(order).scatter_(0, order, torch.arange(n, device=dev))   # where each row went
 
     def _rows_nvfp4_parts(self, data, scale, wr, er, bufs=None, out=None):
         """Received NVFP4 rows, codes uint8 (n, H/2) and block scales uint8 (n, H/16), through the local experts:
@@ -337,30 +350,16 @@ class EPMoE(torch.nn.Module):
         Rows whose id is not a local expert (`capture`'s padding) sort after the last group: not computed, their output
         rows undefined."""
         H, n, dev = self.cfg.hidden, data.shape[0], data.device
-        if data.is_cuda and self.per_rank + 1 <= EP_SORT_MAXK and n and data.is_contiguous() and scale.is_contiguous():   # fewer launches
-            return self._rows_nvfp4_sorted(data, scale, wr, er, bufs, out)
-        g = er.long() - self.experts.start
-        g = torch.where((g >= 0) & (g < self.per_rank), g, self.per_rank)
-        order = torch.argsort(g.to(torch.uint8 if self.per_rank < 255 else torch.int16), stable=True)   # (8-bit keys: one
-                                                                           # radix pass on the GPU; int64 took eight)
-        counts = torch.zeros(self.per_rank + 1, dtype=torch.long, device=dev).index_add_(0, g, torch.ones_like(g))  # no host read
-        offs = torch.cumsum(counts[:-1], 0).to(torch.int32)
-        a1 = self.a1_all[er.long().clamp(min=0)]
         if n == 0: return torch.empty(0, H, dtype=torch.bfloat16 if data.is_cuda else torch.float64, device=dev)
-        scale = scale.index_select(0, order).view(torch.float8_e4m3fn)      # (index_select: a vectorized row gather;
-        data = data.index_select(0, order)                                   # data[order] took 0.55 ms at 61568 rows on an H100)
         if data.is_cuda:
-            from dsv4_nvfp4.quantize_cuda import dequantize_nvfp4_cuda
-            xr = dequantize_nvfp4_cuda(data, scale, torch.ones(n, device=dev))   # code x block scale: exact in bf16
-            rs = torch.stack([a1[order], wr[order]], 1).contiguous()
-            back = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=dev))   # where each row went
-            rows = self.routed.expert_rows(xr, rs, offs, bufs, copy=False)     # a row gather (the row scatter
-            return rows.index_select(0, back) if out is None else torch.index_select(rows, 0, back, out=out)   # out[order] = ... ran at half the speed)
-        else:
-            xq = NVFP4Tensor(data, scale, a1[order].contiguous(), (n, H))
-            lay, out = self.routed, torch.empty(n, H, dtype=torch.float64)
-            out[order] = ref_expert_mlp(xq, lay.w13, lay.w2, offs, act="w4a4", swiglu_limit=self.cfg.swiglu_limit,
-                                        route_weight=wr[order], a2_scales=lay.a2_scales.cpu())
+            xr, rs, offs, back = self._sort_decode(data, scale, wr, er)
+            rows = self.routed.expert_rows(xr, rs, offs, bufs, copy=False)     # a row gather back (the row scatter
+            return rows.index_select(0, back) if out is None else torch.index_select(rows, 0, back, out=out)   # ran at half the speed)
+        order, offs, a1 = self._sort_torch(er)                               # the float64 reference
+        xq = NVFP4Tensor(data[order], scale[order].view(torch.float8_e4m3fn), a1[order].contiguous(), (n, H))
+        lay, out = self.routed, torch.empty(n, H, dtype=torch.float64)
+        out[order] = ref_expert_mlp(xq, lay.w13, lay.w2, offs, act="w4a4", swiglu_limit=self.cfg.swiglu_limit,
+                                    route_weight=wr[order], a2_scales=lay.a2_scales.cpu())
         return out
 
 # %% ../nbs/08a_expert_parallel.ipynb #c5783207
@@ -783,7 +782,6 @@ class CapturedEP:
         with reserve_sms(self.comm_sms if kern else 0):                      # beside the dispatch
             if not split: combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
             elif before is not None: self._shared_part(*before, w, ids)
-        ys = []                                                              # held to the end: the side stream reads them
         for j, (o, own) in enumerate(self.parts):                            # chunk j's experts; its return beside chunk j + 1's
             s_, Ro = slice(o.start, own.stop), o.stop - o.start              # the chunk's rows; those that travel
             yo = self.yout[s_]                                               # (kept: the final combine reads the own rows)
@@ -796,7 +794,6 @@ class CapturedEP:
                 else:
                     m = self.recv_meta[s_]
                     y = ep._rows_nvfp4_parts(self.recv[s_], self.recv_scale[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs, out=yo)
-            ys.append(y)
             last = j == C - 1                                                # (the own rows stay where y holds them)
             if W > 1:
                 self.comm.wait_stream(main)
@@ -899,12 +896,10 @@ NCCL_SMS = 17   # the CTAs (one per SM) of NCCL's all-to-all kernel between 2 H1
 
 def _nccl_group(min_ctas: int):
     """A new NCCL group over the world whose kernels use `min_ctas` CTAs (SMs): the minimum and the maximum (NCCL 2.28
-    refuses a minimum without a maximum), or None where torch cannot say so; collective."""
-    try:
-        o = dist.ProcessGroupNCCL.Options()
-        o.config.min_ctas = o.config.max_ctas = min_ctas
-    except (AttributeError, RuntimeError, TypeError):
-        return None
+    refuses a minimum without a maximum), or None where torch cannot say so (`ctas_supported`); collective."""
+    if not ctas_supported(): return None
+    o = dist.ProcessGroupNCCL.Options()
+    o.config.min_ctas = o.config.max_ctas = min_ctas
     return dist.new_group(backend="nccl", pg_options=o)
 
 def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print, micro_batches=(1, 2, 4),

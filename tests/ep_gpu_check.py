@@ -57,14 +57,16 @@ def main(acts=("w4a16", "w4a4")):
                                          torch.empty(300, CFG.hidden // 16, dtype=torch.uint8, device=dev))
                 c0, s0 = ep._quantize_rows(xs_.index_select(0, tok_), ms_)
                 if not (torch.equal(c_, c0) and torch.equal(s_, s0)): fails.append(f"{act}: ep_pack_nvfp4 != gather + quantize")
-                for n_ in (300, 1, 37):
-                    d_, sc_, m_ = c_[:n_], s_[:n_], ms_[:n_]
-                    y1 = ep._rows_nvfp4_sorted(d_, sc_, m_[:, 1].view(torch.float32), m_[:, 0])
+                for n_ in (300, 1, 37):                                 # the sorted decoded rows, their (a1, weight), the
+                    d_, sc_, m_ = c_[:n_], s_[:n_], ms_[:n_]            # experts' ends, the inverse order; and the experts' rows
+                    args_ = (d_, sc_, m_[:, 1].view(torch.float32), m_[:, 0])
+                    k1, y1 = ep._sort_decode(*args_), ep._rows_nvfp4_parts(*args_)
                     keep, EPm.EP_SORT_MAXK = EPm.EP_SORT_MAXK, 0                # the torch ops
-                    try: y0 = ep._rows_nvfp4_parts(d_, sc_, m_[:, 1].view(torch.float32), m_[:, 0])
+                    try: k0, y0 = ep._sort_decode(*args_), ep._rows_nvfp4_parts(*args_)
                     finally: EPm.EP_SORT_MAXK = keep
                     loc = (m_[:, 0] >= ep.experts.start) & (m_[:, 0] < ep.experts.stop)   # (other rows: undefined)
-                    if not torch.equal(y1[loc], y0[loc]): fails.append(f"{act}: ep_recv_sort + gather_dequant != the torch ops (n={n_})")
+                    if not (all(torch.equal(a_, b_.to(a_.dtype)) for a_, b_ in zip(k1, k0)) and torch.equal(y1[loc], y0[loc])):
+                        fails.append(f"{act}: ep_recv_sort + gather_dequant != the torch ops (n={n_})")
             caps = {payload: capture_(MAX_T, given=True)}                       # (2 GPUs: copy engines where supported)
             if CE and not caps[payload].ce: fails.append(f"{act} {payload}: copy engines supported, not used")
             kern = capture_(MAX_T, given=True, copy_engines=False)              # NCCL's kernels: the own segment off the wire

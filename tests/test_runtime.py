@@ -566,14 +566,9 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     seen |= set(run(lambda: _pack_nvfp4(torch.randn(Tm_, H_).bfloat16(), torch.zeros(R_, dtype=torch.long), torch.zeros(R_, 2, dtype=torch.int32),
                                         torch.ones(8), torch.empty(R_, H_ // 2, dtype=torch.uint8), torch.empty(R_, H_ // 16, dtype=torch.uint8))))
     meta_ = torch.zeros(R_, 2, dtype=torch.int32)
-    fake_ep = NS(per_rank=4, experts=range(4, 8), a1_all=torch.ones(8), routed=NS(expert_rows=lambda xr, rs, offs, bufs, copy: xr))
-    def sorted_():                                                    # (the launches are recorded, not run: the final
-        try:                                                          # row gather reads an unwritten index)
-            EPMoE._rows_nvfp4_sorted(fake_ep, torch.zeros(R_, H_ // 2, dtype=torch.uint8), torch.zeros(R_, H_ // 16, dtype=torch.uint8),
-                                     meta_[:, 1].view(torch.float32), meta_[:, 0])
-        except (IndexError, RuntimeError):
-            pass
-    seq = run(sorted_)
+    fake_ep = NS(per_rank=4, experts=range(4, 8), a1_all=torch.ones(8))
+    seq = run(lambda: EPMoE._sort_decode(fake_ep, torch.zeros(R_, H_ // 2, dtype=torch.uint8), torch.zeros(R_, H_ // 16, dtype=torch.uint8),
+                                         meta_[:, 1].view(torch.float32), meta_[:, 0]))
     assert seq == ["ep_recv_sort", "nvfp4_gather_dequant_bf16"], seq
     seen |= set(seq)
     every = set().union(*EXPECTED_KERNELS.values())
