@@ -486,7 +486,8 @@ def _kind(a):
 
 def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch):
     """Every launch the launchers make (run here on CPU tensors, launches recorded, not executed) names a kernel of
-    the right file with exactly its PTX parameter count and 32/64-bit/f32 kinds, and a legal launch shape; the
+    the right file with exactly its PTX parameter count and 32/64-bit/f32 kinds, and a legal launch shape (the EP
+    kernels: the block size their source is written for, and the package's key limits are the source's); the
     per-tensor fused gs is the sequence fill -> amax -> gs -> quantize on one stream."""
     from dsv4_nvfp4 import norm as NM
     from dsv4_nvfp4 import quantize_cuda as QC
@@ -495,7 +496,7 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
         pytest.skip("dsv4_nvfp4.runtime has no _DEVICE_TYPE switch to run its launchers on CPU tensors")
     import contextlib
     sigs = ptx_signatures(sorted(EXPECTED_KERNELS))
-    calls = []
+    calls, blocks = [], {}                                            # blocks: each kernel's block sizes launched
     monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(rt, "launch", lambda file, name, grid, block, args, **kw:
                         calls.append((file, name, grid, block, list(args))))
@@ -516,6 +517,7 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
             g, b = tuple(grid), tuple(block)
             assert len(g) == 3 and len(b) == 3 and min(g) >= 1 and b[1:] == (1, 1), (name, g, b)
             assert 32 <= b[0] <= 1024 and b[0] % 32 == 0, (name, b)
+            blocks.setdefault(name, set()).add(b[0])
         return [c[1] for c in calls]
 
     seen = set()
@@ -571,5 +573,13 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
                                          meta_[:, 1].view(torch.float32), meta_[:, 0]))
     assert seq == ["ep_recv_sort", "nvfp4_gather_dequant_bf16"], seq
     seen |= set(seq)
+    # the EP kernels count on their exact block size (fixed strides, warps per CTA) and size their shared counters by
+    # their key limits; the launchers hard-code the former and check the latter against the package's constants
+    from dsv4_nvfp4 import ep as EPm
+    ep_src = rt.kernel_source("ep_plan.cu")
+    define = lambda nm: int(re.search(rf"^#define\s+{nm}\s+(\d+)", ep_src, re.M).group(1))
+    assert blocks["ep_plan"] == blocks["ep_recv_sort"] == {define("EP_THREADS")}, blocks
+    assert blocks["ep_pack_nvfp4"] == {define("EP_PACK_THREADS")}, blocks
+    assert (EPm.EP_PLAN_MAX_KEYS, EPm.EP_SORT_MAXK) == (define("EP_MAXB"), define("EP_SORT_MAXK"))
     every = set().union(*EXPECTED_KERNELS.values())
     assert seen == every, f"kernels no launcher uses: {sorted(every - seen)}"
