@@ -1,0 +1,85 @@
+"""SHA-256 of the PTX of every kept kernel: the NVRTC kernels of kernels_cu/ (default defines and every tuning value
+the tests compile) and every kept configuration of the sm_90a grouped GEMM (CuTeDSL, fake tensors). No GPU needed.
+
+    python tests/ptx_hashes.py OUT.json            # write the hashes
+    python tests/ptx_hashes.py OUT.json --diff A.json   # and compare with an earlier run (names in both)
+
+A refactor that must not change the machine code runs it before and after and compares. Kernel symbol names are
+kept in the PTX (a rename would show)."""
+import hashlib, json, os, re, sys, tempfile
+from pathlib import Path
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kernels_cu"
+
+
+def nvrtc_ptx(file: str, arch: str, defines=()) -> bytes:
+    from cuda.bindings import nvrtc as N
+    import dsv4_nvfp4.runtime as rt
+    inc = rt.cuda_include_dirs() + [str(KERNELS)]
+    err, prog = N.nvrtcCreateProgram((KERNELS / file).read_bytes(), file.encode(), 0, [], [])
+    opts = [f"-arch=compute_{arch[3:]}".encode(), b"-std=c++17"] + [f"-I{d}".encode() for d in inc]
+    opts += [f"-D{d}".encode() for d in defines]
+    (res,) = N.nvrtcCompileProgram(prog, len(opts), opts)[:1]
+    if res != N.nvrtcResult.NVRTC_SUCCESS:
+        err, n = N.nvrtcGetProgramLogSize(prog); log = b" " * n; N.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"{file} {arch} {defines}: {log.decode(errors='replace')[-2000:]}")
+    err, n = N.nvrtcGetPTXSize(prog); buf = b" " * n; N.nvrtcGetPTX(prog, buf)
+    return buf
+
+
+def gemm_configs():
+    "Every configuration the library can launch: the pick_config candidates x every epilogue kind (+ dump, no clamp)."
+    import math
+    try: from dsv4_nvfp4.gemm import sm90_layout as L
+    except ImportError: import dsv4_nvfp4.sm90_layout as L
+    out = []
+    for tt, cfg in sorted(L.CONFIGS.items()):
+        for epi in L.Epilogue:
+            c = cfg._replace(epilogue=epi)
+            out.append((f"tt{tt}_{epi.value}", c))
+            if epi.fp4_out: out.append((f"tt{tt}_{epi.value}_dump", c._replace(dump=True)))
+            if epi.swiglu: out.append((f"tt{tt}_{epi.value}_nolimit", c._replace(swiglu_limit=math.inf)))
+    return out
+
+
+def cute_ptx(cfg) -> bytes:
+    try: from dsv4_nvfp4.gemm import sm90 as S
+    except ImportError: import dsv4_nvfp4.gemm_sm90 as S
+    with tempfile.TemporaryDirectory() as d:
+        S.compile_sm90(cfg, "sm_90a", options=f"--keep-ptx --dump-dir={d}")
+        (ptx,) = Path(d).glob("*.ptx")
+        return ptx.read_bytes()
+
+
+def main():
+    out = Path(sys.argv[1]); only = os.environ.get("PTX_ONLY", "")
+    res = {}
+    if only in ("", "nvrtc"):
+        for f in sorted(p.name for p in KERNELS.glob("*.cu")):
+            for arch in ("sm_90a", "sm_100a"):
+                res[f"nvrtc/{f}/{arch}"] = hashlib.sha256(nvrtc_ptx(f, arch)).hexdigest()
+    if only in ("", "cute"):
+        for name, cfg in gemm_configs():
+            ptx = cute_ptx(cfg)
+            # the dump's file name and header lines carry no code; hash the text from the first .version on
+            text = ptx[ptx.find(b".version"):]
+            res[f"cute/{name}"] = hashlib.sha256(text).hexdigest()
+            # the entry's symbol carries the Python module path of the kernel class (truncated): with it replaced by
+            # one placeholder, a hash that matches says the code is the same wherever the class lives
+            for sym in set(re.findall(rb"\.entry\s+(\w+)", text)): text = text.replace(sym, b"KERNEL")
+            res[f"cute-code/{name}"] = hashlib.sha256(text).hexdigest()
+            print(name, res[f"cute/{name}"][:16], flush=True)
+    out.write_text(json.dumps(res, indent=1, sort_keys=True))
+    if "--diff" in sys.argv:
+        old = json.loads(Path(sys.argv[sys.argv.index("--diff") + 1]).read_text())
+        common = sorted(set(old) & set(res))
+        bad = [k for k in common if old[k] != res[k]]
+        print(f"{len(common)} kernels in both, {len(bad)} differ: {bad}")
+        print("only before:", sorted(set(old) - set(res))); print("only after:", sorted(set(res) - set(old)))
+        sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
