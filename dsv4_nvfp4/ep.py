@@ -213,7 +213,7 @@ class EPMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         "This rank's tokens through the layer: (T, H) bf16. Every rank of the group must call it (T may be 0)."
-        self.shared_expert._check_x(x, input_ids, "EPMoE")
+        self.shared_expert.check_input(x, input_ids, "EPMoE")
         if input_ids is not None:                                  # hash routing: the ids where the router runs
             if tuple(input_ids.shape) != (x.shape[0],): raise ValueError(f"EPMoE: input_ids must be ({x.shape[0]},), got {tuple(input_ids.shape)}")
             input_ids = input_ids.to(device=x.device, dtype=torch.int64)
@@ -222,7 +222,7 @@ class EPMoE(torch.nn.Module):
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         "The layer with a given routing of this rank's tokens (weights fp32 (T, k), ids (T, k)); collective."
         c, T, H = self.cfg, x.shape[0], self.cfg.hidden
-        self.shared_expert._check_x(x, None, "EPMoE", need_ids=False)
+        self.shared_expert.check_input(x, None, "EPMoE", need_ids=False)
         if tuple(topk_ids.shape) != (T, c.top_k) or tuple(topk_weights.shape) != (T, c.top_k):
             raise ValueError(f"EPMoE: topk_weights / topk_ids must be ({T}, {c.top_k}), got {tuple(topk_weights.shape)} / {tuple(topk_ids.shape)}")
         w, ids = topk_weights.float().to(x.device).contiguous(), topk_ids.int().to(x.device).contiguous()
@@ -344,7 +344,7 @@ class EPMoE(torch.nn.Module):
         rs = torch.stack([a1[order], wr[order]], 1).contiguous()                                   # at 61568 rows on an H100)
         return xr, rs, offs, torch.empty_like(order).scatter_(0, order, torch.arange(n, device=dev))   # where each row went
 
-    def _rows_nvfp4_parts(self, data, scale, wr, er, bufs=None, out=None):
+    def _rows_nvfp4_parts(self, data, scale, wr, er, bufs=None, out=None, sms_free=0):
         """Received NVFP4 rows, codes uint8 (n, H/2) and block scales uint8 (n, H/16), through the local experts:
         exactly what the single-GPU W4A4 permute would feed them (on the GPU into `out`, bf16 (n, H), when given).
         Rows whose id is not a local expert (`capture`'s padding) sort after the last group: not computed, their output
@@ -353,7 +353,7 @@ class EPMoE(torch.nn.Module):
         if n == 0: return torch.empty(0, H, dtype=torch.bfloat16 if data.is_cuda else torch.float64, device=dev)
         if data.is_cuda:
             xr, rs, offs, back = self._sort_decode(data, scale, wr, er)
-            rows = self.routed.expert_rows(xr, rs, offs, bufs, copy=False)     # a row gather back (the row scatter
+            rows = self.routed.expert_rows(xr, rs, offs, bufs, copy=False, sms_free=sms_free)   # a row gather back (the row scatter
             return rows.index_select(0, back) if out is None else torch.index_select(rows, 0, back, out=out)   # ran at half the speed)
         order, offs, a1 = self._sort_torch(er)                               # the float64 reference
         xq = NVFP4Tensor(data[order], scale[order].view(torch.float8_e4m3fn), a1[order].contiguous(), (n, H))
@@ -441,7 +441,7 @@ class CapturedEP:
     return travels while chunk j + 1's experts compute.
     NCCL's all-to-all kernel holds its SMs until it ends (17 between 2 H100s), and the persistent GEMM deals its tiles over a
     fixed grid, so a GEMM beside it waits for those SMs; with `comm_sms` n the GEMMs that run beside one of NCCL's
-    kernels (the shared expert; with chunks, the routed experts too) leave n SMs free (`gemm_sm90.reserve_sms`, Hopper's
+    kernels (the shared expert; with chunks, the routed experts too) leave n SMs free (the GEMMs' `sms_free`, Hopper's
     GEMM; other GPUs ignore it), same bits. Beside the copy engines no GEMM leaves any.
     With `tail_kernels` (copy engines only) the last chunk's return, which no routed expert hides, runs on NCCL's kernels
     instead, split so that a rank's own segment stays off the wire (the copy engines' all-to-all copies it too, before
@@ -601,7 +601,7 @@ class CapturedEP:
         static buffer on the GPU, overwritten by the next call. Collective."""
         ep, T = self.ep, x.shape[0]
         if getattr(self, "closed", False): raise ValueError("CapturedEP: closed (capture again)")
-        ep.shared_expert._check_x(x, None, "CapturedEP", need_ids=False)
+        ep.shared_expert.check_input(x, None, "CapturedEP", need_ids=False)
         if T > self.max_tokens: raise ValueError(f"CapturedEP: {T} tokens > the captured max_tokens {self.max_tokens}")
         if self.given != (topk_ids is not None) or (topk_ids is None) != (topk_weights is None):
             raise ValueError("CapturedEP: pass topk_weights and topk_ids exactly when captured with given=True")
@@ -734,10 +734,11 @@ class CapturedEP:
             for sent, recv in copy: recv[own].copy_(sent[own])
         return pairs
 
-    def _shared_part(self, a, b, bufs, w, ids):
+    def _shared_part(self, a, b, bufs, w, ids, sms_free=0):
         "The shared expert of tokens [a, b) (the padding ones excluded) into their rows, from the given routing."
         n, R = (self.n - a).clamp(0, b - a), self.rows
-        self.ep.shared_expert._forward_device(self.x[a:b], given=(w[a:b], ids[a:b]), n_tokens=n, out=self.rows_all[R + 1 + a:R + 1 + b], bufs=bufs)
+        self.ep.shared_expert.forward_device(self.x[a:b], given=(w[a:b], ids[a:b]), n_tokens=n, out=self.rows_all[R + 1 + a:R + 1 + b],
+                                             bufs=bufs, sms_free=sms_free)
 
     def _body(self):
         "The forward on the GPU: fixed shapes, no host read (the graph's body)."
@@ -777,23 +778,24 @@ class CapturedEP:
                 if W > 1:
                     for sent, recv in pairs[:-1]: dist.all_to_all_single(recv[o], sent[o], self.splits, self.splits, group=g)
                 arrived.append(torch.cuda.Event()); arrived[-1].record(self.comm)
-        from dsv4_nvfp4.gemm_sm90 import reserve_sms                        # (the GPU path alone needs CuTeDSL)
         kern = W > 1 and not self.ce                                         # the all-to-alls on NCCL's kernels (SMs to leave)
-        with reserve_sms(self.comm_sms if kern else 0):                      # beside the dispatch
-            if not split: combine_tokens(sh._experts(xr, rs, buf.offsets, sb), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
-            elif before is not None: self._shared_part(*before, w, ids)
+        free = self.comm_sms if kern else 0                                  # beside the dispatch
+        if not split: combine_tokens(sh.run_experts(xr, rs, buf.offsets, sb, sms_free=free), buf, self.rows_all[R + 1:R + 1 + Tm], n)   # its bf16 rows
+        elif before is not None: self._shared_part(*before, w, ids, sms_free=free)
         for j, (o, own) in enumerate(self.parts):                            # chunk j's experts; its return beside chunk j + 1's
             s_, Ro = slice(o.start, own.stop), o.stop - o.start              # the chunk's rows; those that travel
             yo = self.yout[s_]                                               # (kept: the final combine reads the own rows)
             main.wait_event(arrived[j])
-            with reserve_sms(self.comm_sms if kern and C > 1 else 0):        # chunks: beside another chunk's all-to-alls
-                if ep.payload == "bf16":
-                    er, wr = self.recv_meta[s_, 0], self.recv_meta[s_, 1].view(torch.float32)
-                    er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
-                    y = ep.routed._forward_device(self.recv[s_], given=(wr[:, None].contiguous(), er[:, None].contiguous()), out=yo, bufs=self.rbufs)
-                else:
-                    m = self.recv_meta[s_]
-                    y = ep._rows_nvfp4_parts(self.recv[s_], self.recv_scale[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs, out=yo)
+            free = self.comm_sms if kern and C > 1 else 0                    # chunks: beside another chunk's all-to-alls
+            if ep.payload == "bf16":
+                er, wr = self.recv_meta[s_, 0], self.recv_meta[s_, 1].view(torch.float32)
+                er = torch.where((er >= ep.experts.start) & (er < ep.experts.stop), er, self.sentinel)
+                y = ep.routed.forward_device(self.recv[s_], given=(wr[:, None].contiguous(), er[:, None].contiguous()), out=yo,
+                                             bufs=self.rbufs, sms_free=free)
+            else:
+                m = self.recv_meta[s_]
+                y = ep._rows_nvfp4_parts(self.recv[s_], self.recv_scale[s_], m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs,
+                                         out=yo, sms_free=free)
             last = j == C - 1                                                # (the own rows stay where y holds them)
             if W > 1:
                 self.comm.wait_stream(main)
@@ -803,7 +805,7 @@ class CapturedEP:
                         dist.all_to_all([seg(self.rows_all[o], d) for d in range(W)], [seg(y, d) for d in range(W)], group=self.tail_group)
                     else: dist.all_to_all_single(self.rows_all[o], y[:Ro], self.splits, self.splits, group=self.tail_group if last and not self.ce else g)
         if split:                                                            # the last tokens' shared expert, beside the return
-            with reserve_sms(self.comm_sms if W > 1 and (not self.ce or self.tail) else 0): self._shared_part(*after, w, ids)
+            self._shared_part(*after, w, ids, sms_free=self.comm_sms if W > 1 and (not self.ce or self.tail) else 0)
         main.wait_stream(self.comm)
         inv = torch.cat([spos.view(Tm, k).to(torch.int32), self.shared_slot], 1)   # dropped slots: the NaN row (R + far)
         combine_tokens(self.back, _Slots(self.back, inv, H, Tm, k, c.num_experts), self.out, n)

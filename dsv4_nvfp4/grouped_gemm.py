@@ -24,8 +24,8 @@ from .runtime import check_tensor, out_tensor
 # %% auto #0
 __all__ = ['ACT_DECODE', 'GEMM_PROBLEMS', 'PEER_BACKENDS', 'MXFP4_PROBLEMS', 'ref_grouped_gemm_nvfp4', 'wo_a_view',
            'ref_wo_a_nvfp4', 'PreparedWeights', 'prepare_weights', 'pick_config', 'cached_ones', 'act_decode_in_kernel',
-           'activation_operand', 'expert_offsets_operand', 'gemm_operands', 'grouped_gemm_nvfp4', 'wo_a_nvfp4',
-           'synthetic_weights', 'find_peer_dir', 'bench_peers', 'peer_table', 'bench_gemm', 'gemm_table',
+           'activation_operand', 'expert_offsets_operand', 'gemm_operands', 'check_sms_free', 'grouped_gemm_nvfp4',
+           'wo_a_nvfp4', 'synthetic_weights', 'find_peer_dir', 'bench_peers', 'peer_table', 'bench_gemm', 'gemm_table',
            'launch_table', 'gemm_goals', 'plot_gemm', 'bench_mxfp4', 'mxfp4_table', 'routing_load', 'plot_routing',
            'explore_routing', 'plot_gemm_roofline', 'explore_gemm']
 
@@ -310,6 +310,11 @@ def _hot(a, w, expert_offsets, out):
             and out.shape[1] == N and out.is_contiguous() and out.data_ptr() % 16 == 0 and out.device == dev): return None, None
     return R, st
 
+def check_sms_free(sms_free, what):
+    "sms_free must be a non-negative int (the SMs a launch leaves free)."
+    if isinstance(sms_free, bool) or not isinstance(sms_free, int) or sms_free < 0:
+        raise ValueError(f"{what}: sms_free must be an int >= 0, got {sms_free!r}")
+
 def _gs_rows(gs_a, rows, cols, what, dev):
     "gs_a as the kernel's 2-D (rows, cols) per-row tensor, or (1, 1); and whether it is per row."
     if gs_a is None: return cached_ones((1, 1), dev), False
@@ -365,6 +370,7 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16) or N
                        config=None,                            # a gemm_sm90.GemmConfig; default pick_config(R, E, K)
                        check: bool = False,                    # validate the offsets on the host (a sync)
                        act_decode: str = "pre",                # W4A4: "pre" (dequantize pass), "kernel" (K % 256 == 0) or "auto"
+                       sms_free: int = 0,                      # SMs the launch leaves free for a kernel beside it (EP's all-to-all)
                       ) -> torch.Tensor:                       # bf16 (R, N)
     """`C[rows of e] = gs_a * gs_w[e] * A[rows of e] @ W[e]^T` for every expert e: the MoE grouped GEMM with NVFP4
     weights, decoded exactly in the kernel (Hopper sm_90a; sm_100 goes to `gemm_sm100`, unverified).
@@ -377,12 +383,13 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16) or N
     the kernel from their codes and plain scales (`"kernel"`, K % 256 == 0: no workspace, 80 instead of 256 + 2 x 64
     bytes of activation traffic per row and 128 of K)."""
     what = "grouped_gemm_nvfp4"
-    if out is not None and not check and config is None:
+    if out is not None and not check and config is None and type(sms_free) is int and sms_free >= 0:
         R, st = _hot(a, w, expert_offsets, out)
         cfg = _LAUNCH.get((None, R, st[3], st[5], False, False, False)) if R is not None else None
         if cfg is not None:                  # everything checked: launch (the first call of a shape takes the full path)
-            _sm90().run_sm90(cfg, st[0], a, out, expert_offsets, st[1], st[7])
+            _sm90().run_sm90(cfg, st[0], a, out, expert_offsets, st[1], st[7], sms_free=sms_free)
             return out
+    check_sms_free(sms_free, what)
     ab, gs_a, sf_a = gemm_operands(what, a, w, workspace, act_decode)
     if ab.dim() != 2: raise ValueError(f"{what}: activations must be 2-D (rows, K), got {tuple(ab.shape)}")
     E, N, K = w.shape
@@ -395,7 +402,7 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16) or N
         return grouped_mm_sm100(a, w.w_fp4, w.w_sf_swz, w.w_gs, expert_offsets, out)
     gs_a2, per_row = _gs_rows(gs_a, R, 1, what, ab.device)
     cfg = _config(config, R, E, K, per_row, False, what, sf_a is not None)
-    _sm90().run_sm90(cfg, w.w_sm90, ab, out, expert_offsets, w.w_gs, gs_a2, sf_a)
+    _sm90().run_sm90(cfg, w.w_sm90, ab, out, expert_offsets, w.w_gs, gs_a2, sf_a, sms_free=sms_free)
     return out
 
 # %% ../nbs/04a_grouped_gemm.ipynb #12246ee6

@@ -146,7 +146,9 @@ class DSV4MoE(torch.nn.Module):
         return dsv4_router(x, self.gate_weight, self.gate_bias, top_k=c.top_k, routed_scaling_factor=c.routed_scaling_factor,
                            tid2eid=self.tid2eid, input_ids=input_ids)
 
-    def _check_x(self, x, input_ids, what="DSV4MoE", need_ids=True):
+    def check_input(self, x: torch.Tensor, input_ids=None, what: str = "DSV4MoE", need_ids: bool = True):
+        """Raise ValueError, naming `what`, unless x is bf16 (T, hidden); with `need_ids`, a layer that routes by token
+        id also needs `input_ids`. No device work, no sync."""
         c = self.cfg
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != c.hidden:
             raise ValueError(f"{what}: x must be bf16 (T, hidden = {c.hidden}), got "
@@ -154,14 +156,14 @@ class DSV4MoE(torch.nn.Module):
         if need_ids and self.tid2eid is not None and input_ids is None: raise ValueError(f"{what}: this layer routes by token id: pass input_ids")
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        self._check_x(x, input_ids)
+        self.check_input(x, input_ids)
         if not x.is_cuda: return ref_moe(x, self, input_ids).to(torch.bfloat16)
         if input_ids is not None:
             if tuple(input_ids.shape) != (x.shape[0],): raise ValueError(f"DSV4MoE: input_ids must be ({x.shape[0]},), got {tuple(input_ids.shape)}")
             input_ids = input_ids.to(device=x.device, dtype=torch.int64).contiguous()
         if torch.compiler.is_compiling():           # torch.compile / export: the forward is one custom op (see below)
             return torch.ops.dsv4_nvfp4.moe_forward(x.contiguous(), input_ids, self.op_key)
-        return self._forward_device(x.contiguous(), input_ids)
+        return self.forward_device(x.contiguous(), input_ids)
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                        check: bool = True,  # GPU: read the bad-routing counter after the launch (a host sync)
@@ -170,7 +172,7 @@ class DSV4MoE(torch.nn.Module):
         shared expert is added as always. Ids out of [0, E) or repeated in a row raise (CPU; on the GPU with `check`:
         without it, such a token's output is NaN and the others are computed; under torch.compile there is no check)."""
         what, c = "DSV4MoE.forward_routed", self.cfg
-        self._check_x(x, None, what, need_ids=False)
+        self.check_input(x, None, what, need_ids=False)
         _check_given(topk_weights, topk_ids, x.shape[0], c, what)
         if not x.is_cuda:
             check_expert_ids(topk_ids, c.num_experts, what)
@@ -178,7 +180,7 @@ class DSV4MoE(torch.nn.Module):
         given = (topk_weights.to(device=x.device, dtype=torch.float32).contiguous(), topk_ids.to(device=x.device, dtype=torch.int32).contiguous())
         if torch.compiler.is_compiling():           # one custom op; the bad-routing check (a host read) is left out
             return torch.ops.dsv4_nvfp4.moe_forward_routed(x.contiguous(), *given, self.op_key)
-        y = self._forward_device(x.contiguous(), given=given)
+        y = self.forward_device(x.contiguous(), given=given)
         if check: check_bad(self._eager[x.device][0], what)
         return y
 
@@ -220,12 +222,20 @@ class DSV4MoE(torch.nn.Module):
         if self.bf16_weights is not None: out.bf16_weights = tuple(w[idx] for w in self.bf16_weights)
         return out
 
-    def _forward_device(self, x, input_ids=None, n_tokens=None, out=None, bufs=None, given=None):
-        """The forward on the device, eager or as the body of the captured graph: six launches (four up to
-        `ROUTE_FUSED_MAX_T` tokens, where the logits, route and permute are one), no host sync, fixed
-        shapes. With `n_tokens` (an int64 device scalar) x is a padded buffer whose rows from `n_tokens` on are
-        padding (not routed: no rows, no output). Eager calls reuse per-device buffers, grown when T needs it (so
-        one layer's eager forwards must not run concurrently on two streams)."""
+    def forward_device(self, x: torch.Tensor,                  # bf16 (T, H) on the layer's CUDA device, contiguous
+                       input_ids: torch.Tensor | None = None,  # int64 (T,) on the device: hash routing
+                       *,
+                       n_tokens: torch.Tensor | None = None,   # int64 device scalar: rows from n_tokens on are padding
+                       out: torch.Tensor | None = None,        # bf16 (T, H): written in place
+                       bufs: tuple | None = None,              # `buffers(T)`: a captured graph's own; default the eager ones
+                       given: tuple | None = None,             # (fp32 (T, k) weights, int32 (T, k) ids): a given routing
+                       sms_free: int = 0,                      # SMs the expert GEMMs leave free (EP: beside NCCL's kernels)
+                      ) -> torch.Tensor:                       # bf16 (T, H): `out`
+        """The forward on the device with the inputs already checked (`check_input`): eager, or the body of a captured
+        graph. Six launches (four up to `ROUTE_FUSED_MAX_T` tokens, where the logits, route and permute are one), no host
+        sync, no allocation with `out=` and `bufs=`, fixed shapes. With `n_tokens` x is a padded buffer whose rows from
+        `n_tokens` on are not routed (no rows, no output). Eager calls reuse per-device buffers, grown when T needs it
+        (so one layer's eager forwards must not run concurrently on two streams). Raises nothing itself."""
         c, T, dev = self.cfg, x.shape[0], x.device
         if bufs is None:
             bufs = self._eager.get(dev)
@@ -244,28 +254,37 @@ class DSV4MoE(torch.nn.Module):
                        tid2eid=self.tid2eid if given is None else None, input_ids=input_ids if given is None else None,
                        given=given, n_tokens=n_tokens)
             xr, rs = permute_rows(x, buf, a1, n_tokens)
-        rows = self._experts(xr, rs, buf.offsets, bufs)
+        rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free)
         return combine_tokens(rows, buf, out, n_tokens)
 
-    def _experts(self, xr, row_scales, offs, bufs):
-        "The fused L1 (SwiGLU, routing weight, for W4A4 h's NVFP4 quantization) and the L2 over the expert-major rows."
+    def run_experts(self, xr: torch.Tensor,        # bf16 (R, H) expert-major rows on the device (W4A4: code x block scale)
+                    row_scales: torch.Tensor,      # fp32 (R, 2): per row (gs_a, routing weight)
+                    offs: torch.Tensor,            # int32 (G,) cumulative end offsets over this layer's groups
+                    bufs: tuple,                   # `buffers(n)` with n (k + 1) >= R
+                    *,
+                    sms_free: int = 0,             # SMs the GEMMs leave free for a kernel beside them
+                   ) -> torch.Tensor:              # bf16 (R, H): a view of `bufs`' output rows
+        """The fused L1 (SwiGLU, routing weight, for W4A4 h's NVFP4 quantization) and the L2 over expert-major rows, with
+        the inputs already checked (`expert_rows` is the checked entry): two launches, no sync, no allocation; the
+        result is a view of `bufs`' output rows that the next call overwrites."""
         c, (_, h, h_dec, rows_out) = self.cfg, bufs
         w13p, w2p = self.prepared(xr.device)
         R = xr.shape[0]
-        kw = dict(swiglu_limit=c.swiglu_limit, row_scales=row_scales, scales_given=True)
+        kw = dict(swiglu_limit=c.swiglu_limit, row_scales=row_scales, scales_given=True, sms_free=sms_free)
         if self.act == "w4a16":
             h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out=h[:R], **kw)
         else:
             h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out_dtype="nvfp4", out_scale=self.a2_scales,
                                           out=NVFP4Tensor(h.data[:R], h.scale[:R], h.global_scale[:R], (R, c.inter)), **kw)
         return grouped_gemm_nvfp4(h, w2p, offs, out=rows_out[:R], workspace=None if h_dec is None else h_dec[:R],
-                                  act_decode=L2_ACT_DECODE)
+                                  act_decode=L2_ACT_DECODE, sms_free=sms_free)
 
     def expert_rows(self, xr: torch.Tensor,       # bf16 (R, H) expert-major rows (W4A4: code x block scale, as the permute stores them)
                     row_scales: torch.Tensor,     # fp32 (R, 2): per row (gs_a, routing weight); gs_a is W4A4's a1 of the row's group
                     offsets: torch.Tensor,        # int32 (G,) cumulative end offsets over this layer's groups
                     bufs: tuple | None = None,    # `buffers(n)` with n (k + 1) >= R (a captured graph's own); default: the eager ones
                     copy: bool = True,            # False: return a view of `bufs`' output rows (the next call overwrites it)
+                    sms_free: int = 0,            # SMs the GEMMs leave free for a kernel beside them (EP)
                    ) -> torch.Tensor:             # bf16 (R, H): each row's weighted expert output
         """The fused L1 and L2 alone, over rows that are already expert-major (the expert-parallel layer's received rows):
         what the forward does between its permute and its combine, row for row. A CUDA graph passes its own `bufs`: the
@@ -283,7 +302,7 @@ class DSV4MoE(torch.nn.Module):
         else:
             bufs = self._eager.get(dev)
             if bufs is None or bufs[0].capacity < cap: bufs = self._eager[dev] = self.buffers(cap, dev)
-        y = self._experts(xr.contiguous(), row_scales.float().contiguous(), offsets, bufs)
+        y = self.run_experts(xr.contiguous(), row_scales.float().contiguous(), offsets, bufs, sms_free=sms_free)
         return y.clone() if copy else y
 
 # %% ../nbs/08_moe_layer.ipynb #d079dfb3
@@ -564,7 +583,7 @@ class CapturedMoE:
         self.ids = torch.zeros(max_tokens, dtype=torch.long, device=dev) if layer.tid2eid is not None else None
         self.n = torch.zeros((), dtype=torch.long, device=dev)
         self.out = torch.empty(max_tokens, c.hidden, dtype=torch.bfloat16, device=dev)
-        run = lambda: layer._forward_device(self.x, self.ids, self.n, out=self.out, bufs=self.bufs)
+        run = lambda: layer.forward_device(self.x, self.ids, n_tokens=self.n, out=self.out, bufs=self.bufs)
         self.n.fill_(max_tokens)
         s = torch.cuda.Stream(dev); s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
@@ -576,7 +595,7 @@ class CapturedMoE:
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         "The layer's output for x (T, H) bf16, T <= max_tokens: a view of a static buffer, overwritten by the next call."
-        self.layer._check_x(x, input_ids, "CapturedMoE")
+        self.layer.check_input(x, input_ids, "CapturedMoE")
         T = x.shape[0]
         if T > self.max_tokens: raise ValueError(f"CapturedMoE: {T} tokens > the captured capacity {self.max_tokens}")
         if self.ids is None and input_ids is not None: raise ValueError("CapturedMoE: this layer does not route by token id")
@@ -599,13 +618,13 @@ DSV4MoE.capture = _capture
            lambda x, input_ids, layer: torch.empty_like(x))
 def moe_forward_op(x, input_ids, layer):
     "The forward of the DSV4MoE filed under `layer` (its `op_key`) on the device, as one op: a new (T, H) bf16 tensor."
-    return op_object(layer)._forward_device(x, input_ids)
+    return op_object(layer).forward_device(x, input_ids)
 
 @define_op("dsv4_nvfp4::moe_forward_routed", "(Tensor x, Tensor topk_weights, Tensor topk_ids, str layer) -> Tensor",
            lambda x, topk_weights, topk_ids, layer: torch.empty_like(x))
 def moe_forward_routed_op(x, topk_weights, topk_ids, layer):
     "`forward_routed` of the DSV4MoE filed under `layer`, as one op (fp32 weights and int32 ids on x's device)."
-    return op_object(layer)._forward_device(x, given=(topk_weights, topk_ids))
+    return op_object(layer).forward_device(x, given=(topk_weights, topk_ids))
 
 # %% ../nbs/08_moe_layer.ipynb #2aedd6ea
 MOE_PROBLEMS = ([("Flash", MoEConfig(4096, 2048, 256, 6, 1.5), T) for T in (1, 8, 32, 128, 512, 2048, 8192)] +

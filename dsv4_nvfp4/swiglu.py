@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import e2m1_decode, unpack_fp4
-from .grouped_gemm import (PreparedWeights, act_decode_in_kernel, cached_ones, expert_offsets_operand, gemm_operands,
+from .grouped_gemm import (PreparedWeights, act_decode_in_kernel, cached_ones, check_sms_free, expert_offsets_operand, gemm_operands,
                                      grouped_gemm_nvfp4,
                                      pick_config, ref_grouped_gemm_nvfp4)
 from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
@@ -207,6 +207,7 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
                               config=None,                               # a gemm_sm90.GemmConfig; default pick_config
                               check: bool = False,                       # validate offsets and out_scale on the host (a sync)
                               dump: torch.Tensor | None = None,          # "nvfp4": fp32 (R, I), also store h before quantization (tests)
+                              sms_free: int = 0,                         # SMs the launch leaves free for a kernel beside it (EP)
                              ):                                          # bf16 (R, I) or NVFP4Tensor (R, I)
     """The fused L1 of the expert MLP on Hopper: `h = swiglu(W13 x) * p` per expert in one launch, SwiGLU in the GEMM's
     epilogue (no (R, 2I) tensor), h as bf16 or, with `out_dtype="nvfp4"`, quantized in the epilogue with each expert's
@@ -217,6 +218,7 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
     what = "grouped_gemm_swiglu_nvfp4"
     from dsv4_nvfp4 import gemm_sm90 as S90
     L = check_swiglu_limit(swiglu_limit)
+    check_sms_free(sms_free, what)
     if out_dtype not in ("bf16", "nvfp4"): raise ValueError(f"{what}: out_dtype must be 'bf16' or 'nvfp4', got {out_dtype!r}")
     if not isinstance(w13, PreparedWeights): raise TypeError(f"{what}: w13 must be PreparedWeights (prepare_weights), got {type(w13).__name__}")
     E, N2, K = w13.shape
@@ -258,9 +260,9 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
     if not ok: raise ValueError(f"{what}: {why}")
     if out_dtype == "nvfp4":
         S90.run_sm90(cfg, w13.w_sm90, ab, out.data.view(torch.int32), expert_offsets, w13.w_gs, row_scales, sf_a,
-                     out.scale.view(torch.uint8), gs_c, out.global_scale, dump)
+                     out.scale.view(torch.uint8), gs_c, out.global_scale, dump, sms_free=sms_free)
     else:
-        S90.run_sm90(cfg, w13.w_sm90, ab, out, expert_offsets, w13.w_gs, row_scales, sf_a)
+        S90.run_sm90(cfg, w13.w_sm90, ab, out, expert_offsets, w13.w_gs, row_scales, sf_a, sms_free=sms_free)
     return out
 
 # %% ../nbs/05_swiglu.ipynb #0d7c4dba

@@ -533,7 +533,7 @@ def test_launch_fast_path_keeps_every_check(monkeypatch):
     calls = []
     class FakeSm90:
         @staticmethod
-        def run_sm90(cfg, w_sm90, a, out, offs, gs_w, gs_a, *optional): calls.append((cfg.tok_tile, a.shape, out.data_ptr()))
+        def run_sm90(cfg, w_sm90, a, out, offs, gs_w, gs_a, *optional, **kw): calls.append((cfg.tok_tile, a.shape, out.data_ptr()))
     monkeypatch.setitem(GG._ARCH, "sm90", FakeSm90)
     pw = GG.prepare_weights(Q.quantize_experts(torch.randn(4, 128, 256, generator=gen(9))))
     a = torch.randn(6, 256).to(torch.bfloat16)
@@ -609,15 +609,8 @@ def test_sm90_variants_no_spills_and_no_serialized_wgmma(tok_tile, tmp_path, mon
         assert spills and max(spills) == 0, f"{cfg}: spills {spills}"
 
 
-def test_reserve_sms_is_scoped():
-    "The launcher's SM reserve holds inside the block only (also when it raises) and refuses a negative count."
-    assert S90._SM_RESERVE[0] == 0
-    with S90.reserve_sms(32):
-        assert S90._SM_RESERVE[0] == 32
-        with S90.reserve_sms(8): assert S90._SM_RESERVE[0] == 8
-        assert S90._SM_RESERVE[0] == 32
-    with pytest.raises(KeyError):
-        with S90.reserve_sms(4): raise KeyError("inside")
-    assert S90._SM_RESERVE[0] == 0
-    with pytest.raises(ValueError, match="n must be >= 0"):
-        with S90.reserve_sms(-1): pass
+def test_sms_free_is_checked():
+    "The SMs a launch leaves free are an argument, a non-negative int: anything else is refused by name."
+    for bad in (-1, 1.5, True, "4", None):
+        with pytest.raises(ValueError, match="sms_free must be an int >= 0"): GG.check_sms_free(bad, "grouped_gemm_nvfp4")
+    for ok in (0, 8, 132): GG.check_sms_free(ok, "grouped_gemm_nvfp4")

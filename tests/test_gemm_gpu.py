@@ -252,8 +252,8 @@ def test_overlapped_mainloop_is_bit_identical(K, tok_tile):
     assert torch.equal(GG.wo_a_nvfp4(x3, pw, config=base), GG.wo_a_nvfp4(x3, pw, config=base._replace(overlap=True)))
 
 
-def test_reserve_sms_same_bits_smaller_grid(tmp_path):
-    """Under `reserve_sms(n)` the persistent grid is n SMs' worth of CTAs smaller (read off the profiler's record of the
+def test_sms_free_same_bits_smaller_grid(tmp_path):
+    """With `sms_free=n` the persistent grid is n SMs' worth of CTAs smaller (read off the profiler's record of the
     launch), at least one SM's worth, and every output bit is what the full grid gives: W4A16 and W4A4."""
     import json
     from torch.profiler import profile, ProfilerActivity
@@ -262,11 +262,11 @@ def test_reserve_sms_same_bits_smaller_grid(tmp_path):
     offs, R = routed(300, E, 3, seed=9)
     a = torch.randn(R, K, device=DEV).to(torch.bfloat16)
     q = ref_quantize_nvfp4(torch.randn(R, K), per_row=True).to(DEV)
-    run = lambda: (GG.grouped_gemm_nvfp4(a, pw, offs), GG.grouped_gemm_nvfp4(q, pw, offs))
+    run = lambda n=0: (GG.grouped_gemm_nvfp4(a, pw, offs, sms_free=n), GG.grouped_gemm_nvfp4(q, pw, offs, sms_free=n))
 
-    def grids():
+    def grids(n=0):
         with profile(activities=[ProfilerActivity.CUDA]) as p:
-            y = run(); torch.cuda.synchronize()
+            y = run(n); torch.cuda.synchronize()
         f = tmp_path / "trace.json"
         p.export_chrome_trace(str(f))
         ev = json.load(open(f))["traceEvents"]
@@ -277,8 +277,7 @@ def test_reserve_sms_same_bits_smaller_grid(tmp_path):
     assert len(full) == 2 and all(f % sms == 0 for f in full), full
     per = [f // sms for f in full]                                 # CTAs per SM of each launch's config
     for n, left in ((32, sms - 32), (sms - 1, 1), (10 * sms, 1)):  # SMs' worth left: never fewer than one
-        with S90.reserve_sms(n):
-            got, grid = grids()
+        got, grid = grids(n)
         assert grid == [left * p_ for p_ in per], (n, grid, full)
         for g_, b_, what in zip(got, base, ("W4A16", "W4A4")):
-            assert torch.equal(g_, b_), f"{what} under reserve_sms({n}): {(g_ != b_).sum().item()} outputs differ"
+            assert torch.equal(g_, b_), f"{what} with sms_free={n}: {(g_ != b_).sum().item()} outputs differ"
