@@ -13,20 +13,19 @@ import torch
 
 from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
                                    read_safetensors)
-from .grouped_gemm import act_decode_in_kernel, grouped_gemm_nvfp4, prepare_weights
+from .gemm.core import backend_for, get_backend, grouped_gemm_nvfp4, prepare_weights
 from .runtime import define_op, op_object, register_op_object
 from .quant import (GS_MIN, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_nvfp4, stack_experts)
 from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes,
                                 local_groups, permute_rows, ref_dsv4_router, route_buffers, route_permute_fused, route_rows, route_topk,
                                 router_logits, ROUTE_FUSED_MAX_T)
-from .swiglu import (calibrate_input_scales, check_swiglu_limit, deinterleave_l1, grouped_gemm_swiglu_nvfp4,
-                               interleave_experts, ref_expert_mlp, ref_swiglu)
+from .gemm.reference import check_swiglu_limit, deinterleave_l1, ref_swiglu
+from .swiglu import calibrate_input_scales, expert_mlp_nvfp4, grouped_gemm_swiglu_nvfp4, interleave_experts, ref_expert_mlp
 
 # %% auto #0
-__all__ = ['FLASH', 'PRO', 'L2_ACT_DECODE', 'MOE_PROBLEMS', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe',
-           'ref_moe_bf16', 'CapturedMoE', 'moe_forward_op', 'moe_forward_routed_op', 'TorchMoE', 'bench_moe',
-           'moe_table', 'moe_goals']
+__all__ = ['FLASH', 'PRO', 'MOE_PROBLEMS', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe', 'ref_moe_bf16', 'CapturedMoE',
+           'moe_forward_op', 'moe_forward_routed_op', 'TorchMoE', 'bench_moe', 'moe_table', 'moe_goals']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
@@ -74,9 +73,6 @@ def _check_given(w, ids, T, cfg, what):
     if ids.dtype not in (torch.int32, torch.int64) or not w.is_floating_point(): raise TypeError(f"{what}: topk_ids must be int32/int64 and topk_weights float")
     if tuple(w.shape) != (T, k) or tuple(ids.shape) != (T, k): raise ValueError(f"{what}: topk_weights / topk_ids must be ({T}, {k}), got {tuple(w.shape)} / {tuple(ids.shape)}")
 
-L2_ACT_DECODE = "pre"   # W4A4's NVFP4 h into W2: a decode pass, then the bf16 GEMM (the MLP benchmark of notebook 05
-                        # measured the in-kernel decode 1.17-1.74x slower on the H200)
-
 class DSV4MoE(torch.nn.Module):
     """One DSV4 MoE layer on NVFP4 weights: the router (bf16 gate weight, fp32 bias or a hash table), E routed experts
     and the shared expert stacked as expert E: `w13` (E + 1, 2I, H) gate/up interleaved by 8, `w2` (E + 1, H, I).
@@ -87,7 +83,8 @@ class DSV4MoE(torch.nn.Module):
     cuts one from a whole layer.
     `forward(x (T, H) bf16, input_ids=None) -> (T, H) bf16`: on a CUDA device six launches (router logits, route,
     permute, L1, L2, combine; the first three are one launch up to `ROUTE_FUSED_MAX_T` tokens; weights prepared on
-    first use), on the CPU the float64 reference rounded to bf16.
+    first use); on the CPU the same layer through the GEMM seam's CPU backend (`forward_torch`: on the reference
+    backend, `ref_moe` rounded to bf16).
     `act="w4a4"` quantizes x with each expert's static scale `a1_scales` and h with `a2_scales` (the checkpoint's
     `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate)."""
 
@@ -134,6 +131,7 @@ class DSV4MoE(torch.nn.Module):
         self._prepared, self._eager = {}, {}
         self.op_key = register_op_object(self, "dsv4_moe")   # how the torch.compile ops name this layer
         self.bf16_weights = None           # (w1, w3, w2) unquantized, when the layer was built from them (synthetic)
+        self.backend = None                # the expert GEMM's backend by name (None: the registry's choice per device)
 
     def __setstate__(self, state):
         "A copy (copy.deepcopy, pickle) is a layer of its own: its own op key, not the original's."
@@ -157,7 +155,7 @@ class DSV4MoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         self.check_input(x, input_ids)
-        if not x.is_cuda: return ref_moe(x, self, input_ids).to(torch.bfloat16)
+        if not x.is_cuda: return self.forward_torch(x, input_ids)
         if input_ids is not None:
             if tuple(input_ids.shape) != (x.shape[0],): raise ValueError(f"DSV4MoE: input_ids must be ({x.shape[0]},), got {tuple(input_ids.shape)}")
             input_ids = input_ids.to(device=x.device, dtype=torch.int64).contiguous()
@@ -176,7 +174,7 @@ class DSV4MoE(torch.nn.Module):
         _check_given(topk_weights, topk_ids, x.shape[0], c, what)
         if not x.is_cuda:
             check_expert_ids(topk_ids, c.num_experts, what)
-            return ref_moe(x, self, routing=(topk_weights, topk_ids)).to(torch.bfloat16)
+            return self.forward_torch(x, given=(topk_weights, topk_ids))
         given = (topk_weights.to(device=x.device, dtype=torch.float32).contiguous(), topk_ids.to(device=x.device, dtype=torch.int32).contiguous())
         if torch.compiler.is_compiling():           # one custom op; the bad-routing check (a host read) is left out
             return torch.ops.dsv4_nvfp4.moe_forward_routed(x.contiguous(), *given, self.op_key)
@@ -185,11 +183,39 @@ class DSV4MoE(torch.nn.Module):
         return y
 
     def prepared(self, device) -> tuple:
-        "The kernel layouts of w13 and w2 on `device` (built once per device)."
-        key = torch.device(device)
+        """(w13, w2) as the expert GEMM's backend for `device` lays them out (`self.backend`, or the registry's choice),
+        built once per (device, backend) and kept: only that backend's layout is held."""
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
+        b = get_backend(self.backend) if self.backend is not None else backend_for(dev)
+        key = (dev, b.name)
         if key not in self._prepared:
-            self._prepared[key] = (prepare_weights(self.w13).to(key), prepare_weights(self.w2).to(key))
+            self._prepared[key] = (prepare_weights(self.w13, device=dev, backend=b.name), prepare_weights(self.w2, device=dev, backend=b.name))
         return self._prepared[key]
+
+    def forward_torch(self, x: torch.Tensor,                  # bf16 (T, H) on the CPU
+                      input_ids: torch.Tensor | None = None,  # (T,) token ids: hash routing
+                      given: tuple | None = None,             # (weights (T, k), ids (T, k)): a given routing, ids checked
+                     ) -> torch.Tensor:                       # bf16 (T, H)
+        """The forward on the CPU through the GEMM seam: the float64 router (or the given routing), the rows permuted in
+        torch (W4A4: each quantized with its expert's `a1_scales`), the expert MLP (`expert_mlp_nvfp4`) on the weights
+        prepared for the CPU's backend, the slots summed in float64 and rounded to bf16 once. On the reference backend
+        this is `ref_moe` rounded to bf16, bit for bit (its L2 keeps float64 rows); another backend's rows are bf16."""
+        c = self.cfg
+        w, ids = _ref_route(x, self, input_ids) if given is None else (given[0].cpu().float(), given[1].cpu().long())
+        rt, p = route_with_shared(ids, w, c.num_experts, self.experts, self.shared)
+        if rt.token.numel() == 0: return torch.zeros(x.shape[0], c.hidden, dtype=torch.bfloat16)
+        xr = x.cpu()[rt.token]
+        if self.act == "w4a4":
+            group = torch.repeat_interleave(torch.arange(self.num_groups), group_sizes(rt.expert_offsets))
+            xr = ref_quantize_nvfp4(xr.float(), self.a1_scales.cpu()[group])
+        w13p, w2p = self.prepared("cpu")
+        f64 = torch.float64 in get_backend(w2p.backend).out_dtypes
+        rows = expert_mlp_nvfp4(xr, w13p, w2p, rt.expert_offsets, act=self.act, swiglu_limit=c.swiglu_limit, route_weight=p.float(),
+                                a2_scales=None if self.a2_scales is None else self.a2_scales.cpu(),
+                                out=torch.empty(xr.shape[0], c.hidden, dtype=torch.float64 if f64 else torch.bfloat16))
+        held = (rt.inv >= 0)[..., None]
+        return torch.where(held, rows.double()[rt.inv.clamp(min=0)], 0.0).sum(1).to(torch.bfloat16)
 
     def buffers(self, capacity: int, device) -> tuple:
         """(RouteBuffers, h, h decoded or None, L2 output rows) for up to `capacity` tokens: every buffer one forward
@@ -200,7 +226,7 @@ class DSV4MoE(torch.nn.Module):
         if self.act == "w4a16": h, h_dec = e(R, I), None
         else:
             h = NVFP4Tensor(e(R, I // 2, dt=torch.uint8), e(R, I // 16, dt=torch.float8_e4m3fn), e(R, dt=torch.float32), (R, I))
-            h_dec = None if act_decode_in_kernel(L2_ACT_DECODE, I, "DSV4MoE") else e(R, I)
+            h_dec = e(R, I)                                                        # Hopper's decode pass of h into L2
         return (route_buffers(capacity, c.num_experts, c.top_k, c.hidden, dev, experts=self.experts, shared=self.shared),
                 h, h_dec, e(R, c.hidden))
 
@@ -220,6 +246,7 @@ class DSV4MoE(torch.nn.Module):
         out = DSV4MoE(self.cfg, take(self.w13), take(self.w2), self.gate_weight, self.gate_bias, self.tid2eid, act=self.act,
                       a1_scales=pick(self.a1_scales), a2_scales=pick(self.a2_scales), experts=ex, shared=shared)
         if self.bf16_weights is not None: out.bf16_weights = tuple(w[idx] for w in self.bf16_weights)
+        out.backend = self.backend
         return out
 
     def forward_device(self, x: torch.Tensor,                  # bf16 (T, H) on the layer's CUDA device, contiguous
@@ -277,7 +304,7 @@ class DSV4MoE(torch.nn.Module):
             h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out_dtype="nvfp4", out_scale=self.a2_scales,
                                           out=NVFP4Tensor(h.data[:R], h.scale[:R], h.global_scale[:R], (R, c.inter)), **kw)
         return grouped_gemm_nvfp4(h, w2p, offs, out=rows_out[:R], workspace=None if h_dec is None else h_dec[:R],
-                                  act_decode=L2_ACT_DECODE, sms_free=sms_free)
+                                  sms_free=sms_free)
 
     def expert_rows(self, xr: torch.Tensor,       # bf16 (R, H) expert-major rows (W4A4: code x block scale, as the permute stores them)
                     row_scales: torch.Tensor,     # fp32 (R, 2): per row (gs_a, routing weight); gs_a is W4A4's a1 of the row's group

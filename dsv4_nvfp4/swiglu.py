@@ -11,45 +11,17 @@ from dataclasses import dataclass
 import torch
 
 from .formats import e2m1_decode, unpack_fp4
-from .grouped_gemm import (PreparedWeights, act_decode_in_kernel, cached_ones, check_sms_free, expert_offsets_operand, gemm_operands,
-                                     grouped_gemm_nvfp4,
-                                     pick_config, ref_grouped_gemm_nvfp4)
+from .gemm.core import (EpilogueArgs, ExpertWeights, Problem, backend_of, check_activations, check_offsets_operand,
+                                  check_operand, check_sms_free, grouped_gemm_nvfp4, out_operand, plan_for)
+from .gemm.reference import (L1_GROUP, check_swiglu_limit, deinterleave_l1, interleave_l1, ref_grouped_gemm_nvfp4,
+                                       ref_swiglu, ref_swiglu_out)
 from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
 from .routing import check_offsets, group_sizes
-from .runtime import check_tensor, out_tensor
 
 # %% auto #0
-__all__ = ['L1_GROUP', 'MLP_PROBLEMS', 'MLP_GOALS', 'interleave_l1', 'deinterleave_l1', 'interleave_experts',
-           'check_swiglu_limit', 'ref_swiglu', 'calibrate_input_scales', 'ref_expert_mlp', 'grouped_gemm_swiglu_nvfp4',
-           'MLPWorkspace', 'mlp_workspace', 'expert_mlp_nvfp4', 'bench_mlp', 'mlp_table', 'mlp_goals', 'plot_mlp']
-
-# %% ../nbs/05_swiglu.ipynb #13885d96
-L1_GROUP = 8   # W1 / W3 rows alternate in groups of 8 in the fused L1 weight
-
-def interleave_l1(w1: torch.Tensor,     # (..., I, H) gate projection (any dtype: floats, packed codes, scales)
-                  w3: torch.Tensor,     # (..., I, H) up projection, same shape and dtype
-                  group: int = L1_GROUP,
-                 ) -> torch.Tensor:     # (..., 2I, H): rows [g0..7, u0..7, g8..15, u8..15, ...]
-    "Stack W1 and W3 row-interleaved in groups of `group` (a pure permutation of rows: exact for every dtype)."
-    if w1.shape != w3.shape or w1.dtype != w3.dtype:
-        raise ValueError(f"interleave_l1: w1 and w3 must match, got {tuple(w1.shape)} {w1.dtype} and {tuple(w3.shape)} {w3.dtype}")
-    if w1.dim() < 2: raise ValueError(f"interleave_l1: expected (..., I, H), got {tuple(w1.shape)}")
-    *lead, I, H = w1.shape
-    if I % group: raise ValueError(f"interleave_l1: I = {I} must be a multiple of the interleave group {group}")
-    both = torch.stack([w1.reshape(*lead, I // group, group, H), w3.reshape(*lead, I // group, group, H)], -3)
-    return both.reshape(*lead, 2 * I, H)
-
-def deinterleave_l1(w13: torch.Tensor,   # (..., 2I, H) interleaved rows (or, with dim=-1, (..., 2I) columns)
-                    group: int = L1_GROUP,
-                    dim: int = -2,       # the interleaved dimension: -2 for weights, -1 for the L1 output (R, 2I)
-                   ) -> tuple[torch.Tensor, torch.Tensor]:  # (w1, w3), each (..., I, H)
-    "Invert `interleave_l1`: split the rows (or, on the L1 output, the columns) back into gate and up."
-    x = w13.movedim(dim, -1)
-    n = x.shape[-1]
-    if n % (2 * group): raise ValueError(f"deinterleave_l1: the interleaved size {n} must be a multiple of {2 * group}")
-    x = x.reshape(*x.shape[:-1], n // (2 * group), 2, group)
-    g, u = x[..., 0, :].reshape(*x.shape[:-3], n // 2), x[..., 1, :].reshape(*x.shape[:-3], n // 2)
-    return g.movedim(-1, dim), u.movedim(-1, dim)
+__all__ = ['MLP_PROBLEMS', 'MLP_GOALS', 'interleave_experts', 'calibrate_input_scales', 'ref_expert_mlp',
+           'grouped_gemm_swiglu_nvfp4', 'MLPWorkspace', 'mlp_workspace', 'expert_mlp_nvfp4', 'bench_mlp', 'mlp_table',
+           'mlp_goals', 'plot_mlp']
 
 # %% ../nbs/05_swiglu.ipynb #fbd45d34
 def interleave_experts(w1: NVFP4Experts,   # (E, I, H) gate projections
@@ -77,26 +49,6 @@ def interleave_experts(w1: NVFP4Experts,   # (E, I, H) gate projections
     return NVFP4Experts(interleave_l1(w1.data, w3.data, group), interleave_l1(w1.scale, w3.scale, group),
                         w1.global_scale.clone(), (E, 2 * I, H))
 
-# %% ../nbs/05_swiglu.ipynb #8cac6a38
-def check_swiglu_limit(limit) -> float | None:
-    "The SwiGLU limit as a float, or None for no clamp (None or 0); ValueError for a negative or non-finite limit."
-    if limit is None: return None
-    L = float(limit)
-    if not math.isfinite(L) or L < 0: raise ValueError(f"swiglu_limit must be None, 0 or a finite positive number, got {limit}")
-    return L or None
-
-def ref_swiglu(g: torch.Tensor,          # gate (..., I), any float dtype
-               u: torch.Tensor,          # up (..., I)
-               limit: float | None = 10.0,  # L; None or 0: no clamp
-              ) -> torch.Tensor:         # float64 (..., I)
-    "`silu(min(g, L)) * clamp(u, -L, L)` in float64; NaN wherever g or u is not finite."
-    L = check_swiglu_limit(limit)
-    g, u = g.double(), u.double()
-    ok = torch.isfinite(g) & torch.isfinite(u)
-    if L is not None: g, u = torch.clamp(g, max=L), torch.clamp(u, -L, L)
-    h = g * torch.sigmoid(g) * u
-    return torch.where(ok, h, torch.full_like(h, math.nan))
-
 # %% ../nbs/05_swiglu.ipynb #eeb47e88
 def calibrate_input_scales(h: torch.Tensor,               # (R, I) sample L2 inputs (SwiGLU outputs), expert-major rows
                            expert_offsets: torch.Tensor,  # int32 (E,) cumulative end offsets of the rows
@@ -115,15 +67,14 @@ def calibrate_input_scales(h: torch.Tensor,               # (R, I) sample L2 inp
 # %% ../nbs/05_swiglu.ipynb #5f7976d9
 def _l2_input(h: torch.Tensor, act: str, expert_offsets: torch.Tensor, a2_scales, what: str):
     "h (R, I) float64 as the L1 epilogue stores it: bf16 (W4A16) or NVFP4 with a static global scale per expert (W4A4)."
-    if act == "w4a16": return h.float().to(torch.bfloat16)   # the kernel rounds its fp32 h to bf16
+    if act == "w4a16": return ref_swiglu_out(h, "swiglu_bf16", expert_offsets)   # the kernel rounds its fp32 h to bf16
     if a2_scales is None:
         raise ValueError(f"{what}: act='w4a4' needs a2_scales, the static global scale of each expert's L2 input "
                          "(the checkpoint's input_scale of w2, or calibrate_input_scales)")
     E = expert_offsets.numel()
     gs = torch.as_tensor(a2_scales, dtype=torch.float32).reshape(-1)
     if gs.numel() != E: raise ValueError(f"{what}: a2_scales must have one scale per expert ({E}), got {gs.numel()}")
-    rows_gs = gs.repeat_interleave(group_sizes(expert_offsets.cpu()))          # (R,) the expert's scale on each row
-    return ref_quantize_nvfp4(h.float(), rows_gs) if h.shape[0] else ref_quantize_nvfp4(h.float(), 1.0)
+    return ref_swiglu_out(h, "swiglu_nvfp4", expert_offsets, gs)
 
 def _check_mlp(what: str, act: str, x, w13_shape, w2_shape) -> int:
     "The checks every expert-MLP entry point shares: act, x's kind for it, W13 (E, 2I, H) against W2 (E, H, I). Returns I."
@@ -172,10 +123,10 @@ def _static_scales(out_scale, E: int, dev, what: str, check: bool) -> torch.Tens
     gs = torch.as_tensor(out_scale)
     if gs.dtype != torch.float32: raise TypeError(f"{what}: out_scale must be float32, got {gs.dtype}")
     if gs.numel() != E: raise ValueError(f"{what}: out_scale must have one scale per expert ({E}), got {gs.numel()}")
-    if not gs.is_cuda or check:      # a host tensor costs nothing to check; a device one only with check=True (a sync)
+    if gs.device.type == "cpu" or check:      # a host tensor costs nothing to check; a device one only with check=True (a sync)
         if not torch.isfinite(gs).all() or (gs < GS_MIN).any():
             raise ValueError(f"{what}: out_scale must be finite and >= GS_MIN = 2^-110 (see global_scale_from_amax)")
-    return check_tensor(gs.reshape(E).to(dev), what, "out_scale", (torch.float32,), dev, align=4)
+    return check_operand(gs.reshape(E).to(dev), what, "out_scale", (torch.float32,), dev, align=4)
 
 def _nvfp4_out(out, R: int, I: int, dev, what: str) -> NVFP4Tensor:
     "The NVFP4 h buffer: the caller's (checked, written in place) or a new one; per-row global scale (R,)."
@@ -188,81 +139,71 @@ def _nvfp4_out(out, R: int, I: int, dev, what: str) -> NVFP4Tensor:
         raise ValueError(f"{what}: out must be an NVFP4Tensor of shape ({R}, {I}) with a per-row global scale ({R},), "
                          f"got {tuple(out.shape)} with global_scale {tuple(out.global_scale.shape)}")
     for t, name in ((out.data, "out.data"), (out.scale, "out.scale"), (out.global_scale, "out.global_scale")):
-        check_tensor(t, what, name, (t.dtype,), dev, align=4 if t.dim() == 1 else 16)
+        check_operand(t, what, name, (t.dtype,), dev, align=4 if t.dim() == 1 else 16)
     return out
 
-def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A16) or NVFP4Tensor (R, H) (W4A4), on the GPU
-                              w13: PreparedWeights,          # (E, 2I, H) interleaved L1 weights (interleave_experts -> prepare_weights), on a's device
-                              expert_offsets: torch.Tensor,  # int32 (E,) cumulative end offsets of the expert-major rows, on the GPU
+def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A16) or NVFP4Tensor (R, H) (W4A4)
+                              w13: ExpertWeights,            # (E, 2I, H) interleaved L1 weights (interleave_experts -> prepare_weights), for a's device
+                              expert_offsets: torch.Tensor,  # int32 (E,) cumulative end offsets of the expert-major rows
                               *,
-                              swiglu_limit: float | None = 10.0,        # L; None or 0: no clamp (compiled into the kernel)
+                              swiglu_limit: float | None = 10.0,        # L; None or 0: no clamp (compiled into the Hopper kernel)
                               route_weight: torch.Tensor | None = None,  # fp32 (R,): multiplied into h (before W2)
                               out_dtype: str = "bf16",                   # "bf16": h (R, I) bf16; "nvfp4": h as an NVFP4Tensor
                               out_scale=None,                            # "nvfp4": fp32 (E,) static global scale of each expert's h
                               out=None,                                  # bf16 (R, I), or an NVFP4Tensor (R, I) with global_scale (R,)
-                              workspace: torch.Tensor | None = None,     # bf16 (R, H): W4A4's decoded activations (act_decode "pre")
-                              row_scales: torch.Tensor | None = None,    # fp32 (R, 2): the kernel's per-row (gs_a, p), no allocation
+                              workspace: torch.Tensor | None = None,     # bf16 (R, H): W4A4's decoded activations on Hopper
+                              row_scales: torch.Tensor | None = None,    # fp32 (R, 2): the epilogue's per-row (gs_a, p), no allocation
                               scales_given: bool = False,                # row_scales already holds (gs_a, p) (the MoE permute wrote it)
-                              act_decode: str = "pre",                   # W4A4 input: "pre", "kernel" (H % 256 == 0) or "auto"
-                              config=None,                               # a gemm_sm90.GemmConfig; default pick_config
+                              config=None,                               # a backend configuration instead of its plan
                               check: bool = False,                       # validate offsets and out_scale on the host (a sync)
                               dump: torch.Tensor | None = None,          # "nvfp4": fp32 (R, I), also store h before quantization (tests)
                               sms_free: int = 0,                         # SMs the launch leaves free for a kernel beside it (EP)
                              ):                                          # bf16 (R, I) or NVFP4Tensor (R, I)
-    """The fused L1 of the expert MLP on Hopper: `h = swiglu(W13 x) * p` per expert in one launch, SwiGLU in the GEMM's
-    epilogue (no (R, 2I) tensor), h as bf16 or, with `out_dtype="nvfp4"`, quantized in the epilogue with each expert's
-    static global scale (bit-exact `ref_quantize_nvfp4(h, out_scale[e])` of the kernel's fp32 h; the result carries the
-    scale per row). Rows are expert-major; a non-finite gate or up gives NaN in that element of h (for NVFP4, a NaN
-    block scale). With `out=`, `row_scales=` (and `workspace=` for W4A4 with `act_decode="pre"`) nothing is allocated.
-    With `scales_given=True` the kernel reads `row_scales` as given (bf16 activations, no `route_weight`): one launch."""
+    """The fused L1 of the expert MLP: `h = swiglu(W13 x) * p` per expert in one launch through the GEMM seam, SwiGLU in
+    the epilogue (no (R, 2I) tensor), h as bf16 or, with `out_dtype="nvfp4"`, quantized in the epilogue with each
+    expert's static global scale (bit-exact `ref_quantize_nvfp4(h, out_scale[e])` of the kernel's fp32 h; the result
+    carries the scale per row). Rows are expert-major; a non-finite gate or up gives NaN in that element of h (for
+    NVFP4, a NaN block scale). No host sync unless `check`. With `out=`, `row_scales=` (and `workspace=` for W4A4 on
+    Hopper) nothing is allocated: CUDA-graph safe. With `scales_given=True` the epilogue reads `row_scales` as given
+    (bf16 activations, no `route_weight`): one launch. Raises TypeError / ValueError, before any launch, for bad
+    operands (as `grouped_gemm_nvfp4`), a bad limit, `out_dtype` or `out_scale`."""
     what = "grouped_gemm_swiglu_nvfp4"
-    from dsv4_nvfp4 import gemm_sm90 as S90
     L = check_swiglu_limit(swiglu_limit)
     check_sms_free(sms_free, what)
     if out_dtype not in ("bf16", "nvfp4"): raise ValueError(f"{what}: out_dtype must be 'bf16' or 'nvfp4', got {out_dtype!r}")
-    if not isinstance(w13, PreparedWeights): raise TypeError(f"{what}: w13 must be PreparedWeights (prepare_weights), got {type(w13).__name__}")
+    if not isinstance(w13, ExpertWeights): raise TypeError(f"{what}: w13 must be ExpertWeights (prepare_weights), got {type(w13).__name__}")
     E, N2, K = w13.shape
     if N2 % 32: raise ValueError(f"{what}: W13 has {N2} rows; 2I with I a multiple of 16 (NVFP4 blocks of the L2 input) is needed")
     I = N2 // 2
-    if not isinstance(a, (torch.Tensor, NVFP4Tensor)):
-        raise TypeError(f"{what}: activations must be a bf16 tensor or an NVFP4Tensor, got {type(a).__name__}")
-    if len(a.shape) != 2: raise ValueError(f"{what}: activations must be (R, K = {K}), got {tuple(a.shape)}")
-    dev, R = (a.data if isinstance(a, NVFP4Tensor) else a).device, a.shape[0]
-    expert_offsets_operand(expert_offsets, E, R, dev, what, check)
+    act, dev, gs = check_activations(a, K, what)
+    b = backend_of(w13, what, dev)
+    R = a.shape[0]
+    check_offsets_operand(expert_offsets, E, R, dev, what, check)
+    gs_c = None
     if out_dtype == "nvfp4":
         gs_c = _static_scales(out_scale, E, dev, what, check)
         out = _nvfp4_out(out, R, I, dev, what)
-        if dump is not None: dump = out_tensor(dump, what, "dump", (R, I), (torch.float32,), dev)
+        if dump is not None: dump = out_operand(dump, what, "dump", (R, I), (torch.float32,), dev)
     else:
         if out_scale is not None or dump is not None: raise ValueError(f"{what}: out_scale and dump are for out_dtype='nvfp4'")
-        out = out_tensor(out, what, "out", (R, I), (torch.bfloat16,), dev)
-    ab, gs, sf_a = gemm_operands(what, a, w13, workspace, act_decode)     # checks (weights once); W4A4 "pre": the decode pass
-    if R == 0: return out
+        out = out_operand(out, what, "out", (R, I), (torch.bfloat16,), dev)
     if scales_given:
         if row_scales is None or gs is not None or route_weight is not None:
             raise ValueError(f"{what}: scales_given=True takes bf16 activations and row_scales (R, 2), no route_weight")
-        row_scales = out_tensor(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)
+        row_scales = out_operand(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)
     else:
-        gs_rows = cached_ones((R,), dev) if gs is None else gs.reshape(-1).expand(R) if gs.numel() == 1 else gs.reshape(R)
-        if route_weight is None: p = cached_ones((R,), dev)
-        else:
-            p = check_tensor(route_weight, what, "route_weight", (torch.float32,), dev, align=4)
+        row_scales = out_operand(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)
+        if route_weight is not None:
+            p = check_operand(route_weight, what, "route_weight", (torch.float32,), dev, align=4)
             if tuple(p.shape) != (R,): raise ValueError(f"{what}: route_weight must be ({R},), got {tuple(p.shape)}")
-        row_scales = out_tensor(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)
-        torch.stack([gs_rows, p], 1, out=row_scales)          # the kernel's per-row (gs_a, p): one small copy kernel
-    if config is not None:
-        ok, why = S90.GroupedGemmSm90.can_implement(config, E, K)
-        if not ok: raise ValueError(f"{what}: {why}")
-    epi = S90.Epilogue.SWIGLU_NVFP4 if out_dtype == "nvfp4" else S90.Epilogue.SWIGLU_BF16
-    cfg = (config or pick_config(R, E, K))._replace(epilogue=epi, swiglu_limit=math.inf if L is None else L,
-                                                    a_fp4=sf_a is not None, dump=dump is not None)
-    ok, why = S90.GroupedGemmSm90.can_implement(cfg, E, K)
-    if not ok: raise ValueError(f"{what}: {why}")
-    if out_dtype == "nvfp4":
-        S90.run_sm90(cfg, w13.w_sm90, ab, out.data.view(torch.int32), expert_offsets, w13.w_gs, row_scales, sf_a,
-                     out.scale.view(torch.uint8), gs_c, out.global_scale, dump, sms_free=sms_free)
-    else:
-        S90.run_sm90(cfg, w13.w_sm90, ab, out, expert_offsets, w13.w_gs, row_scales, sf_a, sms_free=sms_free)
+    if R == 0: return out
+    if not scales_given:                      # the epilogue's per-row (gs_a, p): one small copy kernel
+        ones = torch.ones((), dtype=torch.float32, device=dev)
+        gs_rows = ones.expand(R) if gs is None else gs.reshape(-1).expand(R) if gs.numel() == 1 else gs.reshape(R)
+        torch.stack([gs_rows, ones.expand(R) if route_weight is None else p], 1, out=row_scales)
+    kind = "swiglu_nvfp4" if out_dtype == "nvfp4" else "swiglu_bf16"
+    plan = plan_for(b, Problem(R, E, N2, K, act, kind, False, math.inf if L is None else L, sms_free, dump is not None), config, what)
+    b.run(plan, a, w13, expert_offsets, out, EpilogueArgs(row_scales=row_scales, out_scale=gs_c, dump=dump), workspace)
     return out
 
 # %% ../nbs/05_swiglu.ipynb #0d7c4dba
@@ -271,11 +212,10 @@ class MLPWorkspace:
     "Every intermediate buffer of `expert_mlp_nvfp4` for R rows: pass it as `workspace=` and the MLP allocates nothing."
     h: object                                   # bf16 (R, I) (W4A16), or NVFP4Tensor (R, I) with per-row gs (W4A4)
     row_scales: torch.Tensor                    # fp32 (R, 2): L1's per-row (gs_a, p)
-    x_dec: torch.Tensor | None = None           # bf16 (R, H): W4A4 L1 input decoded (act_decode "pre" only)
-    h_dec: torch.Tensor | None = None           # bf16 (R, I): W4A4 L2 input decoded (act_decode "pre" only)
+    x_dec: torch.Tensor | None = None           # bf16 (R, H): W4A4's L1 input decoded (Hopper's decode pass)
+    h_dec: torch.Tensor | None = None           # bf16 (R, I): W4A4's L2 input decoded
 
-def mlp_workspace(rows: int, w13: PreparedWeights, w2: PreparedWeights, act: str = "w4a16",
-                  act_decode: str = "pre", device=None) -> MLPWorkspace:
+def mlp_workspace(rows: int, w13: ExpertWeights, w2: ExpertWeights, act: str = "w4a16", device=None) -> MLPWorkspace:
     "The buffers `expert_mlp_nvfp4` needs for `rows` routed rows (allocate once, reuse every call, capture in a graph)."
     if act not in ("w4a16", "w4a4"): raise ValueError(f"mlp_workspace: act must be 'w4a16' or 'w4a4', got {act!r}")
     dev = torch.device(device) if device is not None else w13.device
@@ -283,13 +223,11 @@ def mlp_workspace(rows: int, w13: PreparedWeights, w2: PreparedWeights, act: str
     z = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
     if act == "w4a16": return MLPWorkspace(z(rows, I), z(rows, 2, dt=torch.float32))
     h = NVFP4Tensor(z(rows, I // 2, dt=torch.uint8), z(rows, I // 16, dt=torch.float8_e4m3fn), z(rows, dt=torch.float32), (rows, I))
-    return MLPWorkspace(h, z(rows, 2, dt=torch.float32),
-                        None if act_decode_in_kernel(act_decode, H, "mlp_workspace") else z(rows, H),
-                        None if act_decode_in_kernel(act_decode, I, "mlp_workspace") else z(rows, I))
+    return MLPWorkspace(h, z(rows, 2, dt=torch.float32), z(rows, H), z(rows, I))
 
 def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16) or NVFP4Tensor (R, H) (W4A4), expert-major rows, on the GPU
-                     w13: PreparedWeights,           # (E, 2I, H) interleaved gate/up (interleave_experts -> prepare_weights)
-                     w2: PreparedWeights,            # (E, H, I) down projections
+                     w13: ExpertWeights,             # (E, 2I, H) interleaved gate/up (interleave_experts -> prepare_weights)
+                     w2: ExpertWeights,              # (E, H, I) down projections, prepared for the same backend
                      expert_offsets: torch.Tensor,   # int32 (E,) cumulative end offsets of the rows, on the GPU
                      *,
                      act: str = "w4a16",             # "w4a16": h in bf16; "w4a4": x and h in NVFP4
@@ -297,17 +235,17 @@ def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16) or NV
                      route_weight: torch.Tensor | None = None,  # fp32 (R,): multiplied into h before W2 (DSV4)
                      a2_scales=None,                 # "w4a4": fp32 (E,) static global scales of h (w2's input_scale)
                      out: torch.Tensor | None = None,          # bf16 (R, H)
-                     workspace: MLPWorkspace | None = None,    # mlp_workspace(R, w13, w2, act, act_decode)
-                     act_decode: str = "pre",        # W4A4 activations: "pre" (dequantize pass), "kernel" or "auto"
+                     workspace: MLPWorkspace | None = None,    # mlp_workspace(R, w13, w2, act)
                      check: bool = False,            # validate offsets and a2_scales on the host (a sync)
                     ) -> torch.Tensor:               # bf16 (R, H)
-    """DSV4's routed expert MLP `y = W2 (swiglu(W13 x) * p)` on Hopper in two launches: the fused L1 (SwiGLU, routing
-    weight and, for W4A4, the NVFP4 quantization of h in its epilogue) and the L2 grouped GEMM. The spec is
-    `ref_expert_mlp`. With `out=` and `workspace=` it allocates nothing: the whole MLP can be captured in one CUDA
-    graph and replayed with new routing (up to the captured row count)."""
+    """DSV4's routed expert MLP `y = W2 (swiglu(W13 x) * p)` in two launches through the GEMM seam: the fused L1 (SwiGLU,
+    routing weight and, for W4A4, the NVFP4 quantization of h in its epilogue) and the L2 grouped GEMM, on the backend
+    the weights were prepared for (Hopper, or the CPU's reference). The spec is `ref_expert_mlp`. No host sync unless
+    `check`. With `out=` and `workspace=` it allocates nothing: the whole MLP can be captured in one CUDA graph and
+    replayed with new routing (up to the captured row count). Raises as the two ops do, before any launch."""
     what = "expert_mlp_nvfp4"
     for w, name in ((w13, "w13"), (w2, "w2")):
-        if not isinstance(w, PreparedWeights): raise TypeError(f"{what}: {name} must be PreparedWeights, got {type(w).__name__}")
+        if not isinstance(w, ExpertWeights): raise TypeError(f"{what}: {name} must be ExpertWeights (prepare_weights), got {type(w).__name__}")
     _check_mlp(what, act, x, w13.shape, w2.shape)
     if act == "w4a16" and a2_scales is not None: raise ValueError(f"{what}: a2_scales is for act='w4a4' (h in NVFP4)")
     ws = workspace
@@ -318,8 +256,8 @@ def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16) or NV
     else:
         h = grouped_gemm_swiglu_nvfp4(x, w13, expert_offsets, swiglu_limit=swiglu_limit, route_weight=route_weight,
                                       out_dtype="nvfp4", out_scale=a2_scales, out=ws and ws.h, row_scales=ws and ws.row_scales,
-                                      workspace=ws and ws.x_dec, act_decode=act_decode, check=check)
-    return grouped_gemm_nvfp4(h, w2, expert_offsets, out=out, workspace=ws and ws.h_dec, act_decode=act_decode)
+                                      workspace=ws and ws.x_dec, check=check)
+    return grouped_gemm_nvfp4(h, w2, expert_offsets, out=out, workspace=ws and ws.h_dec)
 
 # %% ../nbs/05_swiglu.ipynb #993a4647
 MLP_PROBLEMS = ([("Flash", 256, 4096, 2048, T, 6) for T in (1, 8, 32, 128, 512, 2048, 8192)] +
