@@ -204,7 +204,7 @@ __device__ __forceinline__ void quantize_flat(const T* __restrict__ x, i64 M, i6
     nvfp4_quantize_rowgs_##SUF(const T* __restrict__ x, i64 M, i64 K, float* __restrict__ gs_out,       \
                                u8* __restrict__ codes, u8* __restrict__ sf, int swizzle) {              \
         if constexpr (sizeof(T) == 2 && NB > 1)                                                         \
-            row_quantize_raw<T, NB, kRowPlain>(x, M, K, nullptr, 0.0f, 0, nullptr, 0, gs_out,               \
+            row_quantize_raw<T, NB, kRowPlain, false>(x, M, K, nullptr, 0.0f, 0, nullptr, 0, gs_out,        \
                                                       nullptr, codes, sf, swizzle);                     \
         else                                                                                            \
             row_quantize<T, NB, kRowPlain>(x, nullptr, 0, M, K, nullptr, 0.0f, 0, nullptr, 0, gs_out,    \

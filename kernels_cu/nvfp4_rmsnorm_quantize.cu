@@ -69,7 +69,7 @@ using namespace nvfp4;
         const float* __restrict__ gs_in, i64 gs_in_stride, float* __restrict__ gs_out,                  \
         float* __restrict__ inv_rms_out, u8* __restrict__ codes, u8* __restrict__ sf, int swizzle) {    \
         if constexpr (sizeof(T) == 2 && RNB > 1)                                                        \
-            row_quantize_raw<T, RNB, kRowRmsNorm>(x, M, N, w, eps, round_bf16, gs_in,                      \
+            row_quantize_raw<T, RNB, kRowRmsNorm, false>(x, M, N, w, eps, round_bf16, gs_in,               \
                                          gs_in_stride, gs_out, inv_rms_out, codes, sf, swizzle);        \
         else                                                                                            \
             row_quantize<T, RNB, kRowRmsNorm>(x, nullptr, 0, M, N, w, eps, round_bf16, gs_in, gs_in_stride, \

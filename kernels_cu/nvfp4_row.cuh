@@ -175,8 +175,9 @@ __device__ __forceinline__ void row_quantize(
 // kept as its raw 16-bit words (NB * 8 registers instead of NB * 16) and converted where used:
 //   plain:   block |.|-max on the raw words (as load16_amax), the fp32 values only in pass 3.
 //   RMSNorm: ss from the words; y = (h * inv_rms) * w is built in pass 2 for the amax and held for pass 3
-//            (NB * 16 fp32 registers, as row_quantize). Building y again in pass 3 instead (half the
-//            registers, ~3 more instructions per element) measured slower: 2.01 vs 2.37 TB/s at NB = 4.
+//            (NB * 16 fp32 registers, as row_quantize), or with RECOMP built again in pass 3 (same
+//            operations, same bits; half the registers but ~3 more instructions per element: measured
+//            slower, 2.01 vs 2.37 TB/s at NB = 4).
 // Same launcher contract as row_quantize.
 // |.|-max of 16 values produced by an fp32 multiply (so any NaN among them is the canonical 0x7fffffff):
 // max.NaN.f32 on |v| (one FMNMX with an |.| operand per value instead of LOP + integer max). Non-NaN: the
@@ -211,7 +212,7 @@ __device__ __forceinline__ void rms_y16(const uint4 (&rw)[2], const float* __res
     }
 }
 
-template <typename T, int NB, int MODE>
+template <typename T, int NB, int MODE, bool RECOMP>
 __device__ __forceinline__ void row_quantize_raw(
     const T* __restrict__ x, i64 M, i64 N, const float* __restrict__ w, float eps, int round_bf16,
     const float* __restrict__ gs_in, i64 gs_in_stride, float* __restrict__ gs_out,
@@ -262,7 +263,7 @@ __device__ __forceinline__ void row_quantize_raw(
 
     // Pass 2 (RMSNorm): y, its block amax.
     float inv = 0.0f;
-    float hy[NB][16];
+    float hy[RECOMP ? 1 : NB][16];
     if (MODE != kRowPlain) {
         ss = warp_row ? warp_sum(ss) : block_sum_once(ss, sh_f);
         const float var = __fdiv_rn(ss, (float)N);
@@ -272,7 +273,7 @@ __device__ __forceinline__ void row_quantize_raw(
         for (int k = 0; k < NB; ++k) {
             const i64 c = threadIdx.x + (i64)k * blockDim.x;
             if (c < nb) {
-                float* yk = hy[k];
+                float* yk = hy[RECOMP ? 0 : k];
                 rms_y16<T>(raw[k], w + c * kBlock, inv, round_bf16, *reinterpret_cast<float(*)[16]>(yk));
                 bam[k] = absmax_bits16_fmul(*reinterpret_cast<float(*)[16]>(yk));
                 mx = max(mx, bam[k]);
@@ -297,9 +298,11 @@ __device__ __forceinline__ void row_quantize_raw(
             float v[16];
             if (MODE == kRowPlain) {
                 Unpack16<T>::run(reinterpret_cast<const u32*>(raw[k]), v);
+            } else if (RECOMP) {
+                rms_y16<T>(raw[k], w + c * kBlock, inv, round_bf16, v);
             } else {
 #pragma unroll
-                for (int i = 0; i < 16; ++i) v[i] = hy[k][i];
+                for (int i = 0; i < 16; ++i) v[i] = hy[RECOMP ? 0 : k][i];
             }
             u32 lo, hi;
             const u32 sb = quantize_block16(v, bam[k], g, lo, hi);
