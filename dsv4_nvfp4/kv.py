@@ -280,7 +280,6 @@ def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split=None)
     for name, t in (("kv", kv), ("score", score), ("ape", ape), ("norm_weight", norm_weight)):
         rt.check_tensor(t, what, name, (torch.float32,), dev, align=16)
     defs = dict(RATIO=ratio, KV_D=D, ROPE=rope.dim, SPLIT=split, KV_UNROLL=kv_unroll(ratio))
-    defs.update(rt.KERNEL_DEFINES or {})                       # A/B variants (DSV4_NVFP4_DEFINES) win
     return coff, D, defs
 
 def _check_state(state, what, B, ratio, coff, D, dev):

@@ -22,6 +22,7 @@ __all__ = ['RN_CU', 'ref_mhc_premix', 'ref_rmsnorm', 'ref_rmsnorm_quantize_nvfp4
 
 # %% ../nbs/03b_norm_quantize.ipynb #a8f743e9
 RN_CU = "nvfp4_rmsnorm_quantize.cu"
+_RMS_NB, _RMS_NB32, _MHC_NB = 4, 2, 1   # 16-blocks per thread: NVFP4_RMS_NB / _NB32, NVFP4_MHC_NB of RN_CU
 
 # %% ../nbs/03b_norm_quantize.ipynb #edbfda81
 def ref_mhc_premix(x: torch.Tensor,  # (M, n_hc, N) float
@@ -115,13 +116,8 @@ def _fused(what, kernel, x, lead, N, weight, eps, global_scale, round_to_bf16, s
     inv = out_tensor(out_inv_rms, what, "out_inv_rms", lead, (torch.float32,), dev, align=4)
     data, sf, sfv = codes_scales_out(out_data, out_scale, what, lead, M, N, swizzle, dev)
     grid = rt.round_up(M, 128) if swizzle else M
-    # NB 16-blocks per thread: must match NVFP4_RMS_NB16 / NVFP4_MHC_NB16 (fp32: half) in nvfp4_rmsnorm_quantize.cu
-    d = rt.KERNEL_DEFINES or {}
-    if kernel == "nvfp4_mhc_rmsnorm_quantize":
-        nb16 = next((n for n in (2, 4, 8) if f"NVFP4_MHC_NB{n}" in d), 1)
-    else:
-        nb16 = next((n for n in (1, 2, 8) if f"NVFP4_ROW_NB{n}" in d), 4)
-    nbt = nb16 if x.element_size() < 4 else max(1, nb16 // 2)
+    # NB 16-blocks per thread, as the kernel's (a mismatch would leave blocks of the row unowned)
+    nbt = _MHC_NB if kernel == "nvfp4_mhc_rmsnorm_quantize" else _RMS_NB if x.element_size() < 4 else _RMS_NB32
     if grid and N:
         with torch.cuda.device(dev):
             rt.launch_1d(RN_CU, f"{kernel}_{rt.DTYPE_SUFFIX[x.dtype]}", grid, max(32, rt.round_up(rt.cdiv(kb, nbt), 32)),

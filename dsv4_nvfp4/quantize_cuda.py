@@ -29,6 +29,7 @@ __all__ = ['ROW_KERNEL_MAX_K', 'Q_CU', 'DQ_CU', 'G_CU', 'SwizzledNVFP4', 'global
 ROW_KERNEL_MAX_K = 16384      # one 16-block per thread, <= 1024 threads: the row kernels hold a row in registers
 _THREADS = 256                # flat kernels
 _AMAX_UNROLL = 4              # must match kAmaxUnroll in nvfp4_quantize.cu (only used to size the grid)
+_ROWGS_NB, _ROWGS_NB32 = 4, 2 # 16-blocks per thread of nvfp4_quantize_rowgs (bf16/fp16, fp32): NVFP4_ROWGS_NB / _NB32
 _SF_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 
 Q_CU, DQ_CU, G_CU = "nvfp4_quantize.cu", "nvfp4_dequantize.cu", "nvfp4_gather.cu"
@@ -135,10 +136,7 @@ def quantize_nvfp4_cuda(x: torch.Tensor,           # (..., K) bf16/fp16/fp32 CUD
             _quantize_flat(x, M, K, gs, 0, data, sfv, swizzle, dt)
         elif computed and per_row and K <= ROW_KERNEL_MAX_K:
             grid = rt.round_up(M, 128) if swizzle else M
-            # NB 16-blocks per thread: must match NVFP4_ROWGS_NB16 / _NB32 in nvfp4_quantize.cu
-            d = rt.KERNEL_DEFINES or {}
-            nb16 = next((n for n in (1, 2, 8) if f"NVFP4_ROWGS_NB{n}" in d), 4)
-            nbt = nb16 if x.element_size() < 4 else max(1, nb16 // 2)
+            nbt = _ROWGS_NB if x.element_size() < 4 else _ROWGS_NB32   # 16-blocks per thread
             rt.launch_1d(Q_CU, f"nvfp4_quantize_rowgs_{dt}", grid, max(32, rt.round_up(rt.cdiv(kb, nbt), 32)),
                          [rt.ptr(x), rt.i64(M), rt.i64(K), rt.ptr(gs), rt.ptr(data), rt.ptr(sfv), rt.i32(int(swizzle))])
         elif computed:  # per row, K too long for one CTA's registers: two passes over x

@@ -24,12 +24,11 @@ from .formats import cdiv, round_up  # noqa: F401 (launchers use rt.cdiv / rt.ro
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")  # compile-checked in CI; sm_90a is the verified target
 
 # %% auto #0
-__all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'KERNEL_DEFINES', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'KernelCompileError',
-           'KernelLaunchError', 'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir',
-           'show_cu', 'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult',
-           'compile_cubin', 'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'i64', 'i32',
-           'u32', 'f32', 'check_tensor', 'out_tensor', 'check_k16', 'launch_1d', 'register_op_object', 'op_object',
-           'define_op']
+__all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'KernelCompileError', 'KernelLaunchError',
+           'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir', 'show_cu',
+           'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult', 'compile_cubin',
+           'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'i64', 'i32', 'u32', 'f32',
+           'check_tensor', 'out_tensor', 'check_k16', 'launch_1d', 'register_op_object', 'op_object', 'define_op']
 
 # %% ../nbs/03_runtime.ipynb #2ee0e57b
 class KernelCompileError(RuntimeError):
@@ -458,9 +457,6 @@ def f32(v): return _F32(v)
 # %% ../nbs/03_runtime.ipynb #95df1afa
 _DEVICE_TYPE = "cuda"  # the device launchers accept (tests/test_runtime.py sets "cpu" to record launches on CPU tensors)
 
-# Compile-time variants for A/B checks on the GPU, e.g. DSV4_NVFP4_DEFINES=NVFP4_E2M1_COMPARE,NVFP4_SOFTWARE_E4M3
-# (the comparison-form E2M1 encoder, the software E4M3 encoder); empty: the default kernels.
-KERNEL_DEFINES = {d.strip(): None for d in os.environ.get("DSV4_NVFP4_DEFINES", "").split(",") if d.strip()} or None
 DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 def check_tensor(t,                       # the argument to check
@@ -513,8 +509,8 @@ def check_k16(K: int, what: str, name: str = "K (the last dim)"):
                          "(the CPU reference ref_quantize_nvfp4 pads, the kernels do not)")
 
 def launch_1d(file: str, name: str, grid: int, block: int, args):
-    "`launch` with a 1-D grid and block on the current stream, compiled with `KERNEL_DEFINES`."
-    launch(file, name, (int(grid), 1, 1), (int(block), 1, 1), args, defines=KERNEL_DEFINES)
+    "`launch` with a 1-D grid and block on the current stream (no defines)."
+    launch(file, name, (int(grid), 1, 1), (int(block), 1, 1), args)
 
 # %% ../nbs/03_runtime.ipynb #7fe56b24
 import itertools, weakref

@@ -19,6 +19,8 @@
 // on NVRTC flags. The runtime also passes --fmad=false --prec-div=true --prec-sqrt=true --ftz=false.
 // Denormals matter: x*r may be an fp32 subnormal (it encodes to +-0, keeping its sign); never
 // compile these files with -ftz=true.
+//
+// Compile-time switches: none (one code path per helper; each .cu lists its own constants).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -60,42 +62,6 @@ __device__ __forceinline__ float gs_from_amax(float amax) {
 __device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
 // ---------------------------------------------------------------------------------------------
-// E2M1 encode: round to nearest, ties to the even code, on the exact fp32 value; |v| >= 6 and Inf
-// saturate to 6; the code's sign bit is v's sign bit (so -0 and tiny negatives give code 8).
-// Magnitudes by code: 0:0 1:0.5 2:1 3:1.5 4:2 5:3 6:4 7:6 (midpoints 0.25 0.75 1.25 1.75 2.5 3.5 5).
-// NOTE: written as two exact roundings instead of 7 comparisons (about half the instructions; the
-// quantize kernels are close to issue-bound at full HBM bandwidth):
-//   |v| <  1: the grid is k * 0.5, k = 0..2. fp32 addition of 2^22 (whose ulp is 0.5) rounds |v| to
-//             that grid with ties to even k (= the even code), and k is the low bits of the sum.
-//   |v| >= 1: E2M1 is a float with 1 mantissa bit and exponent bias 1: round the fp32 mantissa to
-//             1 bit with ties to even in integer arithmetic, rebias 127 -> 1 (254 - 2 = 252), cap at 7.
-// Both are checked bit-exact against the reference encoder on the GPU by tests/test_kernels_gpu.py (ties at
-// every midpoint and one ulp around them, heavy-tailed and spread-magnitude rows, both variants). NaN gives
-// magnitude 7 (the reference rejects NaN). -DNVFP4_E2M1_COMPARE selects the comparison form instead.
-// NOTE: the quantize kernels no longer call this per element by default: encode16 below (pairs of values,
-// three magic additions + a 16x2 SIMD min, ~9 instructions per element instead of ~15) is the default;
-// -DNVFP4_E2M1_SCALAR (or NVFP4_E2M1_COMPARE) brings back this per-element path for A/B checks.
-#ifdef NVFP4_E2M1_COMPARE
-// The 7-comparison form (odd-index midpoints 0.75, 1.75, 3.5 round up with >=, the others down with >).
-// Same codes for every non-NaN input (exhaustively checked on [0, 8]); NaN gives magnitude 0 here.
-__device__ __forceinline__ u32 e2m1_code(float v) {
-    const u32 bits = __float_as_uint(v);
-    const float a = __uint_as_float(bits & 0x7fffffffu);
-    const u32 mag = (u32)(a > 0.25f) + (u32)(a >= 0.75f) + (u32)(a > 1.25f) + (u32)(a >= 1.75f) +
-                    (u32)(a > 2.5f) + (u32)(a >= 3.5f) + (u32)(a > 5.0f);
-    return mag | ((bits >> 28) & 8u);
-}
-#else
-__device__ __forceinline__ u32 e2m1_code(float v) {
-    const u32 bits = __float_as_uint(v);
-    const u32 b = bits & 0x7fffffffu;
-    const float a = __uint_as_float(b);
-    const u32 k_small = __float_as_uint(__fadd_rn(a, 4194304.0f)) - 0x4a800000u;   // 2^22 = 0x4a800000
-    const u32 k_norm = min(((b + 0x1fffffu + ((b >> 22) & 1u)) >> 22) - 252u, 7u);
-    return (a < 1.0f ? k_small : k_norm) | ((bits >> 28) & 8u);
-}
-#endif
-
 // E2M1 code -> fp32 (exact). For m >= 2 the E2M1 bits e:m shifted into an fp32 with the bias
 // moved from 1 to 127 give the value; m == 1 is the subnormal 0.5.
 __device__ __forceinline__ float e2m1_to_float(u32 code) {
@@ -106,44 +72,19 @@ __device__ __forceinline__ float e2m1_to_float(u32 code) {
 
 // ---------------------------------------------------------------------------------------------
 // E4M3 (float8_e4m3fn). Encode is only ever applied to q in [0, 448] or NaN (the caller clamps).
-#ifdef NVFP4_SOFTWARE_E4M3
-// Exact software RNE (kept for cross-checking the hardware conversion: test_kernel_variants_bit_exact).
-__device__ __forceinline__ u32 e4m3_encode(float q) {
-    const u32 b = __float_as_uint(q);
-    if (b > 0x7f800000u) return 0x7fu;                       // NaN
-    if (q < 0x1p-6f) {                                        // subnormal range (and 0): step 2^-9
-        return (u32)__float2int_rn(__fmul_rn(q, 512.0f));     // 0..8; 8 is the code of 2^-6
-    }
-    const u32 lsb = (b >> 20) & 1u;                           // RNE on the 3 kept mantissa bits
-    const u32 rb = b + 0x7ffffu + lsb;
-    return (rb >> 20) - (120u << 3);                          // rebias 127 -> 7; q <= 448 -> <= 0x7e
-}
-#else
 // NOTE: on sm_89+ this is one cvt.rn.satfinite.e4m3x2.f32: round to nearest even, finite values
 // saturate to +-448, NaN -> 0x7f. Input here is already clamped to <= 448.
 __device__ __forceinline__ u32 e4m3_encode(float q) {
     return (u32)__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
 }
-#endif
 
 // E4M3 byte -> fp32 (exact). 0x7f / 0xff are NaN.
-#ifdef NVFP4_SOFTWARE_E4M3
-__device__ __forceinline__ float e4m3_to_float(u32 b) {
-    const u32 e = (b >> 3) & 15u, m = b & 7u;
-    float mag;
-    if (e == 0u) mag = __fmul_rn(__uint2float_rn(m), 0x1p-9f);
-    else if ((b & 0x7fu) == 0x7fu) mag = __uint_as_float(0x7fc00000u);
-    else mag = __uint_as_float(((e + 120u) << 23) | (m << 20));
-    return (b & 0x80u) ? -mag : mag;
-}
-#else
 // NOTE: hardware cvt.rn.f16x2.e4m3x2 (sm_89+), then f16 -> f32: both exact for every e4m3 value
 // (f16 holds 2^-9 .. 448 exactly; NaN stays NaN). 2 instructions instead of ~15 with branches.
 __device__ __forceinline__ float e4m3_to_float(u32 b) {
     const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3);
     return __half2float(__half(h));
 }
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // 32_4_4 swizzle: byte offset of scale (r, c) of a matrix whose padded column count is `cp`
@@ -293,16 +234,15 @@ __device__ __forceinline__ u32 absmax_bits16(const float (&v)[16]) {
 // Quantize one block of 16 fp32 values whose |.|-max bits are `amax_bits`, with global scale gs.
 // Returns the e4m3 scale byte; `lo`/`hi` get the 16 packed codes (element 2i low nibble, i.e.
 // element k at bits 4k of the 64-bit little-endian word lo | hi << 32).
-#if defined(NVFP4_E2M1_COMPARE) || defined(NVFP4_E2M1_SCALAR)
-__device__ __forceinline__ void encode16(const float (&v)[16], float r, u32& lo, u32& hi) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) lo |= e2m1_code(__fmul_rn(v[i], r)) << (4 * i);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) hi |= e2m1_code(__fmul_rn(v[8 + i], r)) << (4 * i);
-}
-#else
+// E2M1 encode: round to nearest, ties to the even code, on the exact fp32 value x*r; |.| >= 6 and Inf saturate
+// to 6; the code's sign bit is the sign bit of x*r (so -0 and tiny negatives give code 8); NaN gives magnitude 7
+// (the reference rejects NaN). Magnitudes by code: 0:0 1:0.5 2:1 3:1.5 4:2 5:3 6:4 7:6 (midpoints 0.25 0.75
+// 1.25 1.75 2.5 3.5 5).
+// NOTE: two values at a time, ~9 instructions per element; the per-element forms it replaced (two exact
+// roundings, ~15 instructions; 7 comparisons, about twice that) are gone: the quantize kernels are close to
+// issue-bound at full HBM bandwidth.
 // E2M1 magnitudes of two values, as c_a | c_b << 16 (3 bits each). With a = min(|v|, 6) (fminf: NaN -> 6,
-// so NaN -> magnitude 7 as in e2m1_code), each of the three fp32 additions rounds `a` once (RNE) on a
+// so NaN -> magnitude 7), each of the three fp32 additions rounds `a` once (RNE) on a
 // uniform grid, and the E2M1 code is the smallest of the three grid indices:
 //   t1 = a + 2^22        ulp 0.5: low bits = RNE(2a)      (= the code for a <= 2)
 //   t2 = a + (2^23 + 2)  ulp 1:   low bits = RNE(a) + 2   (= the code for 2 <= a <= 4)
@@ -319,8 +259,8 @@ __device__ __forceinline__ u32 e2m1_mag2(float va, float vb) {
     return __vminu2(__vminu2(p1, p2), p3);
 }
 // Sign bits of xa, xb at bits 3 and 19 (the E2M1 sign bit of each halfword). The code's sign is the
-// sign of x*r = the sign of x (r > 0; -0 and underflowing negatives keep it); only a NaN product
-// (whose sign the hardware does not define) may differ from e2m1_code's.
+// sign of x*r = the sign of x (r > 0; -0 and underflowing negatives keep it); for a NaN product
+// (whose sign the hardware does not define) it is the sign of x.
 __device__ __forceinline__ u32 sign2(float xa, float xb) {
     // NOTE: plain shifts (for bf16 the compiler folds both into one shift of the input word).
     return ((__float_as_uint(xa) >> 28) & 0x8u) | ((__float_as_uint(xb) >> 12) & 0x80000u);
@@ -341,7 +281,6 @@ __device__ __forceinline__ void encode16(const float (&v)[16], float r, u32& lo,
     lo = pack8(p[0], p[1], p[2], p[3]);
     hi = pack8(p[4], p[5], p[6], p[7]);
 }
-#endif
 
 __device__ __forceinline__ u32 quantize_block16(const float (&v)[16], u32 amax_bits, float gs,
                                                 u32& lo, u32& hi) {

@@ -27,7 +27,9 @@
 // copy). An E2M1 code s|e1 e0|m0 placed as the E4M3 byte s|0 0 e1 e0|m0 0 0 is the code's value times
 // 2^-6 exactly (the subnormal code 0.5 becomes the E4M3 subnormal 2^-7); the float of that, times
 // 64 * scale, is code * scale exactly (at most 2 x 4 significant bits), and the one rounded product with
-// gs follows, as in the reference. -DNVFP4_GATHER_SCALAR_DECODE brings back the per-element path (A/B).
+// gs follows, as in the reference.
+//
+// Compile-time constants: none is set from outside (the launcher passes no defines); kThreads below is fixed.
 #include "nvfp4_common.cuh"
 
 using namespace nvfp4;
@@ -55,11 +57,6 @@ __device__ __forceinline__ u32 e2m1x4_to_e4m3x4(u32 c) {
 // 8 codes of a 32-bit word (element 2j in the low nibble of byte j) -> v[0..7] = code * s64 * g,
 // where s64 = 64 * scale (exact) and each element is rounded once (the product with g).
 __device__ __forceinline__ void decode8(u32 w, float s64, float g, float* v) {
-#ifdef NVFP4_GATHER_SCALAR_DECODE
-    const float s = __fmul_rn(s64, 0x1p-6f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(__fmul_rn(e2m1_to_float((w >> (4 * i)) & 15u), s), g);
-#else
     const u32 lo = e2m1x4_to_e4m3x4(w & 0x0F0F0F0Fu);          // elements 0, 2, 4, 6
     const u32 hi = e2m1x4_to_e4m3x4((w >> 4) & 0x0F0F0F0Fu);   // elements 1, 3, 5, 7
     const u32 p[2] = {__byte_perm(lo, hi, 0x5140u), __byte_perm(lo, hi, 0x7362u)};   // 0 1 2 3 | 4 5 6 7
@@ -70,7 +67,6 @@ __device__ __forceinline__ void decode8(u32 w, float s64, float g, float* v) {
         v[2 * j] = __fmul_rn(__fmul_rn(f.x, s64), g);
         v[2 * j + 1] = __fmul_rn(__fmul_rn(f.y, s64), g);
     }
-#endif
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads)

@@ -29,65 +29,38 @@
 //                                   gs_in_stride, gs_out, inv_rms_out, codes, sf, swizzle)
 // Launch: grid = M (round_up(M,128) when swizzle), block = max(32, round_up(ceil(N/16 / NB), 32)), NB below
 // (rmsnorm: 4 for bf16/fp16, 2 for fp32; mHC: 1).
+//
+// Compile-time constants: none is set from outside (the launchers pass no defines): NVFP4_RMS_NB, _NB32 and
+// NVFP4_MHC_NB below are fixed; mHC's register cap (__maxnreg__(40)) follows __CUDA_ARCH__ (sm_90 tuning);
+// tests/test_runtime.py compiles both archs.
 #include "nvfp4_common.cuh"
 #include "nvfp4_row.cuh"
 
 using namespace nvfp4;
 
-// Blocks of 16 per thread (NB, the template argument of row_quantize / row_quantize_raw). RMSNorm: NB = 4 for
-// bf16/fp16 (2 for fp32): a 4096-wide row is 2 warps, the per-row scalar work (reductions, division, sqrt,
-// gs) is paid once per 64 elements per thread instead of once per 16. The launcher
-// (dsv4_nvfp4.norm._fused) uses block = max(32, round_up(ceil(N/16 / NB), 32)) with the same NB: keep the
-// two in step. A/B variants (DSV4_NVFP4_DEFINES): NVFP4_ROW_NB1 / NB2 / NB8 for RMSNorm, NVFP4_MHC_NB2 / NB4 /
-// NB8 for mHC (default NB 1 for mHC: near the copy ceiling, NB 2/4 measured slower), NVFP4_RMS_INTMAX.
-#if defined(NVFP4_ROW_NB1)
-#define NVFP4_RMS_NB16 1
-#elif defined(NVFP4_ROW_NB2)
-#define NVFP4_RMS_NB16 2
-#elif defined(NVFP4_ROW_NB8)
-#define NVFP4_RMS_NB16 8
-#else
-#define NVFP4_RMS_NB16 4
-#endif
-#if defined(NVFP4_MHC_NB2)
-#define NVFP4_MHC_NB16 2
-#elif defined(NVFP4_MHC_NB4)
-#define NVFP4_MHC_NB16 4
-#elif defined(NVFP4_MHC_NB8)
-#define NVFP4_MHC_NB16 8
-#else
-#define NVFP4_MHC_NB16 1
-#endif
-// bf16/fp16 RMSNorm holds y in registers from pass 2 to pass 3 (110 registers at NB = 4);
-// NVFP4_RMS_RECOMPUTE (A/B) rebuilds it from the raw words instead (80 registers, measured slower).
-#if defined(NVFP4_RMS_RECOMPUTE)
-#define NVFP4_RMS_RECOMP true
-#else
-#define NVFP4_RMS_RECOMP false
-#endif
-#define NVFP4_NB32(nb) ((nb) > 1 ? (nb) / 2 : 1)   // fp32 input: half the blocks (its registers hold fp32 anyway)
+// Blocks of 16 per thread (NB, the template argument of row_quantize / row_quantize_raw). RMSNorm: NVFP4_RMS_NB
+// = 4 for bf16/fp16 (NVFP4_RMS_NB32 = 2 for fp32): a 4096-wide row is 2 warps, the per-row scalar work (reductions,
+// division, sqrt, gs) is paid once per 64 elements per thread instead of once per 16. mHC: NVFP4_MHC_NB = 1 (near
+// the copy ceiling; NB 2/4 measured slower). The launcher (dsv4_nvfp4.norm._fused) uses
+// block = max(32, round_up(ceil(N/16 / NB), 32)) with the same NB (tests/test_runtime.py checks the two agree).
+// NB = 4 won for RMSNorm on an H200 (bf16 (M, 4096), 1 GB; NB 1/4/8: 2.07/2.37/1.77 TB/s).
+#define NVFP4_RMS_NB 4     // RMSNorm, bf16 / fp16
+#define NVFP4_RMS_NB32 2   // RMSNorm, fp32
+#define NVFP4_MHC_NB 1     // mHC, every dtype
 
-// NOTE: NB = 1, bf16/fp16 inputs: at most 40 registers per thread (6 CTAs of 256 threads per SM instead of 4 at
+// NOTE: mHC (NB = 1), bf16/fp16 inputs: at most 40 registers per thread (6 CTAs of 256 threads per SM instead of 4 at
 // the compiler's 50; measured 0-1 spilled words across a barrier). fp32 input keeps the default (it
 // spills under 40). __maxnreg__ (CUDA 12.4+) replaces __launch_bounds__ (both cannot be given).
 // NB > 1: the compiler's choice under the block-size bound (the row is 16*NB fp32 registers per thread).
-#if defined(NVFP4_ROW_NOCAP) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ != 900  // sm_90 tuning only
-#define NVFP4_ROW_CAP40 0
-#else
-#define NVFP4_ROW_CAP40 1
-#endif
-#if NVFP4_ROW_CAP40 && NVFP4_RMS_NB16 == 1
-#define NVFP4_RMS_BOUNDS_16 __maxnreg__(40)
-#else
-#define NVFP4_RMS_BOUNDS_16 __launch_bounds__(RowMaxThreads<NVFP4_RMS_NB16>::value)
-#endif
-#if NVFP4_ROW_CAP40 && NVFP4_MHC_NB16 == 1
+// The cap is sm_90 tuning only: other archs keep the compiler's choice.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define NVFP4_MHC_BOUNDS_16 __maxnreg__(40)
 #else
-#define NVFP4_MHC_BOUNDS_16 __launch_bounds__(RowMaxThreads<NVFP4_MHC_NB16>::value)
+#define NVFP4_MHC_BOUNDS_16 __launch_bounds__(RowMaxThreads<NVFP4_MHC_NB>::value)
 #endif
-#define NVFP4_RMS_BOUNDS_32 __launch_bounds__(RowMaxThreads<NVFP4_NB32(NVFP4_RMS_NB16)>::value)
-#define NVFP4_MHC_BOUNDS_32 __launch_bounds__(RowMaxThreads<NVFP4_NB32(NVFP4_MHC_NB16)>::value)
+#define NVFP4_RMS_BOUNDS_16 __launch_bounds__(RowMaxThreads<NVFP4_RMS_NB>::value)
+#define NVFP4_RMS_BOUNDS_32 __launch_bounds__(RowMaxThreads<NVFP4_RMS_NB32>::value)
+#define NVFP4_MHC_BOUNDS_32 __launch_bounds__(RowMaxThreads<NVFP4_MHC_NB>::value)
 
 #define NVFP4_RMSNORM_ENTRY_POINTS(SUF, T, RBOUNDS, RNB, MBOUNDS, MNB)                                                              \
     extern "C" __global__ void RBOUNDS                              \
@@ -96,7 +69,7 @@ using namespace nvfp4;
         const float* __restrict__ gs_in, i64 gs_in_stride, float* __restrict__ gs_out,                  \
         float* __restrict__ inv_rms_out, u8* __restrict__ codes, u8* __restrict__ sf, int swizzle) {    \
         if constexpr (sizeof(T) == 2 && RNB > 1)                                                        \
-            row_quantize_raw<T, RNB, kRowRmsNorm, NVFP4_RMS_RECOMP>(x, M, N, w, eps, round_bf16, gs_in,     \
+            row_quantize_raw<T, RNB, kRowRmsNorm, false>(x, M, N, w, eps, round_bf16, gs_in,               \
                                          gs_in_stride, gs_out, inv_rms_out, codes, sf, swizzle);        \
         else                                                                                            \
             row_quantize<T, RNB, kRowRmsNorm>(x, nullptr, 0, M, N, w, eps, round_bf16, gs_in, gs_in_stride, \
@@ -112,7 +85,6 @@ using namespace nvfp4;
                                      gs_out, inv_rms_out, codes, sf, swizzle);                          \
     }
 
-NVFP4_RMSNORM_ENTRY_POINTS(bf16, __nv_bfloat16, NVFP4_RMS_BOUNDS_16, NVFP4_RMS_NB16, NVFP4_MHC_BOUNDS_16, NVFP4_MHC_NB16)
-NVFP4_RMSNORM_ENTRY_POINTS(f16, __half, NVFP4_RMS_BOUNDS_16, NVFP4_RMS_NB16, NVFP4_MHC_BOUNDS_16, NVFP4_MHC_NB16)
-NVFP4_RMSNORM_ENTRY_POINTS(f32, float, NVFP4_RMS_BOUNDS_32, NVFP4_NB32(NVFP4_RMS_NB16), NVFP4_MHC_BOUNDS_32,
-                           NVFP4_NB32(NVFP4_MHC_NB16))
+NVFP4_RMSNORM_ENTRY_POINTS(bf16, __nv_bfloat16, NVFP4_RMS_BOUNDS_16, NVFP4_RMS_NB, NVFP4_MHC_BOUNDS_16, NVFP4_MHC_NB)
+NVFP4_RMSNORM_ENTRY_POINTS(f16, __half, NVFP4_RMS_BOUNDS_16, NVFP4_RMS_NB, NVFP4_MHC_BOUNDS_16, NVFP4_MHC_NB)
+NVFP4_RMSNORM_ENTRY_POINTS(f32, float, NVFP4_RMS_BOUNDS_32, NVFP4_RMS_NB32, NVFP4_MHC_BOUNDS_32, NVFP4_MHC_NB)

@@ -182,11 +182,8 @@ __device__ __forceinline__ void row_quantize(
 // |.|-max of 16 values produced by an fp32 multiply (so any NaN among them is the canonical 0x7fffffff):
 // max.NaN.f32 on |v| (one FMNMX with an |.| operand per value instead of LOP + integer max). Non-NaN: the
 // same bits as absmax_bits16 (both give max |v|, -0 -> +0); NaN: 0x7fffffff, which is also what the
-// integer max gives for canonical NaNs. NVFP4_RMS_INTMAX (A/B) selects absmax_bits16.
+// integer max gives for canonical NaNs.
 __device__ __forceinline__ u32 absmax_bits16_fmul(const float (&v)[16]) {
-#if defined(NVFP4_RMS_INTMAX)
-    return absmax_bits16(v);
-#else
     float m[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) asm("max.NaN.f32 %0, %1, %2;" : "=f"(m[i]) : "f"(fabsf(v[2 * i])), "f"(fabsf(v[2 * i + 1])));
@@ -195,7 +192,6 @@ __device__ __forceinline__ u32 absmax_bits16_fmul(const float (&v)[16]) {
 #pragma unroll
         for (int i = 0; i < s; ++i) asm("max.NaN.f32 %0, %1, %2;" : "=f"(m[i]) : "f"(m[i]), "f"(m[i + s]));
     return __float_as_uint(m[0]);
-#endif
 }
 
 template <typename T>

@@ -29,6 +29,28 @@ def nvrtc_ptx(file: str, arch: str, defines=()) -> bytes:
     return buf
 
 
+def tuning_builds():
+    """(file, defines) of every non-default build of kernels_cu/ that the launchers (or the GPU tests) make: the
+    compile-time constants of a file are shape parameters or tuning constants, and each value used is compiled here and
+    in tests/test_runtime.py. The other files take no defines (their launchers pass none)."""
+    from dsv4_nvfp4 import kv as K
+    from dsv4_nvfp4.moe import FLASH, PRO
+    out = []
+    for r in (K.CSA_RATIO, K.HCA_RATIO):                      # kv.compress_prefill / compress_decode
+        split, unroll = K.kv_split(r), K.kv_unroll(r)
+        kv = lambda split, u: dict(RATIO=r, KV_D=K.KV_DIM, ROPE=K.DSV4_ROPE.dim, SPLIT=split, KV_UNROLL=u)
+        out += [("nvfp4_kv_compress.cu", kv(split, u)) for u in sorted({unroll, 1, 8})]   # 1, 8: tests/test_kv_gpu.py
+        if split != 1: out.append(("nvfp4_kv_compress.cu", kv(1, unroll)))           # split= given by the caller
+    for hid, topk, ne in sorted({(c.hidden, c.top_k, c.num_experts) for c in (FLASH, PRO)} | {(1024, 1, 1), (1024, 31, 1023)}):
+        out.append(("moe_route.cu", dict(HID=hid, TOPK=topk, NE=ne)))   # routing.route_buffers' range and DSV4's layers
+    out += [("moe_route.cu", dict(HID=c.hidden)) for c in (FLASH, PRO)]  # routing.router_logits
+    return out
+
+
+def build_name(file: str, defines: dict) -> str:
+    return f"{file}[{','.join(f'{k}={v}' for k, v in defines.items())}]"
+
+
 def gemm_configs():
     "Every configuration the library can launch: the pick_config candidates x every epilogue kind (+ dump, no clamp)."
     import math
@@ -60,6 +82,10 @@ def main():
         for f in sorted(p.name for p in KERNELS.glob("*.cu")):
             for arch in ("sm_90a", "sm_100a"):
                 res[f"nvrtc/{f}/{arch}"] = hashlib.sha256(nvrtc_ptx(f, arch)).hexdigest()
+        for f, d in tuning_builds():
+            for arch in ("sm_90a", "sm_100a"):
+                defs = [f"{k}={v}" for k, v in d.items()]
+                res[f"nvrtc/{build_name(f, d)}/{arch}"] = hashlib.sha256(nvrtc_ptx(f, arch, defs)).hexdigest()
     if only in ("", "cute"):
         for name, cfg in gemm_configs():
             ptx = cute_ptx(cfg)

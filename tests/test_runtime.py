@@ -8,6 +8,10 @@ What is proved (CPU only: these run in CI, which has cuda-python + NVRTC but no 
   symbols flagged as CUDA entry points (``STO_CUDA_ENTRY``) and they must be exactly the ``extern "C"`` kernel
   names written out by hand in ``EXPECTED_KERNELS`` (from the entry-point macros of each .cu file); the ELF
   header must say EM_CUDA and name the requested SM; the runtime's ``CompileResult.kernels`` must agree;
+* kernels_cu/ has no compile-time switch that selects another kernel version: its only preprocessor conditionals are
+  the ``#ifndef`` defaults of the constants listed in ``CONSTANTS`` (shape parameters, tuning constants) and tests of
+  ``__CUDA_ARCH__``; every non-default value the launchers pass (``tests/ptx_hashes.py``'s ``tuning_builds``)
+  compiles for both archs without spills; the row kernels' blocks per thread are the launchers';
 * ptxas (``-v``) reports no register spills for any kernel (the row kernels keep a whole row in registers at
   1024 threads / CTA, so a spill would be a silent performance cliff);
 * a broken .cu in a temporary kernels dir (``DSV4_NVFP4_KERNELS_DIR``) raises ``KernelCompileError`` whose
@@ -438,21 +442,62 @@ def test_small_helpers():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Kernel variants and the launch ABI (CPU only)
-DOCUMENTED_VARIANTS = ("NVFP4_E2M1_COMPARE", "NVFP4_SOFTWARE_E4M3")  # DSV4_NVFP4_DEFINES A/B encoders
+# Compile-time constants: kernels_cu/ has no alternative kernel versions behind switches; what is left is a shape
+# parameter or a tuning constant, and every value the launchers pass is compiled here (CPU, NVRTC)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ptx_hashes import build_name, tuning_builds  # noqa: E402
+
+CONSTANTS = {                      # file -> the macros it lets a build define (#ifndef NAME ... #endif)
+    "moe_route.cu": {"HID", "TOPK", "NE"},                                  # shapes: routing's launchers pass them
+    "nvfp4_kv_compress.cu": {"RATIO", "KV_D", "ROPE", "SPLIT", "KV_UNROLL"},   # shapes + tuning: kv's launchers
+    "ep_plan.cu": {"EP_MAXB", "EP_SORT_MAXK"},                              # key limits: the default build only
+}
 
 
-def test_documented_variants_compile(nvrtc, clean_env):
-    "The A/B encoder variants that gpu tests select through DSV4_NVFP4_DEFINES compile too (sm_90a)."
-    src = "".join(p.read_text() for p in REPO_KERNELS.glob("*.cu*"))
-    names = [n for n in DOCUMENTED_VARIANTS if n in src]
-    if not names:
-        pytest.skip("no documented kernel variant macros in kernels_cu/")
-    f = "nvfp4_quantize.cu"  # the encoders live in nvfp4_common.cuh; the GPU test compiles the rest
-    r = rt.compile_cubin(f, "sm_90a", {n: None for n in names}, use_cache=False)
-    assert r.ok and elf_entry_points(bytes(r.cubin)) == EXPECTED_KERNELS[f]
+def test_compile_time_switches_are_the_listed_constants():
+    """Every preprocessor conditional of kernels_cu/ is an `#ifndef` default of a listed constant or a test of
+    __CUDA_ARCH__ (per-arch tuning, compiled for both archs above): no variant selected by a define."""
+    found, other = {}, []
+    for path in sorted(REPO_KERNELS.glob("*.cu*")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            m = re.match(r"\s*#\s*(ifndef|ifdef|if|elif)\b(.*)", line)
+            if not m: continue
+            kind, cond = m.group(1), m.group(2).split("//")[0].strip()
+            if kind == "ifndef":
+                found.setdefault(path.name, set()).add(cond)
+            elif set(re.findall(r"[A-Za-z_]\w*", cond)) - {"defined", "__CUDA_ARCH__"}:
+                other.append(f"{path.name}:{n}: {line.strip()}")
+    assert not other, f"compile-time switches other than __CUDA_ARCH__: {other}"
+    assert found == CONSTANTS, f"#ifndef constants {found}, listed {CONSTANTS}"
 
 
+TUNING = tuning_builds()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("file,defines", TUNING, ids=[build_name(*b) for b in TUNING])
+def test_every_constant_value_used_compiles(nvrtc, clean_env, arch, file, defines):
+    "Each non-default build the launchers make compiles for both archs, with the file's entry points and no spills."
+    assert set(defines) <= CONSTANTS[file], f"{file}: {sorted(set(defines) - CONSTANTS[file])} is not a constant of the file"
+    r = rt.compile_cubin(file, arch, defines, use_cache=False, verbose_ptxas=True)
+    assert r.ok, r.error[:2000]
+    assert elf_entry_points(bytes(r.cubin)) == elf_entry_points(bytes(compiled(arch)[file].cubin))
+    spills = {k: (v["spill_stores"], v["spill_loads"]) for k, v in r.ptxas.items() if v["spill_stores"] or v["spill_loads"]}
+    assert not spills, f"{build_name(file, defines)} ({arch}): register spills {spills}"
+
+
+def test_row_kernels_nb_matches_the_launchers():
+    "The row kernels' 16-blocks per thread (the source's #defines) are the launchers' (they size the block from it)."
+    from dsv4_nvfp4 import norm as NM
+    from dsv4_nvfp4 import quantize_cuda as QC
+    define = lambda f, nm: int(re.search(rf"^#define\s+{nm}\s+(\d+)", rt.kernel_source(f), re.M).group(1))
+    assert (QC._ROWGS_NB, QC._ROWGS_NB32) == (define(QC.Q_CU, "NVFP4_ROWGS_NB"), define(QC.Q_CU, "NVFP4_ROWGS_NB32"))
+    assert (NM._RMS_NB, NM._RMS_NB32, NM._MHC_NB) == tuple(define(NM.RN_CU, n) for n in ("NVFP4_RMS_NB", "NVFP4_RMS_NB32",
+                                                                                         "NVFP4_MHC_NB"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The launch ABI (CPU only)
 def ptx_signatures(files) -> dict:
     "name -> (file, ['u64', 'u32', 'f32', ...]) from the NVRTC PTX of each file (the kernels' real parameter lists)."
     try:
