@@ -209,7 +209,7 @@ def _bench(what: str, sizes_mb, out: Path, tokens=None) -> int:
         print("dsv4-nvfp4 bench: no CUDA device", file=sys.stderr); return 2
     log = lambda *m: print(*m, file=sys.stderr, flush=True)
     if what == "ep":                                 # one process per GPU, under torchrun
-        from dsv4_nvfp4.ep import bench_ep_main
+        from dsv4_nvfp4.ep_bench import bench_ep_main
         return bench_ep_main(out, tuple(tokens or (1, 128, 2048, 8192)))
     if what == "gemm":
         from dsv4_nvfp4.grouped_gemm import bench_gemm, gemm_table, plot_gemm

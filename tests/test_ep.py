@@ -1,7 +1,7 @@
 """Expert parallelism on the CPU (gloo, 2 and 4 processes): the dispatch / combine of `EPMoE` against the single-process
 layer on the concatenated batch, bit for bit, for both payloads, ragged and skewed routing, an empty rank, T = 1,
-micro-batches (some empty) and the fixed shapes of `EPMoE.capture`, in one chunk, in three chunks of tokens and in two
-of experts (a capacity that overflows, whole or per chunk: NaN for exactly the tokens that lost a slot, the others exact)."""
+and the fixed shapes of `CapturedEP` (a capacity that overflows: NaN for exactly the tokens that lost a slot, the others
+exact)."""
 import io
 import os
 import queue
@@ -17,8 +17,7 @@ from dsv4_nvfp4 import moe as M
 
 CFG = M.MoEConfig(hidden=256, inter=128, num_experts=8, top_k=3, routed_scaling_factor=1.5)
 TOKENS = {2: [5, 1], 4: [7, 0, 9, 1]}          # ragged, an empty rank, a single token
-MAX_T, SMALL_CAP = 10, 4                        # `EPMoE.capture`'s fixed shapes: tokens per rank, and a capacity that overflows
-CHUNKS, CHUNK_CAP = 3, 2                        # the chunked pipeline: 3 chunks of 4 tokens (some empty), and per-chunk overflow
+MAX_T, SMALL_CAP = 10, 4                        # `CapturedEP`'s fixed shapes: tokens per rank, and a capacity that overflows
 
 
 def batches(W):
@@ -41,7 +40,8 @@ def skewed(W, k=CFG.top_k):
 
 
 def _worker(rank, W, path, q):
-    from dsv4_nvfp4.ep import EPMoE
+    from dsv4_nvfp4.ep.layer import EPMoE
+    from dsv4_nvfp4.ep.capture import CapturedEP
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=W)
     try:
         res = {}
@@ -50,31 +50,21 @@ def _worker(rank, W, path, q):
             ep = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act=act), payload=payload)
             res[(act, payload)] = ep(xs[rank])
             res[(act, payload, "skewed")] = ep.forward_routed(xs[rank], *rt[rank])
-            mb = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act=act), payload=payload, micro_batches=3)   # some micro-batches empty
-            res[(act, payload, "mb3")] = mb.forward_routed(xs[rank], *rt[rank])
-            res[(act, payload, "fixed")] = ep.capture(MAX_T)(xs[rank]).clone()          # fixed shapes, no host read
-            res[(act, payload, "fixed skewed")] = ep.capture(MAX_T, given=True)(xs[rank], *rt[rank]).clone()
-            res[(act, payload, "chunks")] = ep.capture(MAX_T, chunks=CHUNKS)(xs[rank]).clone()
-            res[(act, payload, "chunks skewed")] = ep.capture(MAX_T, given=True, chunks=CHUNKS)(xs[rank], *rt[rank]).clone()
-            res[(act, payload, "expert chunks")] = ep.capture(MAX_T, chunks=2, chunk_by="experts")(xs[rank]).clone()
-            res[(act, payload, "expert chunks skewed")] = ep.capture(MAX_T, given=True, chunks=2, chunk_by="experts")(xs[rank], *rt[rank]).clone()
+            res[(act, payload, "fixed")] = CapturedEP(ep, MAX_T)(xs[rank]).clone()      # fixed shapes, no host read
+            res[(act, payload, "fixed skewed")] = CapturedEP(ep, MAX_T, given=True)(xs[rank], *rt[rank]).clone()
         ep = EPMoE(M.DSV4MoE.synthetic(CFG, seed=3, act="w4a4"), payload="nvfp4")
-        small = ep.capture(MAX_T, capacity=SMALL_CAP, given=True)                     # the skewed routing overflows it
+        small = CapturedEP(ep, MAX_T, capacity=SMALL_CAP, given=True)                 # the skewed routing overflows it
         res["small"], res["small dropped"] = small(xs[rank], *rt[rank]).clone(), small.dropped
         try: small.check(); res["small check"] = "no error"
         except ValueError as e: res["small check"] = str(e)
-        small = ep.capture(MAX_T, capacity=CHUNK_CAP, given=True, chunks=CHUNKS)      # the capacity is per chunk
-        res["chunk small"], res["chunk small dropped"] = small(xs[rank], *rt[rank]).clone(), small.dropped
         bad_ids = rt[rank][1].clone()                                                 # bad given ids: those tokens NaN
         if bad_ids.shape[0]: bad_ids[0, 0] = CFG.num_experts if rank % 2 == 0 else -1  # out of range
         if bad_ids.shape[0] > 1: bad_ids[1, 1] = bad_ids[1, 0]                         # repeated in a row
-        res["given bad"] = ep.capture(MAX_T, given=True, chunks=CHUNKS)(xs[rank], rt[rank][0], bad_ids).clone()
-        try: ep.capture(MAX_T, chunks=1 + rank % 2); res["mismatch chunks"] = "no error"
-        except ValueError as e: res["mismatch chunks"] = str(e)
-        try: ep.capture(MAX_T + rank); res["mismatch"] = "no error"                  # ranks disagree: every rank raises
+        res["given bad"] = CapturedEP(ep, MAX_T, given=True)(xs[rank], rt[rank][0], bad_ids).clone()
+        try: CapturedEP(ep, MAX_T + rank); res["mismatch"] = "no error"              # ranks disagree: every rank raises
         except ValueError as e: res["mismatch"] = str(e)
-        try: ep.capture(MAX_T, copy_engines=True if rank == 0 else None); res["ce"] = "no error"   # one rank asks for the copy
-        except ValueError as e: res["ce"] = str(e)                                   # engines (none on gloo): every rank raises
+        try: CapturedEP(ep, MAX_T, capacity=SMALL_CAP + rank); res["mismatch cap"] = "no error"
+        except ValueError as e: res["mismatch cap"] = str(e)
         lay = M.DSV4MoE.synthetic(CFG, seed=3)
         try: EPMoE(lay, payload="nvfp4")
         except ValueError as e: res["nvfp4-w4a16"] = str(e)
@@ -90,13 +80,13 @@ def _worker(rank, W, path, q):
         dist.destroy_process_group()
 
 
-def _lost(W, rt, cap, chunk_tokens):
-    "Which tokens lose a routed slot to a capacity of `cap` per (source, chunk, destination), and how many slots are lost."
+def _lost(W, rt, cap):
+    "Which tokens lose a routed slot to a capacity of `cap` per (source, destination), and how many slots are lost."
     per, lost, n = CFG.num_experts // W, [], 0
     for r in range(W):
         ids = rt[r][1].long()
-        key = (torch.arange(ids.shape[0])[:, None] // chunk_tokens) * W + ids // per      # (chunk, destination) of each slot
-        hit = key.reshape(-1)[None] == torch.arange(W * -(-MAX_T // chunk_tokens))[:, None]   # one row per bucket
+        key = ids // per                                                                   # the destination of each slot
+        hit = key.reshape(-1)[None] == torch.arange(W)[:, None]                            # one row per destination
         pos = (hit.cumsum(1) - 1).gather(0, key.reshape(1, -1)).view_as(key)               # each slot's place in its bucket
         lost.append((pos >= cap).any(1)); n += int((pos >= cap).sum())
     return torch.cat(lost), n
@@ -127,27 +117,16 @@ def test_ep_layer_equals_the_single_process_layer(W):
         assert torch.equal(ep, lay(x)), f"{act} {payload}: {(ep != lay(x)).sum().item()} values differ"
         sk = torch.cat([got[r][(act, payload, "skewed")] for r in range(W)])
         assert torch.equal(sk, lay.forward_routed(x, w, ids)), f"{act} {payload} skewed routing"
-        mb = torch.cat([got[r][(act, payload, "mb3")] for r in range(W)])
-        assert torch.equal(mb, lay.forward_routed(x, w, ids)), f"{act} {payload} in 3 micro-batches"
         fx = torch.cat([got[r][(act, payload, "fixed")] for r in range(W)])
         assert torch.equal(fx, lay(x)), f"{act} {payload} fixed shapes"
         fx = torch.cat([got[r][(act, payload, "fixed skewed")] for r in range(W)])
         assert torch.equal(fx, lay.forward_routed(x, w, ids)), f"{act} {payload} fixed shapes, skewed routing"
-        fx = torch.cat([got[r][(act, payload, "chunks")] for r in range(W)])
-        assert torch.equal(fx, lay(x)), f"{act} {payload} fixed shapes in {CHUNKS} chunks"
-        fx = torch.cat([got[r][(act, payload, "chunks skewed")] for r in range(W)])
-        assert torch.equal(fx, lay.forward_routed(x, w, ids)), f"{act} {payload} fixed shapes in {CHUNKS} chunks, skewed routing"
-        fx = torch.cat([got[r][(act, payload, "expert chunks")] for r in range(W)])
-        assert torch.equal(fx, lay(x)), f"{act} {payload} fixed shapes in 2 expert chunks"
-        fx = torch.cat([got[r][(act, payload, "expert chunks skewed")] for r in range(W)])
-        assert torch.equal(fx, lay.forward_routed(x, w, ids)), f"{act} {payload} fixed shapes in 2 expert chunks, skewed routing"
     # the small capacity: a slot fits when it is among the first SMALL_CAP its source rank sends to its destination
-    # (in token order; with chunks, to its destination in its chunk of tokens); a token with a slot that does not is
-    # NaN, every other token exact
+    # (in token order); a token with a slot that does not is NaN, every other token exact
     lay = M.DSV4MoE.synthetic(CFG, seed=3, act="w4a4")
     want = lay.forward_routed(x, w, ids)
-    for key, cap, chunk_tokens in (("small", SMALL_CAP, MAX_T), ("chunk small", CHUNK_CAP, -(-MAX_T // CHUNKS))):
-        lost, n_lost = _lost(W, rt, cap, chunk_tokens)
+    for key, cap in (("small", SMALL_CAP),):
+        lost, n_lost = _lost(W, rt, cap)
         assert lost.any() and not lost.all(), f"{key}: the test's capacity must drop some tokens and keep others"
         small = torch.cat([got[r][key] for r in range(W)])
         assert torch.isnan(small).all(1).equal(lost) and not torch.isnan(small[~lost]).any(), key
@@ -158,15 +137,24 @@ def test_ep_layer_equals_the_single_process_layer(W):
     assert torch.isnan(gb).all(1).equal(bad) and torch.equal(gb[~bad], want[~bad]), "bad given ids: NaN for exactly those tokens"
     assert all(("did not fit the capacity 4" in got[r]["small check"]) == bool(got[r]["small dropped"]) for r in range(W))
     assert all("every rank must capture the same" in got[r]["mismatch"] for r in range(W))
-    assert all("copy_engines=True needs the GPU" in got[r]["ce"] for r in range(W))   # no rank left waiting
-    assert all("every rank must capture the same" in got[r]["mismatch chunks"] for r in range(W))
+    assert all("every rank must capture the same" in got[r]["mismatch cap"] for r in range(W))   # no rank left waiting
     assert "act='w4a4'" in got[0]["nvfp4-w4a16"]
     assert all("expert ids must be in [0, 8)" in got[r]["bad"] for r in range(W)), [got[r]["bad"] for r in range(W)]
 
 
 def test_partition_and_payload_bytes():
-    from dsv4_nvfp4.ep import ep_experts, payload_bytes
+    from dsv4_nvfp4.ep.transport import ep_experts, payload_bytes
     assert [list(ep_experts(8, 4, r)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="evenly"): ep_experts(10, 4, 0)
     b = payload_bytes(7168)
     assert b["bf16"] / b["nvfp4"] >= 3.5 and b["nvfp4"] == 7168 // 2 + 7168 // 16 + 8
+
+
+def test_the_schedule_is_a_size_rule():
+    "One schedule per (payload, size): NCCL's kernels only for bf16 below 2048 tokens per rank; the shared expert split from 2048."
+    from dsv4_nvfp4.ep.capture import SCHEDULE_LARGE_T, capture_schedule
+    for T in (1, 128, SCHEDULE_LARGE_T - 1):
+        assert capture_schedule("bf16", T, 2, True) == (False, 0.0) and capture_schedule("nvfp4", T, 2, True) == (True, 0.0)
+    for T in (SCHEDULE_LARGE_T, 8192):
+        assert capture_schedule("bf16", T, 2, True) == (True, 0.5) and capture_schedule("nvfp4", T, 2, True) == (True, 0.75)
+    assert not capture_schedule("nvfp4", 8192, 1, True).copy_engines and not capture_schedule("nvfp4", 8192, 2, False).copy_engines

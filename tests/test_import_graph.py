@@ -13,20 +13,30 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "dsv4_nvfp4"
 ORDER = ["formats", "quant", "checkpoint", "layout", "bench", "runtime", "quantize_cuda", "norm", "routing",
-         "sm90_layout", "grouped_gemm", "gemm_sm90", "gemm_sm100", "swiglu", "kv", "gather", "moe", "ep", "cli"]
+         "sm90_layout", "grouped_gemm", "gemm_sm90", "gemm_sm100", "swiglu", "kv", "gather", "moe", "ep.transport", "ep.layer",
+         "ep.capture", "ep_bench", "cli"]
 DISPATCH = {("grouped_gemm", "gemm_sm90"), ("grouped_gemm", "gemm_sm100")}   # a dispatcher calls its backends
 
 
-def module_imports(path: Path):
-    """(imported dsv4_nvfp4 modules, private names taken from them) of one source file.
+def module_name(path: Path) -> str:
+    "A source file's module under dsv4_nvfp4, dotted: ep/layer.py -> ep.layer."
+    return ".".join(path.relative_to(PKG).with_suffix("").parts)
+
+
+def module_imports(path: Path, pkg: tuple = ()):
+    """(imported dsv4_nvfp4 modules, private names taken from them) of one source file in sub-package `pkg` (the parts
+    under dsv4_nvfp4: () for a top-level module, ("ep",) for ep/layer.py): module names dotted (ep.transport).
     Private names: `from dsv4_nvfp4.m import _x`, and `alias._x` where `alias` is a dsv4_nvfp4 module."""
     tree = ast.parse(path.read_text())
     mods, private, aliases = set(), [], {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level == 1 or base == "dsv4_nvfp4" or base.startswith("dsv4_nvfp4."):
-                sub = base.split(".", 1)[1] if base.startswith("dsv4_nvfp4.") else ("" if base == "dsv4_nvfp4" else base)
+            if node.level:                              # relative: from the file's package up level - 1 packages
+                up = list(pkg[:len(pkg) - (node.level - 1)]) if node.level - 1 <= len(pkg) else []
+                base = ".".join(["dsv4_nvfp4"] + up + ([base] if base else []))
+            if base == "dsv4_nvfp4" or base.startswith("dsv4_nvfp4."):
+                sub = base.split(".", 1)[1] if base.startswith("dsv4_nvfp4.") else ""
                 if sub:
                     mods.add(sub)
                     private += [f"{sub}.{a.name}" for a in node.names if a.name.startswith("_")]
@@ -37,8 +47,8 @@ def module_imports(path: Path):
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("dsv4_nvfp4."):
-                    mods.add(a.name.split(".")[1])
-                    if a.asname: aliases[a.asname] = a.name.split(".")[1]
+                    mods.add(a.name.split(".", 1)[1])
+                    if a.asname: aliases[a.asname] = a.name.split(".", 1)[1]
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
                 and node.attr.startswith("_") and not node.attr.startswith("__"):
@@ -47,7 +57,8 @@ def module_imports(path: Path):
 
 
 def graph():
-    return {p.stem: module_imports(p) for p in sorted(PKG.glob("*.py")) if p.stem not in ("__init__", "_modidx")}
+    return {module_name(p): module_imports(p, p.relative_to(PKG).parts[:-1]) for p in sorted(PKG.rglob("*.py"))
+            if p.stem not in ("__init__", "_modidx")}
 
 
 def find_cycle(edges: dict):
@@ -78,6 +89,9 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     mods, private = module_imports(f)
     assert mods == {"runtime", "quant", "layout"}
     assert sorted(private) == ["quant._hidden", "runtime._secret"]
+    f.write_text("from ..moe import DSV4MoE\nfrom .transport import _x, PAYLOADS\nimport dsv4_nvfp4.ep.layer as L\nL._y\n")
+    mods, private = module_imports(f, ("ep",))                  # a module of the sub-package ep: relative imports resolved
+    assert mods == {"moe", "ep.transport", "ep.layer"} and sorted(private) == ["ep.layer._y", "ep.transport._x"]
 
 
 def test_every_module_is_in_the_map():

@@ -599,28 +599,26 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
                                                          swizzle=True)))
         seen |= set(run(lambda: NM.mhc_rmsnorm_quantize_nvfp4(x.to(dt).reshape(65, 2, 256), torch.rand(65, 2), w,
                                                              1e-6, round_to_bf16=True)))
-    from types import SimpleNamespace as NS                           # the expert-parallel layer's fused send plan
-    from dsv4_nvfp4.ep import CapturedEP
-    Tm_, k_, R_ = 10, 3, 24
-    fake = NS(ep=NS(cfg=NS(top_k=k_), per_rank=4, world=2, rank=1), far=R_, chunks=2, chunk_tokens=5, capacity=6, rows=R_, max_tokens=Tm_,
-              seg=torch.tensor([1, 0]), plan_spos=torch.empty(Tm_ * k_, dtype=torch.int32),
-              plan_meta=torch.empty(R_, 2, dtype=torch.int32), plan_tok=torch.empty(R_, dtype=torch.long), by_expert=False,
-              dropped_=torch.zeros((), dtype=torch.long))
-    seen |= set(run(lambda: CapturedEP._plan_fused(fake, torch.rand(Tm_, k_), torch.zeros(Tm_, k_, dtype=torch.int32),
-                                                    torch.tensor(Tm_))))
-    from dsv4_nvfp4.ep import EPMoE, _pack_nvfp4                      # its NVFP4 payload, and the receiver's sort
-    R_, H_ = 12, 256
-    seen |= set(run(lambda: _pack_nvfp4(torch.randn(Tm_, H_).bfloat16(), torch.zeros(R_, dtype=torch.long), torch.zeros(R_, 2, dtype=torch.int32),
-                                        torch.ones(8), torch.empty(R_, H_ // 2, dtype=torch.uint8), torch.empty(R_, H_ // 16, dtype=torch.uint8))))
+    from dsv4_nvfp4.ep import transport as EPT                        # the expert-parallel layer's fused send plan
+    Tm_, k_, R_ = 10, 3, 12
+    seen |= set(run(lambda: EPT.ep_send_plan(torch.zeros(Tm_, k_, dtype=torch.int32), torch.rand(Tm_, k_), torch.tensor(Tm_),
+                                             torch.tensor([1, 0]), torch.empty(Tm_ * k_, dtype=torch.int32), torch.empty(R_, 2, dtype=torch.int32),
+                                             torch.empty(R_, dtype=torch.long), torch.zeros((), dtype=torch.long),
+                                             per_rank=4, world=2, capacity=6, rank=1, far=R_)))
+    H_ = 256                                                          # its NVFP4 payload, and the receiver's sort
+    seen |= set(run(lambda: EPT.pack_nvfp4(torch.randn(Tm_, H_).bfloat16(), torch.zeros(R_, dtype=torch.long), torch.zeros(R_, 2, dtype=torch.int32),
+                                           torch.ones(8), torch.empty(R_, H_ // 2, dtype=torch.uint8), torch.empty(R_, H_ // 16, dtype=torch.uint8))))
     meta_ = torch.zeros(R_, 2, dtype=torch.int32)
+    from types import SimpleNamespace as NS
+    from dsv4_nvfp4.ep.layer import EPMoE
     fake_ep = NS(per_rank=4, experts=range(4, 8), a1_all=torch.ones(8))
-    seq = run(lambda: EPMoE._sort_decode(fake_ep, torch.zeros(R_, H_ // 2, dtype=torch.uint8), torch.zeros(R_, H_ // 16, dtype=torch.uint8),
-                                         meta_[:, 1].view(torch.float32), meta_[:, 0]))
+    seq = run(lambda: EPMoE.sort_decode(fake_ep, torch.zeros(R_, H_ // 2, dtype=torch.uint8), torch.zeros(R_, H_ // 16, dtype=torch.uint8),
+                                        meta_[:, 1].view(torch.float32), meta_[:, 0]))
     assert seq == ["ep_recv_sort", "nvfp4_gather_dequant_bf16"], seq
     seen |= set(seq)
     # the EP kernels count on their exact block size (fixed strides, warps per CTA) and size their shared counters by
     # their key limits; the launchers hard-code the former and check the latter against the package's constants
-    from dsv4_nvfp4 import ep as EPm
+    EPm = EPT
     ep_src = rt.kernel_source("ep_plan.cu")
     define = lambda nm: int(re.search(rf"^#define\s+{nm}\s+(\d+)", ep_src, re.M).group(1))
     assert blocks["ep_plan"] == blocks["ep_recv_sort"] == {define("EP_THREADS")}, blocks
