@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats import e2m1_decode, unpack_fp4
-from .gemm.core import (EpilogueArgs, ExpertWeights, Problem, backend_of, check_activations, check_offsets_operand,
+from .gemm import (EpilogueArgs, ExpertWeights, Problem, backend_of, check_activations, check_offsets_operand,
                                   check_operand, check_sms_free, grouped_gemm_nvfp4, out_operand, plan_for)
 from .gemm.reference import (L1_GROUP, check_swiglu_limit, deinterleave_l1, interleave_l1, ref_grouped_gemm_nvfp4,
                                        ref_swiglu, ref_swiglu_out)

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..formats import e2m1_decode, unpack_fp4
-from .core import ACTS, EPILOGUES, Backend, EpilogueArgs, ExpertWeights, Problem
+from . import ACTS, EPILOGUES, Backend, EpilogueArgs, ExpertWeights, Problem
 from ..quant import BLOCK, NVFP4Experts, NVFP4Tensor, ref_quantize_nvfp4
 from ..routing import check_offsets, group_sizes
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import runtime
 from ..formats import round_up
-from .core import Backend, EpilogueArgs, ExpertWeights, Problem
+from . import Backend, EpilogueArgs, ExpertWeights, Problem
 from ..layout import assemble_activation_scales, assemble_weight_scales
 from ..quant import BLOCK, NVFP4Experts, NVFP4Tensor
 

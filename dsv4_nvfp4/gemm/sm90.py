@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .. import runtime
 from ..formats import cdiv, round_up
-from .core import ACTS, EPILOGUES, Backend, EpilogueArgs, ExpertWeights, Problem, check_operand
+from . import ACTS, EPILOGUES, Backend, EpilogueArgs, ExpertWeights, Problem, check_operand
 from ..quant import BLOCK, NVFP4Experts, NVFP4Tensor
 from ..quantize_cuda import dequantize_nvfp4_cuda
 
