@@ -11,6 +11,12 @@ import sys
 import pytest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# pytest-xdist on a host of several GPUs (tests/gpu_suite.py): worker gwN gets GPU N mod DSV4_TEST_GPUS, set before
+# anything initializes CUDA
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw") and os.environ.get("DSV4_TEST_GPUS", "1") != "1":
+    _gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_gpus)]
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 

@@ -1,0 +1,80 @@
+"""Run the GPU suites (`pytest -m gpu` per test file, `nbdev_test --flags gpu` per notebook) split over the visible
+GPUs: a greedy queue, longest job first, each job pinned to its GPU(s) with CUDA_VISIBLE_DEVICES and its own log.
+
+    python tests/gpu_suite.py OUT PHASE [--guard SECONDS]
+
+PHASE `nvrtc`: what needs no CuTeDSL (the NVRTC kernels' tests and notebooks); `cute`: the rest (the GEMM, the MLP,
+the MoE layer, EP on 2 GPUs, their notebooks); `all`: both. A job still running at the guard is stopped and reported
+as such (never as passed). Writes OUT/summary.md and OUT/<job>.log."""
+import os, subprocess, sys, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# (name, command, GPUs, expected seconds): the expectations are last runs' times, to order the queue
+NVRTC = [("pytest_kernels", "python3 -m pytest -q -m gpu -p no:cacheprovider -n {ngpu} tests/test_kernels_gpu.py", "all", 300),
+         ("pytest_kv_route", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kv_gpu.py tests/test_moe_route_gpu.py", 1, 90)]
+NVRTC_NBS = ["03_runtime", "03a_quantize_cuda", "03b_norm_quantize", "06_kv_compress", "07_dequant_gather", "index"]
+CUTE = [("pytest_ep_2gpu", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ep_gpu.py", 2, 150),
+        ("pytest_gemm", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemm_gpu.py", 1, 200),
+        ("pytest_mlp", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 200),
+        ("pytest_moe", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py", 1, 300),
+        ("pytest_compile", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_compile_gpu.py", 1, 120)]
+
+
+def notebooks(phase):
+    gpu = sorted(p.stem for p in (ROOT / "nbs").glob("*.ipynb") if "#| gpu" in p.read_text() or '"#| gpu' in p.read_text())
+    return [n for n in gpu if (n in NVRTC_NBS) == (phase == "nvrtc")]
+
+
+def jobs(phase, ngpu):
+    out = []
+    if phase in ("nvrtc", "all"):
+        out += [(n, c.format(ngpu=ngpu), ngpu if g == "all" else g, t) for n, c, g, t in NVRTC]
+        out += [(f"nb_{n}", f"nbdev_test --path nbs/{n}.ipynb --flags gpu", 1, 60) for n in notebooks("nvrtc")]
+    if phase in ("cute", "all"):
+        out += CUTE + [(f"nb_{n}", f"nbdev_test --path nbs/{n}.ipynb --flags gpu", 1, 150) for n in notebooks("cute")]
+    return sorted(out, key=lambda j: -j[3] * j[2])
+
+
+def main():
+    out, phase = Path(sys.argv[1]), sys.argv[2]
+    guard = float(sys.argv[sys.argv.index("--guard") + 1]) if "--guard" in sys.argv else 540
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+    ngpu = torch.cuda.device_count()
+    queue = [j for j in jobs(phase, ngpu) if only is None or j[0] in only]
+    free, running, done, t0 = list(range(ngpu)), [], [], time.time()
+    env0 = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="4")
+    while queue or running:
+        for j in list(queue):                                         # start what fits, longest first
+            name, cmd, g, _ = j
+            if g <= len(free):
+                gpus, free[:] = free[:g], free[g:]
+                env = dict(env0, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), DSV4_TEST_GPUS=str(g))
+                log = open(out / f"{name}.log", "w")
+                p = subprocess.Popen(cmd, shell=True, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                running.append((j, gpus, p, time.time(), log)); queue.remove(j)
+        time.sleep(1)
+        for r in list(running):
+            (name, cmd, g, _), gpus, p, ts, log = r
+            over = time.time() - t0 > guard
+            if p.poll() is not None or over:
+                if p.poll() is None: os.killpg(p.pid, 9); p.wait(); rc = "STOPPED at the guard"
+                else: rc = p.returncode
+                log.close(); running.remove(r); free += gpus
+                tail = (out / f"{name}.log").read_text().strip().splitlines()[-1:] or [""]
+                done.append((name, cmd, ",".join(map(str, gpus)), f"{time.time() - ts:.0f}", rc, tail[0][:160]))
+                print(f"{name}: rc={rc} {time.time() - ts:.0f}s  {tail[0][:160]}", flush=True)
+        if time.time() - t0 > guard and queue:
+            for j in queue: done.append((j[0], j[1], "-", "0", "NOT STARTED (guard)", ""))
+            queue = []
+    rows = "\n".join(f"| {n} | `{c}` | {g} | {s} | {rc} | {t} |" for n, c, g, s, rc, t in done)
+    (out / "summary.md").write_text(f"{torch.cuda.get_device_name(0)} x {ngpu}, phase {phase}, {time.time() - t0:.0f} s\n\n"
+                                    "| job | command | GPUs | s | rc | last line |\n|---|---|---|---|---|---|\n" + rows + "\n")
+    print((out / "summary.md").read_text())
+    sys.exit(0 if all(r[4] == 0 for r in done) else 1)
+
+
+if __name__ == "__main__":
+    main()
