@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv import KV_DIM, NVFP4KVPool
+from .kv import NVFP4KVPool
 from .quant import NVFP4Tensor, ref_dequantize_nvfp4
 from .quantize_cuda import dequant_rows_nvfp4, gather_dequant_nvfp4
 

@@ -13,7 +13,6 @@ from typing import NamedTuple
 import torch
 
 from . import runtime as rt
-from .formats import E2M1_VALUES
 from .layout import swizzle_scales
 from .quant import GS_MIN, NVFP4Tensor, ref_dequantize_nvfp4, ref_quantize_nvfp4
 from .runtime import check_k16, check_tensor, out_tensor
