@@ -61,13 +61,14 @@ def headings(nb_path):
 def check_show_docs(nbs):
     documented = set().union(*(headings(p) for p in nbs))
     missing = []
-    for f in sorted((ROOT / "dsv4_nvfp4").glob("*.py")):
+    for f in sorted((ROOT / "dsv4_nvfp4").rglob("*.py")):          # sub-packages too (dsv4_nvfp4/bench/gemm.py)
         if f.stem.startswith("_"): continue
-        mod = importlib.import_module(f"dsv4_nvfp4.{f.stem}")
+        modname = ".".join(f.relative_to(ROOT / "dsv4_nvfp4").with_suffix("").parts)
+        mod = importlib.import_module(f"dsv4_nvfp4.{modname}")
         for name in getattr(mod, "__all__", []):
             obj = getattr(mod, name, None)
             if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", "") == mod.__name__:
-                if name not in documented and f"{obj.__qualname__}" not in documented: missing.append(f"{f.stem}.{name}")
+                if name not in documented and f"{obj.__qualname__}" not in documented: missing.append(f"{mod.__name__}.{name}")
     if missing: fail(f"{len(missing)} public name(s) without a show_doc entry: {', '.join(missing[:20])}")
     print(f"docs check: every public function and class has its show_doc entry ({len(documented)} entries)")
 

@@ -17,8 +17,7 @@ from . import __version__
 # `--version` and argument errors answer at once instead of after torch's ~3 s import.
 
 # %% auto #0
-__all__ = ['demo_synthetic', 'demo_gpu', 'demo_moe', 'demo_checkpoint', 'bench_kernels', 'quantize_command', 'inspect_command',
-           'main']
+__all__ = ['demo_synthetic', 'demo_gpu', 'demo_moe', 'demo_checkpoint', 'quantize_command', 'inspect_command', 'main']
 
 # %% ../nbs/09_cli.ipynb #7ae77f49
 def _legacy_dequant(x, q):                 # (tensor, NVFP4Tensor) -> tensor
@@ -85,7 +84,7 @@ def demo_gpu(w,                   # the demo's weight (a CPU tensor)
     "Run the GPU kernels on the demo tensors: bit-exactness against the CPU results, and their times."
     import torch
     from dsv4_nvfp4.quant import ref_quantize_nvfp4
-    from dsv4_nvfp4.bench import Timer
+    from dsv4_nvfp4.bench.core import Timer
     from dsv4_nvfp4.quantize_cuda import dequantize_nvfp4_cuda, quantize_nvfp4_cuda
     timer = Timer()  # median of CUDA events, L2 flushed: GPU time of a graph replay, and the eager call from Python
     wd, ad = w.cuda().bfloat16(), a.cuda().bfloat16()
@@ -115,8 +114,9 @@ def demo_moe(seed: int = 0, tokens=(1, 32, 512), accuracy_tokens: int = 4, log=N
     the float64 reference on the same NVFP4 weights (`ref_moe`) and against the unquantized layer (`ref_moe_bf16`,
     cosine), and the captured layer's time against the same layer in torch bf16, at a few batch sizes."""
     import torch
-    from dsv4_nvfp4.bench import Timer
-    from dsv4_nvfp4.moe import FLASH, DSV4MoE, TorchMoE, ref_moe, ref_moe_bf16
+    from dsv4_nvfp4.bench.core import Timer
+    from dsv4_nvfp4.bench.moe import TorchMoE
+    from dsv4_nvfp4.moe import FLASH, DSV4MoE, ref_moe, ref_moe_bf16
     dev, timer = torch.device("cuda"), Timer()
     t0 = time.perf_counter()
     lay = DSV4MoE.flash(seed, device=dev).to(dev)
@@ -188,19 +188,6 @@ def demo_checkpoint(path) -> list[str]:
     return lines
 
 # %% ../nbs/09_cli.ipynb #41497a7e
-def bench_kernels(sizes_mb=(1, 4, 16, 64, 256, 1024),  # bf16 input sizes (MB)
-                  log=print) -> dict:
-    "Every memory-bound kernel at each size, the copy ceiling measured first in the same run (see `dsv4_nvfp4.bench`)."
-    from dsv4_nvfp4.bench import Timer, bandwidth_results, copy_rows
-    from dsv4_nvfp4.norm import bench_norm
-    from dsv4_nvfp4.quantize_cuda import bench_quantize
-    timer = Timer()
-    rows, ceiling = copy_rows(timer, sizes_mb)
-    log(f"copy ceiling {ceiling:.2f} TB/s")
-    rows += bench_quantize(timer, sizes_mb, log)
-    rows += bench_norm(timer, sizes_mb, log)
-    return bandwidth_results(rows, ceiling)
-
 def _bench(what: str, sizes_mb, out: Path, tokens=None) -> int:
     "Run one benchmark, print its table, write bench_<what>.{md,json,png} into `out`."
     import json
@@ -209,29 +196,28 @@ def _bench(what: str, sizes_mb, out: Path, tokens=None) -> int:
         print("dsv4-nvfp4 bench: no CUDA device", file=sys.stderr); return 2
     log = lambda *m: print(*m, file=sys.stderr, flush=True)
     if what == "ep":                                 # one process per GPU, under torchrun
-        from dsv4_nvfp4.ep_bench import bench_ep_main
+        from dsv4_nvfp4.bench.ep import bench_ep_main
         return bench_ep_main(out, tuple(tokens or (1, 128, 2048, 8192)))
     if what == "gemm":
-        from dsv4_nvfp4.grouped_gemm import bench_gemm, gemm_table, plot_gemm
+        from dsv4_nvfp4.bench.gemm import bench_gemm, gemm_table, plot_gemm
         res, table, plot = bench_gemm(log=log), gemm_table, plot_gemm
     elif what == "mxfp4":
-        from dsv4_nvfp4.grouped_gemm import bench_mxfp4, mxfp4_table
+        from dsv4_nvfp4.bench.gemm import bench_mxfp4, mxfp4_table
         res, table, plot = bench_mxfp4(log=log), mxfp4_table, None
     elif what == "kv":
-        from dsv4_nvfp4.gather import bench_kv_and_gather
-        from dsv4_nvfp4.kv import kv_goals, kv_table, plot_kv
+        from dsv4_nvfp4.bench.kv import bench_kv_and_gather, kv_goals, kv_table, plot_kv
         res, plot = bench_kv_and_gather(log=log), plot_kv
         table = lambda r: kv_table(r) + "\n\n" + kv_goals(r)
     elif what == "moe":
-        from dsv4_nvfp4.moe import bench_moe, moe_goals, moe_table
+        from dsv4_nvfp4.bench.moe import bench_moe, moe_goals, moe_table
         res, plot = bench_moe(log=log), None
         table = lambda r: moe_table(r) + "\n\n" + moe_goals(r)
     elif what == "mlp":
-        from dsv4_nvfp4.swiglu import bench_mlp, mlp_goals, mlp_table, plot_mlp
+        from dsv4_nvfp4.bench.mlp import bench_mlp, mlp_goals, mlp_table, plot_mlp
         res, plot = bench_mlp(log=log), plot_mlp
         table = lambda r: mlp_table(r) + "\n\n" + mlp_goals(r)
     else:
-        from dsv4_nvfp4.bench import kernels_table, plot_kernels
+        from dsv4_nvfp4.bench.kernels import bench_kernels, kernels_table, plot_kernels
         res, table, plot = bench_kernels(sizes_mb, log=log), kernels_table, plot_kernels
     text = table(res)
     print(text)

@@ -9,9 +9,9 @@ import torch
 
 # %% auto #0
 __all__ = ['E2M1_MAX', 'E2M1_VALUES', 'E2M1_MIDPOINTS', 'E4M3_MAX', 'E4M3_VALUES', 'HALFSTEP_TABLE', 'e2m1_value_from_bits',
-           'markdown_table', 'e4m3_value_from_bits', 'check_float', 'e2m1_encode_fp32', 'e2m1_encode', 'e2m1_decode',
-           'rounding_decision', 'in_live_kernel', 'explore_e2m1', 'pack_fp4', 'unpack_fp4', 'ref_halfstep_table_encode',
-           'cdiv', 'round_up']
+           'markdown_text', 'markdown_table', 'e4m3_value_from_bits', 'check_float', 'e2m1_encode_fp32', 'e2m1_encode',
+           'e2m1_decode', 'rounding_decision', 'in_live_kernel', 'explore_e2m1', 'pack_fp4', 'unpack_fp4',
+           'ref_halfstep_table_encode', 'cdiv', 'round_up']
 
 # %% ../nbs/00_formats.ipynb #d5018b67
 def e2m1_value_from_bits(code: int) -> float:
@@ -27,12 +27,16 @@ E2M1_VALUES = torch.tensor([e2m1_value_from_bits(c) for c in range(16)], dtype=t
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints between consecutive magnitudes 0..7
 
 # %% ../nbs/00_formats.ipynb #898025c9
-def markdown_table(rows, headers):
-    "A Markdown table of `rows` (displayed as Markdown in Jupyter, plain text elsewhere)."
+def markdown_text(rows, headers) -> str:
+    "The Markdown text of a table: the header row, the rule, one line per row (floats as `:g`, anything else as `str`)."
     fmt = lambda v: f"{v:g}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
-    text = "\n".join(lines)
+    return "\n".join(lines)
+
+def markdown_table(rows, headers):
+    "A Markdown table of `rows` (displayed as Markdown in Jupyter, plain text elsewhere)."
+    text = markdown_text(rows, headers)
     try:
         from IPython.display import Markdown
         return Markdown(text)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from .kv import KV_DIM, NVFP4KVPool
+from .kv import NVFP4KVPool
 from .quant import NVFP4Tensor, ref_dequantize_nvfp4
-from .quantize_cuda import dequant_rows_nvfp4, gather_dequant_nvfp4, torch_gather_dequant
+from .quantize_cuda import dequant_rows_nvfp4, gather_dequant_nvfp4
 
 # %% auto #0
-__all__ = ['ref_gather_kv', 'gather_kv_topk', 'gather_kv_dense', 'bench_gather_kv', 'bench_kv_and_gather']
+__all__ = ['ref_gather_kv', 'gather_kv_topk', 'gather_kv_dense']
 
 # %% ../nbs/07_dequant_gather.ipynb #53b42e0b
 def ref_gather_kv(pool: NVFP4KVPool,
@@ -45,34 +45,3 @@ def gather_kv_dense(pool: NVFP4KVPool, start: int, n: int, *, out: torch.Tensor 
     "The HCA read: entries [start, start + n) of the pool dequantized (rows of `out` may be a strided slice)."
     if not isinstance(pool, NVFP4KVPool): raise TypeError(f"gather_kv_dense: pool must be an NVFP4KVPool, got {type(pool).__name__}")
     return dequant_rows_nvfp4(pool.data, start, n, pool.scale, pool.global_scale, out=out, swizzled=False)
-
-# %% ../nbs/07_dequant_gather.ipynb #765d8c79
-def bench_gather_kv(timer, log=print) -> list:
-    "Rows for `bench_kv`: the top-k (CSA) and dense (HCA) reads of the pool, with their plain-torch versions."
-    from dsv4_nvfp4.bench import bench_row
-    dev, rows = torch.device("cuda"), []
-    g = torch.Generator(device=dev).manual_seed(1)
-    pool = NVFP4KVPool(32768, device=dev)
-    pool.data.random_(0, 256, generator=g); pool.scale.copy_((torch.rand(pool.scale.shape, device=dev, generator=g) + 0.5).to(torch.float8_e4m3fn))
-    per = pool.bytes_per_entry + 2 * KV_DIM
-    for name, k in (("Flash", 512), ("Pro", 1024)):
-        for Q in (64, 256):
-            idx = torch.randint(0, pool.capacity, (Q, k), device=dev, generator=g, dtype=torch.int32)
-            out = torch.empty(Q, k, KV_DIM, dtype=torch.bfloat16, device=dev)
-            row = bench_row(timer, f"gather top-k CSA ({name}, k {k})", f"{Q} queries", Q * k * per,
-                            lambda: gather_kv_topk(pool, idx, out=out),
-                            lambda: torch_gather_dequant(pool.data, pool.scale, pool.global_scale[idx.reshape(-1).long()][:, None, None], idx.reshape(-1)), log=log)
-            if row: rows.append(dict(row, entries=Q * k, entries_per_s=Q * k / row["time_us"] * 1e6, phase="gather", tokens=0))
-            del out
-    big = NVFP4KVPool(65536, device=dev)
-    big.data.random_(0, 256, generator=g); big.scale.copy_(pool.scale.repeat(2, 1))
-    out = torch.empty(65536, KV_DIM, dtype=torch.bfloat16, device=dev)
-    row = bench_row(timer, "gather dense HCA", "64 x 1024 entries", 65536 * per, lambda: gather_kv_dense(big, 0, 65536, out=out),
-                    lambda: torch_gather_dequant(big.data, big.scale, big.global_scale[:, None, None], torch.arange(65536, device=dev)), log=log)
-    if row: rows.append(dict(row, entries=65536, entries_per_s=65536 / row["time_us"] * 1e6, phase="gather", tokens=0))
-    return rows
-
-def bench_kv_and_gather(log=print) -> dict:
-    "`bench_kv` with the gather rows in the same run (what `dsv4-nvfp4 bench kv` runs)."
-    from dsv4_nvfp4.kv import bench_kv
-    return bench_kv(log=log, extra=bench_gather_kv)

@@ -15,12 +15,11 @@ from . import runtime as rt
 from .quant import NVFP4Tensor, ref_dequantize_nvfp4, ref_quantize_nvfp4
 
 # %% auto #0
-__all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_CU', 'KV_UNROLL', 'KV_ENTRY_BYTES', 'KV_PREFILL_PROBLEMS',
-           'KV_DECODE_BATCHES', 'RopeConfig', 'rope_freqs', 'apply_rope', 'rms_norm64', 'coff_of', 'pool_window',
-           'ref_compress_kv', 'CompressState', 'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU',
-           'compress_state', 'kv_split', 'kv_unroll', 'compress_prefill', 'compress_decode', 'dsv4_compress_ratios',
-           'kv_memory', 'torch_compress_prefill', 'torch_compress_decode', 'bench_kv', 'kv_table', 'plot_kv',
-           'kv_goals']
+__all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_CU', 'KV_UNROLL', 'KV_ENTRY_BYTES', 'RopeConfig', 'rope_freqs',
+           'apply_rope', 'rms_norm64', 'coff_of', 'pool_window', 'ref_compress_kv', 'CompressState',
+           'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU', 'compress_state', 'kv_split', 'kv_unroll',
+           'compress_prefill', 'compress_decode', 'dsv4_compress_ratios', 'kv_memory', 'torch_compress_prefill',
+           'torch_compress_decode']
 
 # %% ../nbs/06_kv_compress.ipynb #8e1798ee
 KV_DIM = 512                 # compressed entry width (DSV4 head_dim)
@@ -462,112 +461,3 @@ def torch_compress_decode(kv, score, pos, ape, norm_weight, ratio, state: KVComp
     state.kv[close, (coff - 1) * r:] = 0.0
     state.score[close, (coff - 1) * r:] = -math.inf
     return (ref_quantize_nvfp4(e, per_row=True) if quantize else e), close
-
-# %% ../nbs/06_kv_compress.ipynb #b63b944c
-KV_PREFILL_PROBLEMS = [(r, B, L) for r in (CSA_RATIO, HCA_RATIO) for B, L in ((1, 8192), (1, 131072), (8, 8192), (8, 131072), (64, 8192))]
-KV_DECODE_BATCHES = (1, 8, 64, 256)
-
-
-def bench_kv(prefill=None, decode=None, log=print,
-             extra=None,   # more rows measured in the same run: a function (timer, log) -> rows (the gathers of `gather.py`)
-            ) -> dict:
-    """The fused compressor (graph-replayed, L2 flushed) against the same math in plain torch on this GPU (timed
-    eagerly: it reads values back to the host): prefill (sequences x tokens; bytes =
-    the fp32 projections read + the entries written) and a decode step where every sequence closes a window (bytes =
-    the state read + the entries written), with the copy ceiling (the best copy of >= 256 MB) and a copy of each
-    row's own bytes measured in the same run. 64 x 128K tokens is not in the default list (69 GB of CSA projections;
-    pass it in `prefill` on a GPU that holds it). A problem whose projections do not fit in free GPU memory is
-    skipped, saying so; where the torch version runs out of memory its time is left blank."""
-    from dsv4_nvfp4.bench import Timer, bandwidth_results, bench_row, copy_rows
-    timer = Timer()
-    _, ceil = copy_rows(timer)
-    dev, rows = torch.device("cuda"), []
-    g = torch.Generator(device=dev).manual_seed(0)
-    for r, B, L in (KV_PREFILL_PROBLEMS if prefill is None else prefill):
-        coff, T = coff_of(r), B * L
-        need = 2 * T * coff * KV_DIM * 4 + B * (L // r) * KV_ENTRY_BYTES["NVFP4"]
-        if need > 0.9 * torch.cuda.mem_get_info(dev)[0]:
-            log(f"compress prefill {B} x {L} (ratio {r}): {need / 1e9:.1f} GB of inputs do not fit in this GPU's free memory: skipped"); continue
-        kv = torch.randn(T, coff * KV_DIM, device=dev, generator=g)
-        sc = torch.randn(T, coff * KV_DIM, device=dev, generator=g)
-        ape, w = torch.randn(r, coff * KV_DIM, device=dev, generator=g), torch.ones(KV_DIM, device=dev)
-        cu, n = [i * L for i in range(B + 1)], B * (L // r)
-        pool, slots = NVFP4KVPool(n, device=dev), torch.arange(n, dtype=torch.int32, device=dev)
-        row = bench_row(timer, f"compress prefill {'CSA' if r == CSA_RATIO else 'HCA'}", f"{B} x {L} tokens", 2 * kv.nbytes + n * pool.bytes_per_entry,
-                        lambda: compress_prefill(kv, sc, cu, ape, w, r, pool, slots), log=log)
-        if row:
-            try: row["torch_us"] = timer(lambda: torch_compress_prefill(kv, sc, cu, ape, w, r))[1]   # eager: it syncs
-            except torch.OutOfMemoryError:
-                log(f"torch compress prefill {B} x {L} (ratio {r}): out of memory"); torch.cuda.empty_cache()
-        if row: rows.append(dict(row, ratio=r, seqs=B, tokens=L, entries=n, entries_per_s=n / row["time_us"] * 1e6, phase="prefill"))
-        del kv, sc, pool; torch.cuda.empty_cache()
-    for r in (CSA_RATIO, HCA_RATIO):
-        for B in (KV_DECODE_BATCHES if decode is None else decode):
-            coff = coff_of(r)
-            kv, sc = torch.randn(B, coff * KV_DIM, device=dev, generator=g), torch.randn(B, coff * KV_DIM, device=dev, generator=g)
-            ape, w = torch.randn(r, coff * KV_DIM, device=dev, generator=g), torch.ones(KV_DIM, device=dev)
-            pos = torch.full((B,), r - 1, dtype=torch.int64, device=dev)      # every sequence closes a window
-            pool, slots = NVFP4KVPool(B, device=dev), torch.arange(B, dtype=torch.int32, device=dev)
-            st, st_t = compress_state(B, r, device=dev), compress_state(B, r, device=dev)
-            row = bench_row(timer, f"compress decode {'CSA' if r == CSA_RATIO else 'HCA'}", f"batch {B}", 2 * st.kv.nbytes + B * pool.bytes_per_entry,
-                            lambda: compress_decode(kv, sc, pos, ape, w, r, pool, slots, st), log=log)
-            if row: row["torch_us"] = timer(lambda: torch_compress_decode(kv, sc, pos, ape, w, r, st_t))[1]
-            if row: rows.append(dict(row, ratio=r, seqs=B, tokens=1, entries=B, entries_per_s=B / row["time_us"] * 1e6, phase="decode"))
-    if extra is not None: rows += extra(timer, log)
-    for r in rows:                      # a device copy moving the same bytes: small problems cannot reach the big-copy ceiling
-        src = torch.empty(max(1, r["traffic_bytes"] // 2), dtype=torch.uint8, device=dev); dst = torch.empty_like(src)
-        r["copy_us"] = min(v for v in timer(lambda: dst.copy_(src)) if v)
-        del src, dst
-    res = bandwidth_results(rows, ceil)
-    for r in res["rows"]: r["pct_same_copy"] = 100 * r["copy_us"] / r["time_us"]
-    res["memory"] = [kv_memory(m) for m in ("Flash", "Pro")]
-    return res
-
-def kv_table(res: dict) -> str:
-    "The compressor benchmark as Markdown (rendered from the measured rows)."
-    i = res["info"]
-    head = f"{i['gpu']} ({i['sms']} SMs), torch {i['torch']}; copy ceiling {res['ceiling_tbs']:.2f} TB/s\n\n"
-    cols = ["op", "problem", "entries", "us", "M entries/s", "GB moved", "TB/s", "% of copy", "% of same-size copy", "torch us", "x torch"]
-    body = [(r["kernel"], r["shape"], r["entries"], f"{r['time_us']:.1f}", f"{r['entries_per_s'] / 1e6:.1f}", f"{r['traffic_bytes'] / 1e9:.3f}",
-             f"{r['tbs']:.2f}", f"{r['pct_copy']:.0f}%", f"{r['pct_same_copy']:.0f}%", "-" if r["torch_us"] is None else f"{r['torch_us']:.1f}",
-             "-" if r["x_vs_torch"] is None else f"{r['x_vs_torch']:.1f}x") for r in res["rows"]]
-    return head + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + "\n".join("| " + " | ".join(str(c) for c in b) + " |" for b in body)
-
-def plot_kv(res: dict, path=None):
-    "TB/s against bytes moved for each op (points sorted by size), with a copy of the same bytes and the ceiling."
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    rows = sorted(res["rows"], key=lambda r: r["traffic_bytes"])
-    for k in dict.fromkeys(r["kernel"] for r in res["rows"]):
-        rr = [r for r in rows if r["kernel"] == k]
-        ax.plot([r["traffic_bytes"] / 1e6 for r in rr], [r["tbs"] for r in rr], "o-", label=k, ms=3)
-    ax.plot([r["traffic_bytes"] / 1e6 for r in rows], [r["traffic_bytes"] / r["copy_us"] / 1e6 for r in rows], "k--", lw=1,
-            label="a copy of the same bytes")
-    ax.axhline(res["ceiling_tbs"], color="gray", lw=0.8, ls=":", label="copy ceiling (>= 256 MB)")
-    ax.set_xscale("log"); ax.set_xlabel("MB moved (read + write)"); ax.set_ylabel("TB/s")
-    ax.set_title(f"KV compressor and gathers on {res['info']['gpu']}"); ax.legend(fontsize=7, frameon=False)
-    plt.tight_layout()
-    if path: fig.savefig(path, dpi=120)
-    return fig
-
-def kv_goals(res: dict) -> str:
-    """The issue's goals, from the rows: prefill >= 10x torch and its inputs read at >= 70% of copy bandwidth at 8K+
-    tokens; gathers at >= 85% of copy bandwidth when they move >= 64 MB. Copy bandwidth is the ceiling (the best
-    copy of >= 256 MB); each line also says how the rows fare against a copy of their own bytes."""
-    out, name = [], lambda r: f"{r['kernel']} {r['shape']}"
-    pre = [r for r in res["rows"] if r["phase"] == "prefill" and r["tokens"] >= 8192]
-    if pre:
-        timed = [r for r in pre if r["x_vs_torch"] is not None]
-        slow = [name(r) for r in timed if not r["x_vs_torch"] >= 10]
-        oom = [name(r) for r in pre if r["x_vs_torch"] is None]
-        bw, bw1 = [name(r) for r in pre if r["pct_copy"] < 70], [name(r) for r in pre if r["pct_same_copy"] < 70]
-        out += [f"* **Prefill >= 10x the torch version**: met on {len(timed) - len(slow)} of {len(timed)} rows" + (f"; missed: {', '.join(slow)}" if slow else "")
-                + (f" (the torch version ran out of memory on: {', '.join(oom)})." if oom else "."),
-                f"* **Prefill reads at >= 70% of copy bandwidth**: met on {len(pre) - len(bw)} of {len(pre)} rows" + (f"; missed: {', '.join(bw)}" if bw else "")
-                + f" (against a copy of the same bytes: met on {len(pre) - len(bw1)} of {len(pre)}" + (f"; missed: {', '.join(bw1)})." if bw1 else ").")]
-    ga = [r for r in res["rows"] if r["phase"] == "gather" and r["traffic_bytes"] >= 64e6]
-    if ga:
-        bw, bw1 = [name(r) for r in ga if r["pct_copy"] < 85], [name(r) for r in ga if r["pct_same_copy"] < 85]
-        out.append(f"* **Gathers (>= 64 MB) at >= 85% of copy bandwidth**: met on {len(ga) - len(bw)} of {len(ga)} rows" + (f"; missed: {', '.join(bw)}" if bw else "")
-                   + f" (against a copy of the same bytes: met on {len(ga) - len(bw1)} of {len(ga)}" + (f"; missed: {', '.join(bw1)})." if bw1 else ")."))
-    return "\n".join(out)

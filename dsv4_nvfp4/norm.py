@@ -11,14 +11,12 @@ import torch
 
 from . import runtime as rt
 from .quant import NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4
-from .quantize_cuda import (ROW_KERNEL_MAX_K, SwizzledNVFP4, codes_scales_out, global_scale_arg,
-                                      torch_quantize_row_gs)
+from .quantize_cuda import ROW_KERNEL_MAX_K, SwizzledNVFP4, codes_scales_out, global_scale_arg
 from .runtime import check_k16, check_tensor, out_tensor
 
 # %% auto #0
 __all__ = ['RN_CU', 'ref_mhc_premix', 'ref_rmsnorm', 'ref_rmsnorm_quantize_nvfp4', 'ref_mhc_rmsnorm_quantize_nvfp4',
-           'rmsnorm_quantize_nvfp4', 'mhc_rmsnorm_quantize_nvfp4', 'torch_rmsnorm_quantize',
-           'torch_mhc_rmsnorm_quantize', 'bench_norm']
+           'rmsnorm_quantize_nvfp4', 'mhc_rmsnorm_quantize_nvfp4']
 
 # %% ../nbs/03b_norm_quantize.ipynb #a8f743e9
 RN_CU = "nvfp4_rmsnorm_quantize.cu"
@@ -167,48 +165,3 @@ def mhc_rmsnorm_quantize_nvfp4(x: torch.Tensor,      # (M, n_hc, N) bf16/fp16/fp
     if tuple(a.shape) != (M, n_hc): raise ValueError(f"{what}: a must have shape {(M, n_hc)}, got {tuple(a.shape)}")
     return _fused(what, "nvfp4_mhc_rmsnorm_quantize", x, (M,), N, weight, eps, global_scale, round_to_bf16, swizzle,
                   out_data, out_scale, out_gs, out_inv_rms, [rt.ptr(a), rt.i32(n_hc)])
-
-# %% ../nbs/03b_norm_quantize.ipynb #440fbac1
-def torch_rmsnorm_quantize(x, w, eps):
-    "Plain-torch RMSNorm then per-row-gs quantize."
-    h = x.float()
-    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
-    return torch_quantize_row_gs(y)
-
-def torch_mhc_rmsnorm_quantize(x, a, w, eps):
-    "Plain-torch mHC pre-mix, RMSNorm, quantize."
-    return torch_rmsnorm_quantize((x.float() * a[..., None]).sum(1), w, eps)
-
-# %% ../nbs/03b_norm_quantize.ipynb #fcf79e08
-def bench_norm(timer,                                # a dsv4_nvfp4.bench.Timer
-               sizes_mb=(1, 4, 16, 64, 256, 1024),   # bf16 input sizes (MB) of the (M, 4096) problems
-               log=print) -> list:                   # rows for dsv4_nvfp4.bench.bandwidth_results
-    "Time the fused RMSNorm / mHC + quantize kernels at each size, with their plain-torch versions."
-    from dsv4_nvfp4.bench import bench_row
-    dev, rows, Kd = "cuda", [], 4096
-    def add(*a, **kw):
-        r = bench_row(timer, *a, log=log, **kw)
-        if r is not None: rows.append(r)
-    for mb in sizes_mb:
-        M = max(1, mb * 2 ** 20 // (Kd * 2))
-        torch.cuda.empty_cache()
-        data = torch.empty(M, Kd // 2, dtype=torch.uint8, device=dev)
-        sf = torch.empty(M, Kd // 16, dtype=torch.float8_e4m3fn, device=dev)
-        gsr = torch.empty(M, device=dev)
-        qb = M * Kd * 2 + M * Kd // 2 + M * Kd // 16
-        x = torch.randn(M, Kd, device=dev, dtype=torch.bfloat16); w = torch.rand(Kd, device=dev) + 0.5
-        inv = torch.empty(M, device=dev)
-        add("rmsnorm_quantize", f"bf16 ({M}, {Kd})", qb + 8 * M + 4 * Kd,
-            lambda: rmsnorm_quantize_nvfp4(x, w, 1e-6, out_data=data, out_scale=sf, out_gs=gsr, out_inv_rms=inv),
-            lambda: torch_rmsnorm_quantize(x, w, 1e-6))
-        del x
-        Mh = max(1, M // 4)
-        xh = torch.randn(Mh, 4, Kd, device=dev, dtype=torch.bfloat16); a = torch.rand(Mh, 4, device=dev)
-        hb = Mh * 4 * Kd * 2 + Mh * 16 + Mh * (Kd // 2 + Kd // 16 + 8) + 4 * Kd
-        add("mhc_rmsnorm_quantize (n_hc=4)", f"bf16 ({Mh}, 4, {Kd})", hb,
-            lambda: mhc_rmsnorm_quantize_nvfp4(xh, a, w, 1e-6, out_data=data[:Mh], out_scale=sf[:Mh],
-                                               out_gs=gsr[:Mh], out_inv_rms=inv[:Mh]),
-            lambda: torch_mhc_rmsnorm_quantize(xh, a, w, 1e-6))
-        del xh, data, sf
-        torch.cuda.empty_cache()
-    return rows

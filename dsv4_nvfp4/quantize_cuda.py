@@ -13,7 +13,6 @@ from typing import NamedTuple
 import torch
 
 from . import runtime as rt
-from .formats import E2M1_VALUES
 from .layout import swizzle_scales
 from .quant import GS_MIN, NVFP4Tensor, ref_dequantize_nvfp4, ref_quantize_nvfp4
 from .runtime import check_k16, check_tensor, out_tensor
@@ -21,9 +20,7 @@ from .runtime import check_k16, check_tensor, out_tensor
 # %% auto #0
 __all__ = ['ROW_KERNEL_MAX_K', 'Q_CU', 'DQ_CU', 'G_CU', 'SwizzledNVFP4', 'global_scale_arg', 'codes_scales_out',
            'quantize_nvfp4_cuda', 'dequantize_nvfp4_cuda', 'quantize_nvfp4', 'dequantize_nvfp4', 'quantize_nvfp4_op',
-           'dequantize_nvfp4_op', 'ref_gather_dequant_nvfp4', 'gather_dequant_nvfp4', 'dequant_rows_nvfp4',
-           'torch_quantize', 'torch_quantize_tensor_gs', 'torch_quantize_row_gs', 'torch_quantize_swizzled',
-           'torch_dequant', 'torch_gather_dequant', 'bench_quantize']
+           'dequantize_nvfp4_op', 'ref_gather_dequant_nvfp4', 'gather_dequant_nvfp4', 'dequant_rows_nvfp4']
 
 # %% ../nbs/03a_quantize_cuda.ipynb #8959e9d0
 ROW_KERNEL_MAX_K = 16384      # one 16-block per thread, <= 1024 threads: the row kernels hold a row in registers
@@ -359,103 +356,3 @@ def dequant_rows_nvfp4(t, row_start: int, n_rows: int, scale=None, global_scale=
     if row_start < 0 or n_rows < 0 or row_start + n_rows > n_src:
         raise ValueError(f"{what}: rows [{row_start}, {row_start + n_rows}) are outside the {n_src} source rows")
     return _gather_launch(what, (data, sfv, g, stride, swizzled, dev, n_src, K), n_rows, out, row_start=row_start)
-
-# %% ../nbs/03a_quantize_cuda.ipynb #440fbac1
-def _gs_torch(amax): return torch.where(amax == 0, torch.ones_like(amax), (amax / 2688.0).clamp(min=2.0 ** -110))
-
-def torch_quantize(x, gs):
-    "Plain-torch NVFP4 quantize of a 2D x with a given gs (scalar or per row): (packed codes, e4m3 scales)."
-    M, K = x.shape
-    xb = x.float().reshape(M, K // 16, 16)
-    g = gs.reshape(-1, 1) if gs.dim() else gs
-    s = (xb.abs().amax(-1) / (6.0 * g)).clamp(max=448.0).to(torch.float8_e4m3fn)
-    sf = s.float()
-    r = torch.where(sf == 0, torch.zeros_like(sf), 1.0 / (sf * g))
-    v = xb * r[..., None]
-    a = v.abs()
-    c = (a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
-    c = (c.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)).reshape(M, K)
-    return c[:, 0::2] | (c[:, 1::2] << 4), s
-
-def torch_quantize_tensor_gs(x):
-    "Plain-torch quantize with the per-tensor global scale computed from amax."
-    gs = _gs_torch(x.abs().amax().float())
-    return torch_quantize(x, gs), gs
-
-def torch_quantize_row_gs(x):
-    "Plain-torch quantize with per-row global scales."
-    gs = _gs_torch(x.abs().amax(-1).float())
-    return torch_quantize(x, gs), gs
-
-def torch_quantize_swizzled(x, gs):
-    "Plain-torch quantize, then the 32_4_4 swizzle of the scales."
-    data, s = torch_quantize(x, gs)
-    return data, swizzle_scales(s)
-
-_E2M1 = {}
-def torch_dequant(data, scale, gs, dtype=torch.bfloat16):
-    "Plain-torch NVFP4 -> dtype of 2D packed codes with plain scales."
-    if data.device not in _E2M1: _E2M1[data.device] = E2M1_VALUES.to(data.device)
-    M = data.shape[0]
-    codes = torch.stack([data & 15, data >> 4], -1).reshape(M, -1, 16)
-    return ((_E2M1[data.device][codes.long()] * scale.float()[..., None]) * gs).reshape(M, -1).to(dtype)
-
-def torch_gather_dequant(data, scale, gs, idx):
-    "Plain-torch gather of rows `idx` (-1 -> zero row) dequantized to bf16."
-    ii = idx.clamp(min=0).long()
-    return torch_dequant(data[ii], scale[ii], gs) * (idx >= 0)[:, None]
-
-
-# %% ../nbs/03a_quantize_cuda.ipynb #6364d338
-def bench_quantize(timer,                                  # a dsv4_nvfp4.bench.Timer
-                   sizes_mb=(1, 4, 16, 64, 256, 1024),     # bf16 input sizes (MB) of the (M, 4096) problems
-                   log=print) -> list:                     # rows for dsv4_nvfp4.bench.bandwidth_results
-    "Time quantize (4 modes), dequantize and the KV gathers at each size, with their plain-torch versions."
-    from dsv4_nvfp4.bench import bench_row
-    dev, rows = "cuda", []
-    def add(*a, **kw):
-        r = bench_row(timer, *a, log=log, **kw)
-        if r is not None: rows.append(r)
-    Kd = 4096
-    for mb in sizes_mb:
-        M = max(1, mb * 2 ** 20 // (Kd * 2))
-        torch.cuda.empty_cache()
-        x = torch.randn(M, Kd, device=dev, dtype=torch.bfloat16)
-        gs1 = torch.tensor(0.01, device=dev)
-        data = torch.empty(M, Kd // 2, dtype=torch.uint8, device=dev)
-        sf = torch.empty(M, Kd // 16, dtype=torch.float8_e4m3fn, device=dev)
-        sfz = torch.empty(rt.round_up(M, 128), Kd // 16, dtype=torch.float8_e4m3fn, device=dev)
-        gso, gsr = torch.empty((), device=dev), torch.empty(M, device=dev)
-        qb = M * Kd * 2 + M * Kd // 2 + M * Kd // 16
-        shp = f"bf16 ({M}, {Kd})"
-        add("quantize, given gs", shp, qb, lambda: quantize_nvfp4_cuda(x, gs1, out_data=data, out_scale=sf),
-            lambda: torch_quantize(x, gs1))
-        add("quantize, per-tensor gs on device", shp, qb,
-            lambda: quantize_nvfp4_cuda(x, out_data=data, out_scale=sf, out_gs=gso),
-            lambda: torch_quantize_tensor_gs(x), traffic=qb + M * Kd * 2)
-        add("quantize, per-row gs on device", shp, qb + 4 * M,
-            lambda: quantize_nvfp4_cuda(x, per_row=True, out_data=data, out_scale=sf, out_gs=gsr),
-            lambda: torch_quantize_row_gs(x))
-        add("quantize, given gs, swizzled scales", shp, qb,
-            lambda: quantize_nvfp4_cuda(x, gs1, swizzle=True, out_data=data, out_scale=sfz),
-            lambda: torch_quantize_swizzled(x, gs1))
-        q = quantize_nvfp4_cuda(x, gs1)
-        outb = torch.empty(M, Kd, dtype=torch.bfloat16, device=dev)
-        add("dequantize -> bf16", shp, qb, lambda: dequantize_nvfp4_cuda(q, out=outb),
-            lambda: torch_dequant(q.data, q.scale, q.global_scale))
-        del x, q, data, sf, sfz, outb
-        Kg = 512  # the KV gather: T rows of head_dim 512 out of a pool of 2T
-        T = max(1, mb * 2 ** 20 // (Kg * 2))
-        pool = quantize_nvfp4_cuda(torch.randn(2 * T, Kg, device=dev, dtype=torch.bfloat16), gs1)
-        idx = torch.randint(-1, 2 * T, (T,), device=dev, dtype=torch.int32)
-        go = torch.empty(T, Kg, dtype=torch.bfloat16, device=dev)
-        gb = T * (Kg // 2 + Kg // 16 + 2 * Kg + 4)
-        add("gather_dequant (top-k) -> bf16", f"{T} of ({2 * T}, {Kg})", gb,
-            lambda: gather_dequant_nvfp4(pool, idx, out=go),
-            lambda: torch_gather_dequant(pool.data, pool.scale, pool.global_scale, idx))
-        add("dequant_rows (dense) -> bf16", f"{T} of ({2 * T}, {Kg})", gb - 4 * T,
-            lambda: dequant_rows_nvfp4(pool, T // 2, T, out=go),
-            lambda: torch_dequant(pool.data[T // 2:T // 2 + T], pool.scale[T // 2:T // 2 + T], pool.global_scale))
-        del pool, go, idx
-        torch.cuda.empty_cache()
-    return rows

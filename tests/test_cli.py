@@ -244,7 +244,7 @@ def test_quantize_compressed_tensors_and_inspect_dsv4_mxfp4(tmp_path, capsys):
 
 def test_bench_ep_passes_its_token_counts(monkeypatch):
     "`bench ep --tokens ...` hands the sizes to bench_ep_main (the run itself needs torchrun and GPUs)."
-    import dsv4_nvfp4.ep_bench as ep
+    import dsv4_nvfp4.bench.ep as ep
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ep, "bench_ep_main", lambda out, tokens: seen.append(tokens) or 0)

@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 MODULES = ["dsv4_nvfp4", "dsv4_nvfp4.formats", "dsv4_nvfp4.quant", "dsv4_nvfp4.checkpoint", "dsv4_nvfp4.layout",
-           "dsv4_nvfp4.runtime", "dsv4_nvfp4.quantize_cuda", "dsv4_nvfp4.norm", "dsv4_nvfp4.bench", "dsv4_nvfp4.routing",
-           "dsv4_nvfp4.grouped_gemm", "dsv4_nvfp4.gemm_sm100", "dsv4_nvfp4.cli",
-           "dsv4_nvfp4.ep.transport", "dsv4_nvfp4.ep.layer", "dsv4_nvfp4.ep.capture", "dsv4_nvfp4.ep_bench"]
+           "dsv4_nvfp4.runtime", "dsv4_nvfp4.quantize_cuda", "dsv4_nvfp4.norm", "dsv4_nvfp4.bench.core", "dsv4_nvfp4.routing",
+           "dsv4_nvfp4.grouped_gemm", "dsv4_nvfp4.gemm_sm100", "dsv4_nvfp4.cli", "dsv4_nvfp4.bench.kernels", "dsv4_nvfp4.bench.gemm",
+           "dsv4_nvfp4.bench.mlp", "dsv4_nvfp4.bench.kv", "dsv4_nvfp4.bench.moe"]
 
 
 def test_modules_import_without_dev_or_gpu_packages():

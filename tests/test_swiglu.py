@@ -133,22 +133,3 @@ def test_expert_mlp_bad_input():
         S.ref_expert_mlp(ref_quantize_nvfp4(x.float()), w13, w2, offs)
     with pytest.raises(ValueError, match="non-decreasing"):
         S.ref_expert_mlp(x, w13, w2, torch.tensor([3, 1], dtype=torch.int32))
-
-
-def test_mlp_benchmark_text_is_rendered_from_the_rows():
-    "mlp_table / mlp_goals render what the rows say: the verdicts follow the numbers, nothing is typed by hand."
-    row = lambda name, T, rows, active, w16, pre, ker, bf, f8: dict(
-        problem=name, tokens=T, rows=rows, active=active, w4a16_us=w16, w4a16_eager_us=w16 + 9, w4a4_pre_us=pre,
-        w4a4_kernel_us=ker, bf16_us=bf, fp8_us=f8, tbs=3.0, pct_copy=80.0,
-        **{f"{k}_x_bf16": bf / v for k, v in (("w4a16", w16), ("w4a4_pre", pre), ("w4a4_kernel", ker))},
-        **{f"{k}_x_fp8": f8 / v for k, v in (("w4a16", w16), ("w4a4_pre", pre), ("w4a4_kernel", ker))})
-    res = dict(info=dict(gpu="G", sms=1, torch="x"), copy_tbs=4.0, bf16_tflops=700.0, rows=[
-        row("Flash", 1, 6, 6, 60.0, 62.0, 58.0, 200.0, 120.0),          # decode: 3.33x bf16, 2.0x fp8 -> met
-        row("Flash", 8, 48, 45, 100.0, 98.0, 97.0, 250.0, 160.0),       # decode: 2.5x bf16 -> missed
-        row("Flash", 2048, 12288, 256, 1000.0, 900.0, 950.0, 2600.0, 1400.0)])   # 2.6x bf16 but 1.4x fp8 -> missed
-    t = S.mlp_table(res)
-    assert "| Flash | 1 | 1 | 60.0 | 69.0 | 62.0 | 58.0 | 200.0 | 120.0 | 3.33 | 2.00 | 3.45 | 3.00 | 80% |" in t
-    g = S.mlp_goals(res)
-    assert "met on 1 of 2 rows" in g and "missed: Flash T=8." in g
-    assert "Flash at 2048 tokens" in g and "met on 0 of 1 rows" in g
-    assert "faster on 2 of 3 rows" in g
