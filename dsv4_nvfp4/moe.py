@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from fastcore.basics import patch
 
 from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
                                    read_safetensors)
@@ -394,7 +395,8 @@ def _heavy(shape, g, scale, device):
     return (w * scale).to(torch.bfloat16)
 
 @torch.no_grad()
-def _synthetic(cls, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", hash_vocab: int = 0,
+@patch(cls_method=True)
+def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", hash_vocab: int = 0,
                calib_tokens: int = 64, device="cpu", keep_bf16: bool = True):
     """A realistic random layer: heavy-tailed weights, the shared expert, a selection bias (or, with `hash_vocab`, a
     tid2eid table), W4A4's static scales of x and h calibrated on `calib_tokens` sample tokens; keeps its unquantized weights."""
@@ -432,7 +434,8 @@ def _synthetic(cls, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", h
     layer.bf16_weights = bf
     return layer
 
-def _from_modelopt(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16", prefix: str = "layers.{layer}.ffn",
+@patch(cls_method=True)
+def from_modelopt(cls: DSV4MoE, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16", prefix: str = "layers.{layer}.ffn",
                    experts=None, shared: bool = True):
     """A DSV4MoE from an NVFP4 checkpoint, ModelOpt or compressed-tensors (a file or a sharded folder; only this layer's
     tensors are read), or a dict like `load_modelopt_nvfp4`'s result plus the gate's raw tensors; with `experts` (and
@@ -524,7 +527,8 @@ def _read_gate(src, p, E, H, what):
     if bias is None and tid is None: raise KeyError(f"{what}: {where} has neither {keys[1]} nor {keys[2]}")
     return gate, None if bias is None else bias.float(), tid
 
-def _from_dsv4(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16", prefix: str = "layers.{layer}.ffn",
+@patch(cls_method=True)
+def from_dsv4(cls: DSV4MoE, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16", prefix: str = "layers.{layer}.ffn",
                experts=None, shared: bool = True, strict: bool = True):
     """A DSV4MoE from a checkpoint in DSV4's released format (a file or a sharded folder; only this layer's held
     experts are read, one tensor at a time): the routed experts' MXFP4 weights carried onto NVFP4 with their exact
@@ -555,12 +559,14 @@ def _from_dsv4(cls, src, layer: int, cfg: MoEConfig = FLASH, act: str = "w4a16",
     layer_.load_report = report
     return layer_
 
-def _from_checkpoint(cls, src, layer: int, cfg: MoEConfig = FLASH, **kw):
+@patch(cls_method=True)
+def from_checkpoint(cls: DSV4MoE, src, layer: int, cfg: MoEConfig = FLASH, **kw):
     "A DSV4MoE from any checkpoint this package reads, the format detected: ModelOpt or compressed-tensors NVFP4 (`from_modelopt`) or DSV4's released MXFP4 (`from_dsv4`)."
     fmt = checkpoint_format(src)
     return (cls.from_dsv4 if fmt == "dsv4-mxfp4" else cls.from_modelopt)(src, layer, cfg, **kw)
 
-def _save_layer(self, path, layer: int, format: str = "modelopt", prefix: str = "layers.{layer}.ffn"):
+@patch
+def save(self: DSV4MoE, path, layer: int, format: str = "modelopt", prefix: str = "layers.{layer}.ffn"):
     """Write this layer's NVFP4 weights and router as a checkpoint file in `format` ("modelopt" or
     "compressed-tensors"): the held experts under their global ids, the shared expert, `gate.*`; W4A4's static scales
     as input scales (a1 for w1 and w3, a2 for w2). `from_checkpoint` reads it back to the same layer."""
@@ -584,18 +590,15 @@ def _save_layer(self, path, layer: int, format: str = "modelopt", prefix: str = 
     if self.tid2eid is not None: gate[f"{p}.gate.tid2eid"] = self.tid2eid
     (save_modelopt_nvfp4 if format == "modelopt" else save_compressed_tensors_nvfp4)(path, ws, ins, gate)
 
-def _flash(cls, seed: int = 0, act: str = "w4a16", **kw):
+@patch(cls_method=True)
+def flash(cls: DSV4MoE, seed: int = 0, act: str = "w4a16", **kw):
     "A synthetic DSV4-Flash layer (256 + 1 experts, H 4096, I 2048); `device='cuda'` builds it in seconds."
     return cls.synthetic(FLASH, seed, act, **kw)
 
-def _pro(cls, seed: int = 0, act: str = "w4a16", **kw):
+@patch(cls_method=True)
+def pro(cls: DSV4MoE, seed: int = 0, act: str = "w4a16", **kw):
     "A synthetic DSV4-Pro layer (384 + 1 experts, H 7168, I 3072)."
     return cls.synthetic(PRO, seed, act, **kw)
-
-DSV4MoE.synthetic, DSV4MoE.from_modelopt = classmethod(_synthetic), classmethod(_from_modelopt)
-DSV4MoE.from_dsv4, DSV4MoE.from_checkpoint = classmethod(_from_dsv4), classmethod(_from_checkpoint)
-DSV4MoE.save = _save_layer
-DSV4MoE.flash, DSV4MoE.pro = classmethod(_flash), classmethod(_pro)
 
 # %% ../nbs/08_moe_layer.ipynb #04885a55
 class CapturedMoE:
@@ -634,11 +637,10 @@ class CapturedMoE:
         self.graph.replay()
         return self.out[:T]
 
-def _capture(self, max_tokens: int) -> CapturedMoE:
+@patch
+def capture(self: DSV4MoE, max_tokens: int) -> CapturedMoE:
     "Record the whole forward in one CUDA graph for up to `max_tokens` tokens (see `CapturedMoE`)."
     return CapturedMoE(self, max_tokens)
-
-DSV4MoE.capture = _capture
 
 # %% ../nbs/08_moe_layer.ipynb #bb286f07
 @define_op("dsv4_nvfp4::moe_forward", "(Tensor x, Tensor? input_ids, str layer) -> Tensor",
