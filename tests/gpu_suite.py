@@ -45,7 +45,8 @@ def main():
     ngpu = torch.cuda.device_count()
     queue = [j for j in jobs(phase, ngpu) if only is None or j[0] in only]
     free, running, done, t0 = list(range(ngpu)), [], [], time.time()
-    env0 = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="4")
+    env0 = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="4", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                NVSHMEM_DISABLE_NVLS="1")   # NVLink multicast stays off on shared hosts
     while queue or running:
         for j in list(queue):                                         # start what fits, longest first
             name, cmd, g, _ = j
