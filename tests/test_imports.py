@@ -1,11 +1,13 @@
 """A plain install (no dev extras) imports every module: IPython, matplotlib, ml_dtypes and cuda-python are loaded
-lazily, only by the notebook helpers, the plots and the GPU paths that need them."""
+lazily, only by the notebook helpers, the plots and the GPU paths that need them (the sm90 backend imports its CuTeDSL
+kernel, dsv4_nvfp4.gemm.sm90_kernel, on the first launch: that module alone needs the [gpu] extra)."""
 import subprocess
 import sys
 
 MODULES = ["dsv4_nvfp4", "dsv4_nvfp4.formats", "dsv4_nvfp4.quant", "dsv4_nvfp4.checkpoint", "dsv4_nvfp4.layout",
            "dsv4_nvfp4.runtime", "dsv4_nvfp4.quantize_cuda", "dsv4_nvfp4.norm", "dsv4_nvfp4.bench", "dsv4_nvfp4.routing",
-           "dsv4_nvfp4.grouped_gemm", "dsv4_nvfp4.gemm_sm100", "dsv4_nvfp4.cli",
+           "dsv4_nvfp4.gemm.core", "dsv4_nvfp4.gemm.reference", "dsv4_nvfp4.gemm.sm90", "dsv4_nvfp4.gemm.sm100",
+           "dsv4_nvfp4.swiglu", "dsv4_nvfp4.moe", "dsv4_nvfp4.cli",
            "dsv4_nvfp4.ep.transport", "dsv4_nvfp4.ep.layer", "dsv4_nvfp4.ep.capture", "dsv4_nvfp4.ep_bench"]
 
 
