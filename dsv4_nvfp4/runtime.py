@@ -28,7 +28,8 @@ __all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'Ker
            'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir', 'show_cu',
            'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult', 'compile_cubin',
            'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'i64', 'i32', 'u32', 'f32',
-           'check_tensor', 'out_tensor', 'check_k16', 'launch_1d', 'register_op_object', 'op_object', 'define_op']
+           'launch_device_type', 'check_tensor', 'out_tensor', 'check_k16', 'launch_1d', 'register_op_object',
+           'op_object', 'define_op']
 
 # %% ../nbs/03_runtime.ipynb #2ee0e57b
 class KernelCompileError(RuntimeError):
@@ -456,6 +457,10 @@ def f32(v): return _F32(v)
 
 # %% ../nbs/03_runtime.ipynb #95df1afa
 _DEVICE_TYPE = "cuda"  # the device launchers accept (tests/test_runtime.py sets "cpu" to record launches on CPU tensors)
+
+def launch_device_type() -> str:
+    "The device type the launchers accept (`\"cuda\"`; the tests point it at the CPU to record launches): what a GEMM backend's `supports` compares with."
+    return _DEVICE_TYPE
 
 DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 

@@ -54,8 +54,7 @@ def build_name(file: str, defines: dict) -> str:
 def gemm_configs():
     "Every configuration the library can launch: the pick_config candidates x every epilogue kind (+ dump, no clamp)."
     import math
-    try: from dsv4_nvfp4.gemm import sm90_layout as L
-    except ImportError: import dsv4_nvfp4.sm90_layout as L
+    from dsv4_nvfp4.gemm import sm90 as L
     out = []
     for tt, cfg in sorted(L.CONFIGS.items()):
         for epi in L.Epilogue:
@@ -67,8 +66,7 @@ def gemm_configs():
 
 
 def cute_ptx(cfg) -> bytes:
-    try: from dsv4_nvfp4.gemm import sm90 as S
-    except ImportError: import dsv4_nvfp4.gemm_sm90 as S
+    from dsv4_nvfp4.gemm import sm90_kernel as S
     with tempfile.TemporaryDirectory() as d:
         S.compile_sm90(cfg, "sm_90a", options=f"--keep-ptx --dump-dir={d}")
         (ptx,) = Path(d).glob("*.ptx")

@@ -1,9 +1,10 @@
 """The public quantize / dequantize and the GEMM's configuration choice: which path runs, what each path refuses,
-and what DSV4_VERBOSE=1 prints (CPU; the GPU half of the bit-identity is in tests/test_kernels_gpu.py)."""
+and what DSV4_VERBOSE=1 prints (CPU; the GPU half of the bit-identity is in tests/test_kernels_gpu.py; the plan cache
+and its DSV4_VERBOSE=1 line, once per problem, are in tests/test_gemm.py)."""
 import pytest
 import torch
 
-from dsv4_nvfp4 import grouped_gemm as GG
+from dsv4_nvfp4.gemm import sm90 as S90
 from dsv4_nvfp4.layout import swizzle_scales
 from dsv4_nvfp4.quant import ref_quantize_nvfp4
 from dsv4_nvfp4.quantize_cuda import SwizzledNVFP4, dequantize_nvfp4, quantize_nvfp4
@@ -50,20 +51,9 @@ def test_verbose_says_which_path(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_pick_config_prints_once_per_shape(monkeypatch, capsys):
-    pytest.importorskip("cutlass")
-    monkeypatch.delenv("DSV4_GEMM_CONFIG", raising=False)
-    monkeypatch.setenv("DSV4_VERBOSE", "1")
-    monkeypatch.setattr(GG, "_PICKED", {})
-    for _ in range(3): GG.pick_config(777, 256, 4096)
-    GG.pick_config(778, 256, 4096)
-    lines = [l for l in capsys.readouterr().err.splitlines() if "pick_config" in l]
-    assert len(lines) == 2 and "rows=777" in lines[0] and "rows=778" in lines[1]
-
-
 def test_pick_config_refuses_what_no_config_can_run():
     pytest.importorskip("cutlass")
     with pytest.raises(ValueError, match="at most 1024 experts"):
-        GG.pick_config(64, 1025)
+        S90.pick_config(64, 1025)
     with pytest.raises(ValueError, match="multiple of 16"):
-        GG.pick_config(64, 8, 200)
+        S90.pick_config(64, 8, 200)

@@ -1,5 +1,5 @@
 """Tests for dsv4_nvfp4.gemm: routing, checked offsets, stacked experts, the float64 grouped GEMM reference,
-prepared weight layout and the wo_a case.
+each backend's prepared weight layout, the wo_a case, and the seam (backends, registry, plans, the ops' refusals).
 
 Expected values come from
 * hand arithmetic (written next to each constant), or
@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from dsv4_nvfp4 import checkpoint as CK
-from dsv4_nvfp4 import grouped_gemm as GG
 from dsv4_nvfp4 import quant as Q
 from dsv4_nvfp4 import routing as R
-from dsv4_nvfp4 import gemm_sm90 as S90
+from dsv4_nvfp4 import gemm as GC
+from dsv4_nvfp4.gemm import reference as GR
+from dsv4_nvfp4.gemm import sm90 as S90
 from dsv4_nvfp4.layout import swizzle_scales
 from dsv4_nvfp4.checkpoint import ModelOptNVFP4, load_modelopt_nvfp4, save_modelopt_nvfp4
 from dsv4_nvfp4.quant import NVFP4Tensor, ref_dequantize_nvfp4, ref_quantize_nvfp4
@@ -238,7 +239,7 @@ def test_ref_w4a4_exact_vs_dequantize_numpy(sizes, N, K):
     w = pow2_experts(E, N, K, seed=K)
     gs_rows = torch.tensor([2.0 ** -(3 + r % 5) for r in range(R)], dtype=torch.float32)
     a = ref_quantize_nvfp4(torch.randn(R, K, generator=g) * 5, gs_rows)           # per-row power-of-two gs
-    got = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
+    got = GR.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
     assert got.dtype == torch.float64 and got.shape == (R, N)
     want = np_grouped(ref_dequantize_nvfp4(a).numpy(), w.dequantize().numpy(), sizes)
     assert np.array_equal(got.numpy(), want)
@@ -247,7 +248,7 @@ def test_ref_w4a4_exact_vs_dequantize_numpy(sizes, N, K):
     # scalar activation global scale too
     a1 = ref_quantize_nvfp4(torch.randn(R, K, generator=g), 0.125)
     want1 = np_grouped(ref_dequantize_nvfp4(a1).numpy(), w.dequantize().numpy(), sizes)
-    assert np.array_equal(GG.ref_grouped_gemm_nvfp4(a1, w, offsets_from_sizes(sizes)).numpy(), want1)
+    assert np.array_equal(GR.ref_grouped_gemm_nvfp4(a1, w, offsets_from_sizes(sizes)).numpy(), want1)
 
 
 @pytest.mark.parametrize("sizes,N,K", CASES)
@@ -255,7 +256,7 @@ def test_ref_w4a16_exact_vs_dequantize_numpy(sizes, N, K):
     R, E = sum(sizes), len(sizes)
     w = pow2_experts(E, N, K, seed=K + 1)
     a = (torch.randn(R, K, generator=gen(K)) * 2).to(torch.bfloat16)
-    got = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
+    got = GR.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
     want = np_grouped(a.float().numpy(), w.dequantize().numpy(), sizes)
     assert np.array_equal(got.numpy(), want)
 
@@ -270,7 +271,7 @@ def test_ref_hand_values():
     w = Q.stack_experts([const(3, 2, [2.0, 0.5], 0.25), const(3, 15, [1.0, 1.0], 1.0)])
     a = NVFP4Tensor(const(4, 2, [1.0, 1.0], 1.0).data, const(4, 2, [1.0, 1.0], 1.0).scale,
                     torch.tensor([1.0, 2.0, 0.5, 3.0]), (4, 32))
-    c = GG.ref_grouped_gemm_nvfp4(a, w, torch.tensor([1, 4], dtype=I32))
+    c = GR.ref_grouped_gemm_nvfp4(a, w, torch.tensor([1, 4], dtype=I32))
     # row 0 (expert 0): (16*2 + 16*0.5) * 0.25 * 1 = 10; rows 1-3 (expert 1): 32 * -6 * gs_a
     assert c[:, 0].tolist() == [10.0, -384.0, -96.0, -576.0]
     assert c.shape == (4, 3) and (c == c[:, :1]).all()
@@ -281,7 +282,7 @@ def test_ref_realistic_global_scales_close_to_dequantize():
     g = gen(9)
     w = Q.quantize_experts(torch.randn(4, N, K, generator=g))
     a = ref_quantize_nvfp4(torch.randn(sum(sizes), K, generator=g), per_row=True)
-    got = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes)).numpy()
+    got = GR.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes)).numpy()
     want = np_grouped(ref_dequantize_nvfp4(a).numpy(), w.dequantize().numpy(), sizes)
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert 0 < rel < 1e-6, f"rel={rel} for sizes={sizes} N={N} K={K}"   # fp32 dequant rounding only
@@ -291,93 +292,127 @@ def test_ref_bf16_output_is_one_rounding():
     sizes, N, K = [6, 0, 9], 32, 160
     w = Q.quantize_experts(torch.randn(3, N, K, generator=gen(2)))
     a = torch.randn(15, K, generator=gen(3)).to(torch.bfloat16)
-    f64 = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
-    b = GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.bfloat16)
+    f64 = GR.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes))
+    b = GR.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.bfloat16)
     assert b.dtype == torch.bfloat16
     assert np.array_equal(b.double().numpy(), np_bf16_rne(f64.numpy()))
     # the double-rounding case: 1 + 2^-8 + 2^-40 must round up to 1 + 2^-7
     v = torch.tensor([1 + 2.0 ** -8 + 2.0 ** -40, -(1 + 2.0 ** -8 + 2.0 ** -40), 1 + 2.0 ** -8], dtype=torch.float64)
-    assert GG._f64_to_bf16(v).double().tolist() == [1 + 2.0 ** -7, -(1 + 2.0 ** -7), 1.0]
+    assert GR._f64_to_bf16(v).double().tolist() == [1 + 2.0 ** -7, -(1 + 2.0 ** -7), 1.0]
     assert np_bf16_rne(v.numpy()).tolist() == [1 + 2.0 ** -7, -(1 + 2.0 ** -7), 1.0]
     with pytest.raises(ValueError, match="out_dtype"):
-        GG.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.float32)
+        GR.ref_grouped_gemm_nvfp4(a, w, offsets_from_sizes(sizes), out_dtype=torch.float32)
 
 
 def test_ref_bad_input():
     w = pow2_experts(3, 16, 64, seed=0)
     offs = torch.tensor([2, 2, 5], dtype=I32)
     a = torch.randn(5, 64).to(torch.bfloat16)
-    GG.ref_grouped_gemm_nvfp4(a, w, offs)  # the good call works
+    GR.ref_grouped_gemm_nvfp4(a, w, offs)  # the good call works
     with pytest.raises(ValueError, match="K mismatch: activations have K = 48, weights K = 64"):
-        GG.ref_grouped_gemm_nvfp4(a[:, :48], w, offs)
+        GR.ref_grouped_gemm_nvfp4(a[:, :48], w, offs)
     with pytest.raises(ValueError, match="K mismatch"):
-        GG.ref_grouped_gemm_nvfp4(ref_quantize_nvfp4(torch.randn(5, 80)), w, offs)
+        GR.ref_grouped_gemm_nvfp4(ref_quantize_nvfp4(torch.randn(5, 80)), w, offs)
     for dt in (torch.float32, torch.float16, torch.float64, torch.int32):
         with pytest.raises(TypeError, match="bf16"):
-            GG.ref_grouped_gemm_nvfp4(a.to(dt), w, offs)
+            GR.ref_grouped_gemm_nvfp4(a.to(dt), w, offs)
     with pytest.raises(TypeError, match="NVFP4Tensor or a bf16"):
-        GG.ref_grouped_gemm_nvfp4(a.float().numpy(), w, offs)
+        GR.ref_grouped_gemm_nvfp4(a.float().numpy(), w, offs)
     with pytest.raises(ValueError, match="2-D"):
-        GG.ref_grouped_gemm_nvfp4(ref_quantize_nvfp4(torch.randn(5, 1, 64)), w, offs)
+        GR.ref_grouped_gemm_nvfp4(ref_quantize_nvfp4(torch.randn(5, 1, 64)), w, offs)
     with pytest.raises(TypeError, match="NVFP4Experts"):
-        GG.ref_grouped_gemm_nvfp4(a, w.expert(0), offs)
+        GR.ref_grouped_gemm_nvfp4(a, w.expert(0), offs)
     with pytest.raises(TypeError, match="int32"):
-        GG.ref_grouped_gemm_nvfp4(a, w, offs.long())
+        GR.ref_grouped_gemm_nvfp4(a, w, offs.long())
     with pytest.raises(ValueError, match="non-decreasing"):
-        GG.ref_grouped_gemm_nvfp4(a, w, torch.tensor([3, 2, 5], dtype=I32))
+        GR.ref_grouped_gemm_nvfp4(a, w, torch.tensor([3, 2, 5], dtype=I32))
     with pytest.raises(ValueError, match="end at the row count 5"):
-        GG.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 2, 4], dtype=I32))
+        GR.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 2, 4], dtype=I32))
     with pytest.raises(ValueError, match="one per expert"):
-        GG.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 5], dtype=I32))
+        GR.ref_grouped_gemm_nvfp4(a, w, torch.tensor([2, 5], dtype=I32))
 
 
 # ---------------------------------------------------------------------------------------------
 # prepared weights
 
 
-@pytest.mark.parametrize("K,k_tile,Kt", [(200, 128, 256), (256, 128, 256), (208, 64, 256), (4096, 128, 4096),
-                                          (7168, 256, 7168), (48, 128, 128)])
-def test_prepare_weights_layout(K, k_tile, Kt):
+def e2m1_times_s(data, scale):
+    "float64 (..., N, Kp) `e2m1 * s` of packed codes and e4m3 block scales; oracle: ml_dtypes (not the package's decode)."
+    d = data.numpy()
+    codes = np.stack([d & 15, d >> 4], -1).reshape(*d.shape[:-1], 2 * d.shape[-1]).astype(np.uint8)
+    e2m1 = np.array([float(np.uint8(c).view(ml_dtypes.float4_e2m1fn)) for c in range(16)])[codes]
+    s = scale.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return e2m1 * np.repeat(s, 16, -1)
+
+
+@pytest.mark.parametrize("K", [200, 256, 208, 4096, 7168, 48])
+def test_prepare_weights_layout(K):
+    """Each backend keeps only what it reads: the reference the codes and scales as they are; sm90 the register-fragment
+    slabs (N padded to 128, K to 128) and the global scales, decoding (CPU model of the kernel) to the zero-padded
+    `e2m1 * s`; sm100 the codes with K padded to 128 and the 32_4_4-swizzled scales."""
     E, N = 3, 136
     w = Q.quantize_experts(torch.randn(E, N, K, generator=gen(K)))
-    p = GG.prepare_weights(w, k_tile=k_tile)
-    Kp = -(-K // 16) * 16
-    assert p.w_fp4.dtype == torch.uint8 and p.w_fp4.shape == (E, N, Kt // 2) and p.w_fp4.is_contiguous()
-    assert p.w_sf.dtype == torch.float8_e4m3fn and p.w_sf.shape == (E, N, Kt // 16) and p.w_sf.is_contiguous()
-    assert p.w_sf_swz.shape == (E, 256, -(-Kt // 16 // 4) * 4)
-    assert p.w_gs.dtype == torch.float32 and torch.equal(p.w_gs, w.global_scale)
-    assert p.shape == (E, N, K) and p.a_gs is None
-    assert torch.equal(p.w_fp4[..., :Kp // 2], w.data)
-    assert int(p.w_fp4[..., Kp // 2:].sum()) == 0
-    assert torch.equal(p.w_sf.view(torch.uint8)[..., :Kp // 16], w.scale.view(torch.uint8))
-    assert int(p.w_sf.view(torch.uint8)[..., Kp // 16:].sum()) == 0
-    for e in range(E):
-        assert torch.equal(p.w_sf_swz[e].view(torch.uint8), swizzle_scales(p.w_sf[e]).view(torch.uint8))
-    back = p.experts()
+    Kp = -(-K // 16) * 16                       # the codes / scales NVFP4Experts hold: K rounded up to whole blocks
+    Kt, Np = -(-K // 128) * 128, 256
+    # reference
+    pr = GC.prepare_weights(w, device="cpu", backend="reference")
+    assert type(pr) is GR.ReferenceWeights and pr.backend == "reference" and pr.shape == (E, N, K) and pr.a_gs is None
+    assert sorted(pr.tensors()) == ["data", "scale", "w_gs"] and pr.device == torch.device("cpu")
+    assert torch.equal(pr.data, w.data) and torch.equal(pr.scale.view(torch.uint8), w.scale.view(torch.uint8))
+    assert pr.w_gs.dtype == torch.float32 and torch.equal(pr.w_gs, w.global_scale)
+    assert pr.nbytes == w.data.numel() + w.scale.numel() + 4 * E
+    back = pr.experts()
     assert back.shape == w.shape and torch.equal(back.data, w.data) and torch.equal(back.global_scale, w.global_scale)
+    # sm90
+    p9 = GC.prepare_weights(w, device="cpu", backend="sm90")
+    assert type(p9) is S90.Sm90Weights and p9.backend == "sm90" and p9.shape == (E, N, K) and p9.a_gs is None
+    assert sorted(p9.tensors()) == ["w_gs", "w_sm90"]
+    assert p9.w_sm90.dtype == torch.uint8 and p9.w_sm90.is_contiguous()
+    assert p9.w_sm90.shape == (E * Np // 64 * Kt // 128 * 18, 256) and p9.nbytes == p9.w_sm90.numel() + 4 * E
+    assert torch.equal(p9.w_gs, w.global_scale)
+    want = np.zeros((E, Np, Kt))
+    want[:, :N, :Kp] = e2m1_times_s(w.data, w.scale)
+    np.testing.assert_array_equal((S90.emulate_decode_sm90(p9.w_sm90, E, Np, Kt) * S90.DECODE_SCALE).numpy(), want)
+    # sm100 (laid out on any machine; it runs on Blackwell only)
+    from dsv4_nvfp4.gemm import sm100 as S100
+    p10 = GC.prepare_weights(w, device="cpu", backend="sm100")
+    assert type(p10) is S100.Sm100Weights and p10.backend == "sm100" and sorted(p10.tensors()) == ["w_fp4", "w_gs", "w_sf_swz"]
+    assert p10.w_fp4.dtype == torch.uint8 and p10.w_fp4.shape == (E, N, Kt // 2) and p10.w_fp4.is_contiguous()
+    assert torch.equal(p10.w_fp4[..., :Kp // 2], w.data) and int(p10.w_fp4[..., Kp // 2:].sum()) == 0
+    assert p10.w_sf_swz.dtype == torch.float8_e4m3fn and p10.w_sf_swz.shape == (E, Np, -(-Kt // 16 // 4) * 4)
+    sf = torch.zeros(E, N, Kt // 16, dtype=torch.uint8)
+    sf[..., :Kp // 16] = w.scale.view(torch.uint8)
+    for e in range(E):
+        assert torch.equal(p10.w_sf_swz[e].view(torch.uint8), swizzle_scales(sf[e].view(torch.float8_e4m3fn)).view(torch.uint8))
+    assert torch.equal(p10.w_gs, w.global_scale)
 
 
 def test_prepare_weights_inputs_and_errors(tmp_path):
     ws = [ref_quantize_nvfp4(torch.randn(16, 64, generator=gen(e))) for e in range(2)]
-    from_list = GG.prepare_weights(ws)
-    assert torch.equal(from_list.w_fp4, GG.prepare_weights(Q.stack_experts(ws)).w_fp4)
+    from_list = GC.prepare_weights(ws, device="cpu", backend="sm90")
+    assert torch.equal(from_list.w_sm90, GC.prepare_weights(Q.stack_experts(ws), device="cpu", backend="sm90").w_sm90)
     path = tmp_path / "m.safetensors"
     save_modelopt_nvfp4(path, {f"blk.experts.{e}.down": w for e, w in enumerate(ws)},
                         {f"blk.experts.{e}.down": 0.25 * (e + 1) for e in range(2)})
     ck = load_modelopt_nvfp4(path)
-    pm = GG.prepare_weights(CK.modelopt_experts(ck, "blk.experts.{e}.down", 2))
-    assert torch.equal(pm.w_fp4, from_list.w_fp4) and torch.equal(pm.w_gs, from_list.w_gs)
-    assert pm.a_gs.tolist() == [0.25, 0.5]
-    no_inp = GG.prepare_weights([ModelOptNVFP4(w) for w in ws])
+    pm = GC.prepare_weights(CK.modelopt_experts(ck, "blk.experts.{e}.down", 2), device="cpu", backend="sm90")
+    assert torch.equal(pm.w_sm90, from_list.w_sm90) and torch.equal(pm.w_gs, from_list.w_gs)
+    assert pm.a_gs.tolist() == [0.25, 0.5] and sorted(pm.tensors()) == ["a_gs", "w_gs", "w_sm90"]
+    pr = GC.prepare_weights(CK.modelopt_experts(ck, "blk.experts.{e}.down", 2), device="cpu", backend="reference")
+    assert pr.a_gs.tolist() == [0.25, 0.5] and torch.equal(pr.data, Q.stack_experts(ws).data)
+    assert pr.to("cpu").a_gs.tolist() == [0.25, 0.5]                          # .to keeps every field
+    no_inp = GC.prepare_weights([ModelOptNVFP4(w) for w in ws], device="cpu", backend="sm90")
     assert no_inp.a_gs is None
     with pytest.raises(KeyError, match="missing"):
         CK.modelopt_experts(ck, "blk.experts.{e}.down", 3)
     with pytest.raises(ValueError, match=r"\{e\}"):
         CK.modelopt_experts(ck, "blk.experts.0.down", 1)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        GG.prepare_weights(ws, k_tile=96)
     with pytest.raises(TypeError, match="NVFP4Experts"):
-        GG.prepare_weights(torch.zeros(2, 16, 32))
+        GC.prepare_weights(torch.zeros(2, 16, 32))
+    with pytest.raises(ValueError, match="no GEMM backend 'nope'"):
+        GC.prepare_weights(ws, device="cpu", backend="nope")
+    if not torch.cuda.is_available():                                         # the registry's choice for the CPU
+        assert GC.prepare_weights(ws).backend == "reference"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,26 +423,26 @@ def test_prepare_weights_inputs_and_errors(tmp_path):
 def test_wo_a_reference(T, Gn, K, N):
     g = gen(T * Gn)
     x = (torch.randn(T, Gn, K, generator=g) * 2).to(torch.bfloat16)
-    v = GG.wo_a_view(x)
+    v = GR.wo_a_view(x)
     assert v.shape == (Gn, T, K) and v.stride() == (K, Gn * K, 1) and v.data_ptr() == x.data_ptr()
     w = pow2_experts(Gn, N, K, seed=T)
     wd = w.dequantize().numpy().astype(np.float64)
-    got = GG.ref_wo_a_nvfp4(x, w)
+    got = GR.ref_wo_a_nvfp4(x, w)
     assert got.shape == (T, Gn, N)
     assert np.array_equal(got.numpy(), np.einsum("bhr,hdr->bhd", x.float().numpy().astype(np.float64), wd))
     # NVFP4 activations with a per-(token, group) power-of-two global scale
     gs = torch.tensor([[2.0 ** -((t + h) % 5) for h in range(Gn)] for t in range(T)], dtype=torch.float32)
     xq = ref_quantize_nvfp4(x.float(), gs)
     assert xq.global_scale.shape == (T, Gn)
-    got_q = GG.ref_wo_a_nvfp4(xq, w)
+    got_q = GR.ref_wo_a_nvfp4(xq, w)
     want_q = np.einsum("bhr,hdr->bhd", ref_dequantize_nvfp4(xq).numpy().astype(np.float64), wd)
     assert np.array_equal(got_q.numpy(), want_q)
-    vq = GG.wo_a_view(xq)
+    vq = GR.wo_a_view(xq)
     assert vq.data.data_ptr() == xq.data.data_ptr() and vq.global_scale.shape == (Gn, T)
     with pytest.raises(ValueError, match="groups"):
-        GG.ref_wo_a_nvfp4(x, pow2_experts(Gn + 1, N, K, seed=0))
+        GR.ref_wo_a_nvfp4(x, pow2_experts(Gn + 1, N, K, seed=0))
     with pytest.raises(ValueError, match=r"\(T, G, K\)"):
-        GG.wo_a_view(x[0])
+        GR.wo_a_view(x[0])
 
 
 # ================================================================================================================
@@ -455,19 +490,14 @@ def test_sm90_slab_order():
     assert nz == [66] and t[66].item() == 0x70
 
 
-def test_pick_config(monkeypatch):
-    monkeypatch.delenv("DSV4_GEMM_CONFIG", raising=False)
-    assert GG.pick_config(6, 256).tok_tile == 16           # 1 token top-6: 1 row per active expert
-    assert GG.pick_config(192, 256).tok_tile == 16         # 192 rows over 192 experts at most
-    assert GG.pick_config(3072, 256).tok_tile == 16        # 12 rows per expert
-    assert GG.pick_config(12288, 256).tok_tile == 64       # 48
-    assert GG.pick_config(49152, 256).tok_tile == 128      # 192
-    assert GG.pick_config(8 * 32, 8).tok_tile == 32
-    monkeypatch.setenv("DSV4_GEMM_CONFIG", "64")
-    assert GG.pick_config(6, 256).tok_tile == 64
-    monkeypatch.setenv("DSV4_GEMM_CONFIG", "48")
-    with pytest.raises(ValueError, match="one of"):
-        GG.pick_config(6, 256)
+def test_pick_config():
+    pytest.importorskip("cutlass")                           # the candidates are what the kernel can run
+    assert S90.pick_config(6, 256).tok_tile == 16           # 1 token top-6: 1 row per active expert
+    assert S90.pick_config(192, 256).tok_tile == 16         # 192 rows over 192 experts at most
+    assert S90.pick_config(3072, 256).tok_tile == 16        # 12 rows per expert
+    assert S90.pick_config(12288, 256).tok_tile == 64       # 48
+    assert S90.pick_config(49152, 256).tok_tile == 128      # 192
+    assert S90.pick_config(8 * 32, 8).tok_tile == 32
 
 
 def test_smem_fits():
@@ -477,23 +507,21 @@ def test_smem_fits():
 
 def test_launcher_bad_input_cpu():
     w = Q.quantize_experts(torch.randn(2, 64, 128, generator=gen(3)))
-    pw = GG.prepare_weights(w)
+    pw = GC.prepare_weights(w, device="cpu", backend="sm90")               # Hopper's layout, built on the CPU
     a = torch.randn(4, 128).to(torch.bfloat16)
     offs = torch.tensor([2, 4], dtype=I32)
-    with pytest.raises(TypeError, match="PreparedWeights"):
-        GG.grouped_gemm_nvfp4(a, w, offs)
+    with pytest.raises(TypeError, match="ExpertWeights"):
+        GC.grouped_gemm_nvfp4(a, w, offs)
     with pytest.raises(TypeError, match="bf16"):
-        GG.grouped_gemm_nvfp4(a.float(), pw, offs)
+        GC.grouped_gemm_nvfp4(a.float(), pw, offs)
     with pytest.raises(ValueError, match="K mismatch"):
-        GG.grouped_gemm_nvfp4(a[:, :96].contiguous(), pw, offs)
-    with pytest.raises(ValueError, match="CUDA"):
-        GG.grouped_gemm_nvfp4(a, pw, offs)
-    with pytest.raises(ValueError, match="sm_90a layout"):
-        GG.grouped_gemm_nvfp4(a, GG.prepare_weights(w, k_tile=64), offs)
-    with pytest.raises(TypeError, match="PreparedWeights"):
-        GG.wo_a_nvfp4(a.view(4, 1, 128), w)
-    with pytest.raises(ValueError, match="k_tile = 128"):
-        GG.prepare_weights(w, k_tile=64, sm90=True)
+        GC.grouped_gemm_nvfp4(a[:, :96].contiguous(), pw, offs)
+    with pytest.raises(ValueError, match="prepared for the sm90 backend, which does not run on cpu"):
+        GC.grouped_gemm_nvfp4(a, pw, offs)
+    with pytest.raises(TypeError, match="ExpertWeights"):
+        GC.wo_a_nvfp4(a.view(4, 1, 128), w)
+    with pytest.raises(ValueError, match="prepared for the sm90 backend, which does not run on cpu"):
+        GC.wo_a_nvfp4(a.view(2, 2, 128), pw)
 
 
 @pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
@@ -501,65 +529,97 @@ def test_sm90_kernel_compiles_without_gpu(tok_tile, monkeypatch):
     # CuTeDSL builds the kernel for sm_90a from fake tensors (no GPU): MLIR -> PTX -> cubin
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")       # compile_sm90 also passes --gpu-arch=sm_90a explicitly
     pytest.importorskip("cutlass")
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
     cfg = S90.CONFIGS[tok_tile]
-    assert S90.compile_sm90(cfg) is not None
+    assert S90K.compile_sm90(cfg) is not None
     if tok_tile == 16:
-        assert S90.compile_sm90(cfg._replace(epilogue=S90.Epilogue.WO_A_ROW_GS)) is not None
+        assert S90K.compile_sm90(cfg._replace(epilogue=S90.Epilogue.WO_A_ROW_GS)) is not None
 
 
 def test_launch_fast_path_keeps_every_check(monkeypatch):
-    """After a good call the launcher takes its fast path; any argument the full checks would refuse still gets the
-    full path and its error (run on CPU tensors with the launch recorded, not executed)."""
+    """After a good call the plain op takes the sm90 backend's fast path; any argument the full checks would refuse
+    still gets the full (checked) path and its error (run on CPU tensors made to look like a Hopper device, the launch
+    recorded, not executed)."""
+    pytest.importorskip("cutlass")
     from dsv4_nvfp4 import runtime as rt
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
     monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(GG, "_sm100", lambda: False)
+    monkeypatch.setattr(GC, "_FAST", {})
+    assert GC.backend_for("cpu").name == "sm90"
     calls = []
-    class FakeSm90:
-        @staticmethod
-        def run_sm90(cfg, w_sm90, a, out, offs, gs_w, gs_a, *optional, **kw): calls.append((cfg.tok_tile, a.shape, out.data_ptr()))
-    monkeypatch.setitem(GG._ARCH, "sm90", FakeSm90)
-    pw = GG.prepare_weights(Q.quantize_experts(torch.randn(4, 128, 256, generator=gen(9))))
+    monkeypatch.setattr(S90K, "run_sm90", lambda cfg, w_sm90, a, out, offs, gs_w, gs_a, *optional, **kw:
+                        calls.append((cfg.tok_tile, a.shape, out.data_ptr())))
+    pw = GC.prepare_weights(Q.quantize_experts(torch.randn(4, 128, 256, generator=gen(9))), device="cpu", backend="sm90")
     a = torch.randn(6, 256).to(torch.bfloat16)
     offs = torch.tensor([1, 3, 3, 6], dtype=I32)
     out = torch.empty(6, 128, dtype=torch.bfloat16)
-    full = []
-    operands = GG.gemm_operands
-    monkeypatch.setattr(GG, "gemm_operands", lambda *args: full.append(1) or operands(*args))
-    for _ in range(3): GG.grouped_gemm_nvfp4(a, pw, offs, out=out)
-    assert len(calls) == 3 and len(full) == 1, "the 2nd and 3rd calls take the fast path"
-    big = torch.empty(64, 300).to(torch.bfloat16)
+    checked = []
+    acts = GC.check_activations
+    monkeypatch.setattr(GC, "check_activations", lambda *args, **kw: checked.append(1) or acts(*args, **kw))
+    for _ in range(3): GC.grouped_gemm_nvfp4(a, pw, offs, out=out)
+    assert len(calls) == 3 and len(checked) == 1, "the 2nd and 3rd calls take the fast path"
+    assert calls[1:] == calls[:1] * 2
+    GC.grouped_gemm_nvfp4(torch.randn(7, 256).to(torch.bfloat16), pw, torch.tensor([1, 3, 3, 7], dtype=I32),
+                          out=torch.empty(7, 128, dtype=torch.bfloat16))
+    assert len(calls) == 4 and len(checked) == 2, "a new row count is planned on the checked path first"
+
+    def refused(exc, match, *args, **kw):
+        n = len(checked)
+        with pytest.raises(exc, match=match):
+            GC.grouped_gemm_nvfp4(*args, **kw)
+        assert len(checked) == n + 1, f"{match}: the fast path did not hand the call to the checked path"
+    refused(ValueError, "activations must be contiguous", torch.empty(64, 300).to(torch.bfloat16)[:6, :256], pw, offs, out=out)
+    refused(ValueError, "contiguous", a, pw, offs, out=torch.empty(6, 256, dtype=torch.bfloat16)[:, :128])
+    refused(TypeError, "int32", a, pw, offs.long(), out=out)
+    refused(ValueError, r"\(E,\)", a, pw, offs[:3], out=out)
+    refused(ValueError, "out must have shape", a, pw, offs, out=torch.empty(6, 136, dtype=torch.bfloat16))
+    refused(TypeError, "out must be bfloat16", a, pw, offs, out=out.float())
+    refused(ValueError, "K mismatch", torch.randn(6, 128).to(torch.bfloat16), pw, offs, out=out)
+    refused(TypeError, "bf16", a.half(), pw, offs, out=out)
+    refused(ValueError, "the activations are on meta", a.to("meta"), pw, offs.to("meta"), out=out.to("meta"))
+    refused(ValueError, "offsets.* is on meta", a, pw, offs.to("meta"), out=out)
+    assert len(calls) == 4
+    # a misaligned `out` is not launched by the fast path either (the checked path refuses it on a CUDA device:
+    # check_operand's alignment check is for CUDA tensors, see test_bad_input_gpu; on these CPU tensors it launches)
+    n = len(checked)
+    GC.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(6 * 128 + 1, dtype=torch.bfloat16)[1:].view(6, 128))
+    assert len(checked) == n + 1 and len(calls) == 5
+    GC.grouped_gemm_nvfp4(a, pw, offs, out=out)                           # and the good call is fast again
+    assert len(checked) == n + 1 and len(calls) == 6
+
+
+def test_checked_path_refuses_strided_activations(monkeypatch):
+    "Strided bf16 activations are refused before any launch (the sm90 kernel's TMA reads rows as contiguous)."
+    pytest.importorskip("cutlass")
+    from dsv4_nvfp4 import runtime as rt
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
+    monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(GC, "_FAST", {})
+    calls = []
+    monkeypatch.setattr(S90K, "run_sm90", lambda *args, **kw: calls.append(1))
+    pw = GC.prepare_weights(Q.quantize_experts(torch.randn(4, 128, 256, generator=gen(9))), device="cpu", backend="sm90")
     with pytest.raises(ValueError, match="contiguous"):
-        GG.grouped_gemm_nvfp4(big[:6, :256], pw, offs, out=out)
-    with pytest.raises(ValueError, match="aligned"):
-        GG.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(6 * 128 + 1, dtype=torch.bfloat16)[1:].view(6, 128))
-    with pytest.raises(TypeError, match="int32"):
-        GG.grouped_gemm_nvfp4(a, pw, offs.long(), out=out)
-    with pytest.raises(ValueError, match=r"\(E,\)"):
-        GG.grouped_gemm_nvfp4(a, pw, offs[:3], out=out)
-    with pytest.raises(ValueError, match="out must have shape"):
-        GG.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(6, 136, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="K mismatch"):
-        GG.grouped_gemm_nvfp4(torch.randn(6, 128).to(torch.bfloat16), pw, offs, out=out)
-    assert len(calls) == 3
+        GC.grouped_gemm_nvfp4(torch.empty(64, 300).to(torch.bfloat16)[:6, :256], pw, torch.tensor([1, 3, 3, 6], dtype=I32))
+    assert not calls
 
 
 @pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
 def test_sm90_variants_no_spills_and_no_serialized_wgmma(tok_tile, tmp_path, monkeypatch):
-    """ptxas (when installed: the GPU host has it) on the PTX of the plain and the overlapped mainloop, bf16 and NVFP4
-    activations: no register spills, and no warning that the WGMMAs are serialized (C7511 / C7512, for lack of
-    registers: the overlap's failure mode, which would put a full wait after every WGMMA)."""
+    """ptxas (when installed: the GPU host has it) on the PTX of the plain kernel and of its heaviest epilogue (SwiGLU
+    with the NVFP4 quantization of h): no register spills, and no warning that the WGMMAs are serialized (C7511 /
+    C7512, for lack of registers, which would put a full wait after every WGMMA)."""
     import re, shutil, subprocess
     ptxas = shutil.which("ptxas")
     if ptxas is None: pytest.skip("ptxas is not installed")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     pytest.importorskip("cutlass")
     base = S90.CONFIGS[tok_tile]
-    for n, cfg in enumerate([base, base._replace(overlap=True),
-                             base._replace(epilogue=S90.Epilogue.SWIGLU_NVFP4, a_fp4=True),
-                             base._replace(epilogue=S90.Epilogue.SWIGLU_NVFP4, a_fp4=True, overlap=True)]):
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
+    for n, cfg in enumerate([base, base._replace(epilogue=S90.Epilogue.SWIGLU_NVFP4)]):
         d = tmp_path / str(n); d.mkdir()
-        S90.compile_sm90(cfg, options=f"--keep-ptx --dump-dir={d}")
+        S90K.compile_sm90(cfg, options=f"--keep-ptx --dump-dir={d}")
         (ptx,) = d.glob("*.ptx")
         rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(d / "k.cubin")], capture_output=True, text=True)
         assert rep.returncode == 0, rep.stderr[-2000:]
@@ -571,5 +631,218 @@ def test_sm90_variants_no_spills_and_no_serialized_wgmma(tok_tile, tmp_path, mon
 def test_sms_free_is_checked():
     "The SMs a launch leaves free are an argument, a non-negative int: anything else is refused by name."
     for bad in (-1, 1.5, True, "4", None):
-        with pytest.raises(ValueError, match="sms_free must be an int >= 0"): GG.check_sms_free(bad, "grouped_gemm_nvfp4")
-    for ok in (0, 8, 132): GG.check_sms_free(ok, "grouped_gemm_nvfp4")
+        with pytest.raises(ValueError, match="sms_free must be an int >= 0"): GC.check_sms_free(bad, "grouped_gemm_nvfp4")
+    for ok in (0, 8, 132): GC.check_sms_free(ok, "grouped_gemm_nvfp4")
+
+
+# ================================================================================================================
+# The seam: a backend is one class and one registry line; the ops, the expert MLP and the MoE layer run on whichever
+# backend the weights were prepared for; the reference backend is the spec; weights of one backend are refused by
+# another; plans are chosen once per problem.
+from dataclasses import dataclass
+from typing import ClassVar
+
+from dsv4_nvfp4 import moe as M
+from dsv4_nvfp4 import swiglu as S
+
+
+@dataclass(eq=False, repr=False)
+class ToyWeights(GC.ExpertWeights):
+    backend: ClassVar[str] = "toy"
+    w: torch.Tensor = None                      # float64 (E, N, K): e2m1 * s (ml_dtypes' decode), cropped to K
+
+
+class ToyBackend(GC.Backend):
+    """A backend written against the seam's contract only: float64 matmuls of its own decode, the plain bf16 and the
+    SwiGLU-bf16 epilogues (its own de-interleave and clamp), bf16 activations only."""
+    weights_type = ToyWeights
+
+    def __init__(self): self.launches = []
+    def supports(self, device): return torch.device(device).type == "cpu"
+    def prepare(self, experts, a_gs):
+        K = experts.shape[2]
+        return ToyWeights(tuple(experts.shape), experts.global_scale.float().contiguous(), a_gs,
+                          torch.from_numpy(e2m1_times_s(experts.data, experts.scale)[..., :K]))
+    def can_implement(self, p):
+        if p.act != "bf16" or p.epilogue not in ("bf16", "swiglu_bf16"):
+            return False, "the toy runs bf16 activations with the plain or the SwiGLU-bf16 epilogue"
+        return True, ""
+    def plan(self, p, config=None): return p
+    def run(self, plan, a, w, offsets, out, epi, workspace=None):
+        self.launches.append(plan.epilogue)
+        R = a.shape[0]
+        c = torch.zeros(R, w.shape[1], dtype=torch.float64)
+        start = 0
+        for e, end in enumerate(offsets.tolist()):
+            c[start:end] = a[start:end].double() @ w.w[e].T * w.w_gs[e].double()
+            start = end
+        if plan.epilogue == "bf16": return out.copy_(c)
+        rs = epi.row_scales.double()
+        gu = (c * rs[:, :1]).view(R, -1, 2, 8)                  # rows [g0..7, u0..7, g8..15, ...]
+        g, u = gu[:, :, 0].reshape(R, -1), gu[:, :, 1].reshape(R, -1)
+        L = plan.swiglu_limit
+        h = torch.nn.functional.silu(g.clamp(max=L)) * u.clamp(-L, L) * rs[:, 1:]
+        return out.copy_(h.float())
+
+
+def rel_err(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+SEAM_CFG = M.MoEConfig(hidden=64, inter=32, num_experts=4, top_k=2, routed_scaling_factor=1.5)
+
+
+def test_a_registered_backend_runs_the_ops_the_mlp_and_the_moe_layer(monkeypatch):
+    "A backend added by `register_backend` runs grouped_gemm_nvfp4, expert_mlp_nvfp4 and DSV4MoE.forward on the CPU."
+    monkeypatch.setattr(GC, "_FAST", {})
+    toy = ToyBackend()
+    GC.register_backend("toy", toy)
+    try:
+        assert GC.backend_names()[-1] == "toy" and GC.get_backend("toy") is toy and toy.name == "toy"
+        assert GC.backend_for("cpu").name == "reference"                    # appended: the device's choice is unchanged
+        g = gen(11)
+        E, N, K = 3, 48, 80
+        we = Q.quantize_experts(torch.randn(E, N, K, generator=g))
+        pt = GC.prepare_weights(we, device="cpu", backend="toy")
+        assert type(pt) is ToyWeights and pt.backend == "toy"
+        a = torch.randn(9, K, generator=g).to(torch.bfloat16)
+        offs = torch.tensor([4, 4, 9], dtype=I32)
+        y = GC.grouped_gemm_nvfp4(a, pt, offs)
+        assert toy.launches == ["bf16"] and y.dtype == torch.bfloat16 and y.shape == (9, N)
+        assert rel_err(y, GR.ref_grouped_gemm_nvfp4(a, we, offs)) < 4e-3            # bf16 rounding of the output
+        with pytest.raises(ValueError, match="the toy backend cannot run this problem"):
+            GC.grouped_gemm_nvfp4(ref_quantize_nvfp4(a.float()), pt, offs)
+        # the expert MLP: the fused L1 (SwiGLU epilogue) and the L2, both through the toy
+        H, I = 64, 32
+        w13e = S.interleave_experts(Q.quantize_experts(torch.randn(E, I, H, generator=g)),
+                                    Q.quantize_experts(torch.randn(E, I, H, generator=g)), unify=True)
+        w2e = Q.quantize_experts(torch.randn(E, H, I, generator=g))
+        p13, p2 = (GC.prepare_weights(w, device="cpu", backend="toy") for w in (w13e, w2e))
+        x = torch.randn(9, H, generator=g).to(torch.bfloat16)
+        p = torch.rand(9, generator=g)
+        toy.launches.clear()
+        y = S.expert_mlp_nvfp4(x, p13, p2, offs, route_weight=p)
+        assert toy.launches == ["swiglu_bf16", "bf16"]
+        assert rel_err(y, S.ref_expert_mlp(x, w13e, w2e, offs, route_weight=p)) < 1e-2
+        with pytest.raises(ValueError, match="the toy backend cannot run this problem"):
+            S.expert_mlp_nvfp4(ref_quantize_nvfp4(x.float(), per_row=True), p13, p2, offs, act="w4a4",
+                               route_weight=p, a2_scales=torch.ones(E))
+        # the MoE layer on the CPU, its expert GEMMs on the toy
+        layer = M.DSV4MoE.synthetic(SEAM_CFG, seed=5)
+        layer.backend = "toy"
+        xt = torch.randn(7, SEAM_CFG.hidden, generator=g).to(torch.bfloat16)
+        toy.launches.clear()
+        y = layer(xt)
+        assert toy.launches == ["swiglu_bf16", "bf16"]
+        assert all(type(w) is ToyWeights for w in layer.prepared("cpu"))
+        assert y.dtype == torch.bfloat16 and y.shape == xt.shape
+        assert rel_err(y, M.ref_moe(xt, layer)) < 1e-2
+    finally:
+        GC.unregister_backend("toy")
+    assert "toy" not in GC.backend_names()
+    with pytest.raises(ValueError, match="no GEMM backend 'toy'"):
+        GC.grouped_gemm_nvfp4(a, pt, offs)
+
+
+@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+def test_reference_backend_moe_forward_is_ref_moe_bit_for_bit(act):
+    "On the CPU the layer runs through the reference backend: `ref_moe` rounded to bf16, bit for bit, whole or sliced."
+    layer = M.DSV4MoE.synthetic(SEAM_CFG, seed=2, act=act)
+    x = torch.randn(9, SEAM_CFG.hidden, generator=gen(4)).to(torch.bfloat16)
+    y = layer(x)
+    assert all(type(w) is GR.ReferenceWeights for w in layer.prepared("cpu"))      # the registry's choice for the CPU
+    assert y.dtype == torch.bfloat16 and torch.equal(y, M.ref_moe(x, layer).to(torch.bfloat16))
+    layer.backend = "reference"                                                   # named: the same backend, the same bits
+    assert torch.equal(layer(x), y)
+    for experts, shared in (([0, 2], True), ([1, 3], False)):                     # expert-parallel slices
+        part = layer.local(experts, shared)
+        assert part.backend == "reference"
+        assert torch.equal(part(x), M.ref_moe(x, part).to(torch.bfloat16)), (experts, shared)
+
+
+def nvfp4_bytes(E, N, K):
+    "The NVFP4 matrix itself: codes (1/2 byte), e4m3 block scales (1/16 byte) per weight, one fp32 global scale per expert."
+    return E * N * K // 2 + E * N * K // 16 + 4 * E
+
+
+def test_flash_layer_sm90_weights_hold_the_nvfp4_bytes_only():
+    """A DSV4-Flash-shaped layer (H = 4096, I = 2048; 2 routed experts + the shared one) prepared for Hopper holds at
+    most 1.05x the NVFP4 bytes of w13 and w2: the slabs are a permutation of the codes and scales, nothing else is kept."""
+    cfg = M.FLASH._replace(num_experts=2)
+    E, H, I = cfg.num_experts + 1, cfg.hidden, cfg.inter
+    g = gen(0)
+    def experts(N, K):                              # random codes, every block scale 1: no quantizer run on gigabytes
+        return Q.NVFP4Experts(torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=g),
+                              torch.ones(E, N, K // 16).to(torch.float8_e4m3fn), torch.ones(E), (E, N, K))
+    layer = M.DSV4MoE(cfg, experts(2 * I, H), experts(H, I), torch.zeros(cfg.num_experts, H, dtype=torch.bfloat16))
+    layer.backend = "sm90"
+    w13p, w2p = layer.prepared("cpu")                  # laid out on the CPU (it runs on Hopper only)
+    for w, (N, K) in ((w13p, (2 * I, H)), (w2p, (H, I))):
+        assert type(w) is S90.Sm90Weights and w.shape == (E, N, K) and sorted(w.tensors()) == ["w_gs", "w_sm90"]
+        assert nvfp4_bytes(E, N, K) <= w.nbytes <= 1.05 * nvfp4_bytes(E, N, K), (w.shape, w.nbytes, nvfp4_bytes(E, N, K))
+    assert list(layer._prepared) == [(torch.device("cpu"), "sm90")]            # only that backend's layout is held
+
+
+def test_weights_of_one_backend_are_refused_by_another(monkeypatch):
+    "Each op refuses weights prepared for a backend that does not run on the activations' device, naming both backends."
+    g = gen(6)
+    E, H, I = 2, 64, 32
+    w13e = S.interleave_experts(Q.quantize_experts(torch.randn(E, I, H, generator=g)),
+                                Q.quantize_experts(torch.randn(E, I, H, generator=g)), unify=True)
+    w2e = Q.quantize_experts(torch.randn(E, H, I, generator=g))
+    x = torch.randn(5, H, generator=g).to(torch.bfloat16)
+    offs = torch.tensor([2, 5], dtype=I32)
+    r13, r2 = (GC.prepare_weights(w, device="cpu", backend="reference") for w in (w13e, w2e))
+    for other in ("sm90", "sm100"):
+        o13, o2 = (GC.prepare_weights(w, device="cpu", backend=other) for w in (w13e, w2e))
+        msg = rf"prepared for the {other} backend, which does not run on cpu \(there: reference\)"
+        with pytest.raises(ValueError, match=msg):
+            GC.grouped_gemm_nvfp4(x, o13, offs)
+        with pytest.raises(ValueError, match=msg):
+            GC.wo_a_nvfp4(x.view(5, 1, H).expand(5, E, H).contiguous(), o13)
+        with pytest.raises(ValueError, match=msg):
+            S.grouped_gemm_swiglu_nvfp4(x, o13, offs)
+        with pytest.raises(ValueError, match=msg):
+            S.expert_mlp_nvfp4(x, o13, o2, offs)
+        with pytest.raises(ValueError, match=msg):                            # mixed: L1 on the reference, L2 refused
+            S.expert_mlp_nvfp4(x, r13, o2, offs)
+    # weights on another device than the activations: both devices named
+    with pytest.raises(ValueError, match="prepared for the reference backend on cpu, the activations are on meta"):
+        GC.grouped_gemm_nvfp4(x.to("meta"), r13, offs.to("meta"))
+    # on a (mocked) Hopper device the registry picks sm90: Blackwell's weights are refused there, naming sm90
+    from dsv4_nvfp4 import runtime as rt
+    monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert GC.backend_for("cpu").name == "sm90"
+    b13 = GC.prepare_weights(w13e, device="cpu", backend="sm100")
+    with pytest.raises(ValueError, match=r"prepared for the sm100 backend, which does not run on cpu \(there: sm90\)"):
+        GC.grouped_gemm_nvfp4(x, b13, offs)
+
+
+def test_plan_for_caches_and_verbose_prints_once_per_problem(monkeypatch, capsys):
+    "`plan_for` returns the same plan object for the same (backend, problem, config); DSV4_VERBOSE=1 prints it once."
+    pytest.importorskip("cutlass")
+    monkeypatch.setattr(GC, "_PLANS", {})
+    monkeypatch.setenv("DSV4_VERBOSE", "1")
+    b = GC.get_backend("sm90")
+    p = GC.Problem(777, 256, 4096, 4096)
+    first = GC.plan_for(b, p)
+    assert isinstance(first, S90.Sm90Plan) and first.cfg == S90.pick_config(777, 256, 4096)
+    assert b.plan(p) is not first                                        # the backend makes a new plan each time ...
+    for _ in range(3): assert GC.plan_for(b, GC.Problem(*p)) is first    # ... plan_for hands back the cached one
+    second = GC.plan_for(b, p._replace(rows=778))
+    forced = GC.plan_for(b, p, S90.CONFIGS[128])
+    assert forced.cfg.tok_tile == 128 and GC.plan_for(b, p, S90.CONFIGS[128]) is forced and second is not first
+    lines = [l for l in capsys.readouterr().err.splitlines() if "sm90 plan for" in l]
+    assert len(lines) == 3 and "rows=777" in lines[0] and "rows=778" in lines[1] and "tok_tile=128" in lines[2], lines
+    with pytest.raises(ValueError, match="the sm90 backend cannot run this problem: at most 1024 experts"):
+        GC.plan_for(b, p._replace(experts=1025))
+    # through an op: the reference backend's plan is printed on the first call of a problem only
+    we = Q.quantize_experts(torch.randn(2, 32, 64, generator=gen(1)))
+    pr = GC.prepare_weights(we, device="cpu", backend="reference")
+    a = torch.randn(3, 64).to(torch.bfloat16)
+    for _ in range(3): GC.grouped_gemm_nvfp4(a, pr, torch.tensor([1, 3], dtype=I32))
+    assert len([l for l in capsys.readouterr().err.splitlines() if "reference plan for" in l]) == 1
+    monkeypatch.setenv("DSV4_VERBOSE", "0")
+    GC.plan_for(b, p._replace(rows=779))
+    assert "plan for" not in capsys.readouterr().err

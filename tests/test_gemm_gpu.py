@@ -1,4 +1,5 @@
-"""GPU tests of the sm_90a NVFP4 grouped GEMM (dsv4_nvfp4.gemm.grouped_gemm_nvfp4 / wo_a_nvfp4, kernel in gemm_sm90).
+"""GPU tests of the sm_90a NVFP4 grouped GEMM (dsv4_nvfp4.gemm.grouped_gemm_nvfp4 / wo_a_nvfp4 on the sm90
+backend, kernel in dsv4_nvfp4.gemm.sm90_kernel).
 
 Reference: the float64 GEMM of the same dequantized operands (weights `e2m1 * s * gs_w` built from the formats
 tables, activations bf16 or `e2m1 * s` times gs_a), computed in float64 on the GPU. Pass criteria from the issue:
@@ -9,10 +10,11 @@ import pytest
 import torch
 
 from dsv4_nvfp4 import formats as F
-from dsv4_nvfp4 import grouped_gemm as GG
 from dsv4_nvfp4 import quant as Q
 from dsv4_nvfp4 import routing as R
-from dsv4_nvfp4 import gemm_sm90 as S90
+from dsv4_nvfp4 import gemm as GC
+from dsv4_nvfp4.gemm import sm90 as S90
+from dsv4_nvfp4.gemm import sm90_kernel as S90K
 from dsv4_nvfp4.formats import E2M1_VALUES
 from dsv4_nvfp4.quant import ref_quantize_nvfp4
 from _gpu_helpers import assert_gemm_close as assert_close, hopper, ref_grouped as ref
@@ -26,22 +28,25 @@ if torch.cuda.is_available() and not hopper():
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="the sm_90a kernel needs a Hopper GPU")]
 
 
-def wdeq(pw, gs=True):
-    "float64 (E, N, K) weights as the kernel sees them: e2m1 * s (* gs_w)."
-    E, N, K = pw.shape
-    c = pw.w_fp4.to(DEV)
+def wdeq(we, gs=True):
+    "float64 (E, N, K) weights of NVFP4Experts `we` (what the kernel must decode): e2m1 * s (* gs_w)."
+    E, N, K = we.shape
+    c = we.data.to(DEV)
     codes = torch.stack([c & 15, c >> 4], -1).view(E, N, -1).long()
     x = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=DEV)[codes]
-    w = x * pw.w_sf.to(DEV).double().repeat_interleave(16, -1)
-    if gs: w = w * pw.w_gs.to(DEV).double().view(E, 1, 1)
+    w = x * we.scale.to(DEV).double().repeat_interleave(16, -1)
+    if gs: w = w * we.global_scale.to(DEV).double().view(E, 1, 1)
     return w[..., :K]
 
 
 def experts(E, N, K, seed):
+    "(the weights prepared for this GPU (the sm90 backend), the NVFP4Experts they were prepared from)."
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(E, N, K, generator=g) * (1 + 3 * torch.rand(E, 1, 1, generator=g))
     we = Q.quantize_experts(w)
-    return GG.prepare_weights(we).to(DEV)
+    pw = GC.prepare_weights(we, device=DEV)
+    assert type(pw) is S90.Sm90Weights
+    return pw, we
 
 
 def routed(T, E, k, seed, empty=1):
@@ -62,12 +67,12 @@ def test_exact_decode(tok_tile):
     w[0, 3, :48] = 0
     we = Q.quantize_experts(w)
     we.global_scale.fill_(1.0)
-    pw = GG.prepare_weights(we).to(DEV)
+    pw = GC.prepare_weights(we, device=DEV)
     assert (we.scale.float()[we.scale.float() > 0].min() < 2 ** -6) and F.unpack_fp4(we.data).unique().numel() == 16
     a = torch.eye(256, dtype=torch.bfloat16, device=DEV).repeat(2, 1)
     offs = torch.tensor([256, 512], dtype=I32, device=DEV)
-    got = GG.grouped_gemm_nvfp4(a, pw, offs, config=S90.CONFIGS[tok_tile])
-    want = torch.cat([wdeq(pw)[0].T, wdeq(pw)[1].T]).to(torch.bfloat16)
+    got = GC.grouped_gemm_nvfp4(a, pw, offs, config=S90.CONFIGS[tok_tile])
+    want = torch.cat([wdeq(we)[0].T, wdeq(we)[1].T]).to(torch.bfloat16)
     assert torch.equal(got, want), f"{(got != want).sum().item()} decoded weights differ"
 
 
@@ -78,21 +83,21 @@ SHAPES = [(2048, 1024), (2048, 4096), (3072, 6144), (3072, 7168), (4096, 1024), 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_rows"])
 def test_grouped_gemm_shapes(K, N, mode):
     E = 6 if K * N <= 4096 * 4096 else 4
-    pw = experts(E, N, K, seed=K + N)
-    wd = wdeq(pw)
+    pw, we = experts(E, N, K, seed=K + N)
+    wd = wdeq(we)
     for T, k in ((1, 1), (9, 2), (53, 3)):                   # one token in total; ragged groups; rows % tile != 0
         offs, R = routed(T, E, k, seed=T)
         x = torch.randn(R, K, generator=torch.Generator().manual_seed(T)) * 3
         if mode == "w4a16":
             a = x.to(torch.bfloat16)
-            got = GG.grouped_gemm_nvfp4(a.to(DEV), pw, offs, check=True)
+            got = GC.grouped_gemm_nvfp4(a.to(DEV), pw, offs, check=True)
             want = ref(a.to(DEV).double(), wd, offs.cpu())
         else:
             q = ref_quantize_nvfp4(x, per_row=mode == "w4a4_rows")
             au = (torch.tensor(E2M1_VALUES, dtype=torch.float64)[F.unpack_fp4(q.data).long()] *
                   q.scale.double().repeat_interleave(16, -1))[:, :K].to(DEV)
             gs = q.global_scale.double().to(DEV)
-            got = GG.grouped_gemm_nvfp4(q.to(DEV), pw, offs, check=True)
+            got = GC.grouped_gemm_nvfp4(q.to(DEV), pw, offs, check=True)
             want = ref(au, wd, offs.cpu()) * (gs.view(-1, 1) if gs.dim() else gs)
         assert_close(got, want, f"{mode} K={K} N={N} T={T}")
 
@@ -100,40 +105,40 @@ def test_grouped_gemm_shapes(K, N, mode):
 @pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
 def test_every_config_and_empty_experts(tok_tile):
     E, N, K = 10, 1024, 2048
-    pw = experts(E, N, K, seed=3)
-    wd = wdeq(pw)
+    pw, we = experts(E, N, K, seed=3)
+    wd = wdeq(we)
     sizes = torch.tensor([0, 5, 0, 0, 300, 17, 0, 1, 129, 0])           # empty experts first, last and in between
     offs = torch.cumsum(sizes, 0).to(I32).to(DEV)
     a = torch.randn(int(sizes.sum()), K, device=DEV).to(torch.bfloat16)
-    got = GG.grouped_gemm_nvfp4(a, pw, offs, config=S90.CONFIGS[tok_tile], check=True)
+    got = GC.grouped_gemm_nvfp4(a, pw, offs, config=S90.CONFIGS[tok_tile], check=True)
     assert_close(got, ref(a.double(), wd, offs.cpu()), f"tok_tile={tok_tile}")
 
 
 def test_k_padding():
     # K = 208: the weights are zero-padded to 256, the activations are not (TMA fills zeros past K)
-    pw = experts(3, 1024, 208, seed=5)
+    pw, we = experts(3, 1024, 208, seed=5)
     offs = torch.tensor([4, 4, 11], dtype=I32, device=DEV)
     a = torch.randn(11, 208, device=DEV).to(torch.bfloat16)
-    assert_close(GG.grouped_gemm_nvfp4(a, pw, offs), ref(a.double(), wdeq(pw), offs.cpu()), "K=208")
+    assert_close(GC.grouped_gemm_nvfp4(a, pw, offs), ref(a.double(), wdeq(we), offs.cpu()), "K=208")
 
 
 @pytest.mark.parametrize("T", [1, 37])
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_wo_a_strided(T, nvfp4):
     G_, K, N = 8, 4096, 1024
-    pw = experts(G_, N, K, seed=T)
+    pw, we = experts(G_, N, K, seed=T)
     x = torch.randn(T, G_, K, generator=torch.Generator().manual_seed(1))
-    wd = wdeq(pw)
+    wd = wdeq(we)
     if nvfp4:
         q = ref_quantize_nvfp4(x, per_row=True)                              # gs (T, G)
         xu = (torch.tensor(E2M1_VALUES, dtype=torch.float64)[F.unpack_fp4(q.data).long()] *
               q.scale.double().repeat_interleave(16, -1)).to(DEV)
-        got = GG.wo_a_nvfp4(q.to(DEV), pw)
+        got = GC.wo_a_nvfp4(q.to(DEV), pw)
         want = torch.einsum("tgk,gnk->tgn", xu, wd) * q.global_scale.double().to(DEV)[..., None]
     else:
         xb = x.to(torch.bfloat16).to(DEV)
         ptr = xb.data_ptr()
-        got = GG.wo_a_nvfp4(xb, pw)
+        got = GC.wo_a_nvfp4(xb, pw)
         assert xb.data_ptr() == ptr
         want = torch.einsum("tgk,gnk->tgn", xb.double(), wd)
     assert got.shape == (T, G_, N)
@@ -142,19 +147,19 @@ def test_wo_a_strided(T, nvfp4):
 
 def test_graph_replay_with_new_routing():
     E, N, K, T, k = 16, 2048, 2048, 8, 2
-    pw = experts(E, N, K, seed=11)
-    wd = wdeq(pw)
+    pw, we = experts(E, N, K, seed=11)
+    wd = wdeq(we)
     R = T * k
     a = torch.randn(R, K, device=DEV).to(torch.bfloat16)
     offs = torch.zeros(E, dtype=I32, device=DEV)
     out = torch.empty(R, N, dtype=torch.bfloat16, device=DEV)
-    cfg = GG.pick_config(R, E)
+    cfg = S90.pick_config(R, E)
     offs.copy_(routed(T, E, k, seed=0)[0])
-    GG.grouped_gemm_nvfp4(a, pw, offs, out=out, config=cfg)
+    GC.grouped_gemm_nvfp4(a, pw, offs, out=out, config=cfg)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        GG.grouped_gemm_nvfp4(a, pw, offs, out=out, config=cfg)
+        GC.grouped_gemm_nvfp4(a, pw, offs, out=out, config=cfg)
     for seed in (1, 2, 3):
         offs.copy_(routed(T, E, k, seed=seed, empty=seed)[0])
         out.fill_(float("nan"))
@@ -165,40 +170,44 @@ def test_graph_replay_with_new_routing():
 
 def test_w4a4_workspace_and_out_no_allocation():
     E, N, K = 4, 1024, 2048
-    pw = experts(E, N, K, seed=2)
+    pw, _ = experts(E, N, K, seed=2)
     offs = torch.tensor([3, 3, 9, 12], dtype=I32, device=DEV)
     q = ref_quantize_nvfp4(torch.randn(12, K)).to(DEV)
     ws = torch.empty(12, K, dtype=torch.bfloat16, device=DEV)
     out = torch.empty(12, N, dtype=torch.bfloat16, device=DEV)
-    y = GG.grouped_gemm_nvfp4(q, pw, offs, out=out, workspace=ws)
+    y = GC.grouped_gemm_nvfp4(q, pw, offs, out=out, workspace=ws)
     assert y.data_ptr() == out.data_ptr()
-    y2 = GG.grouped_gemm_nvfp4(q, pw, offs)
+    y2 = GC.grouped_gemm_nvfp4(q, pw, offs)
     assert torch.equal(y, y2)
 
 
 def test_bad_input_gpu():
     E, N, K = 4, 1024, 2048
-    pw = experts(E, N, K, seed=4)
+    pw, _ = experts(E, N, K, seed=4)
     a = torch.randn(12, K, device=DEV).to(torch.bfloat16)
     offs = torch.tensor([3, 3, 9, 12], dtype=I32, device=DEV)
     with pytest.raises(TypeError, match="int32"):
-        GG.grouped_gemm_nvfp4(a, pw, offs.long())
+        GC.grouped_gemm_nvfp4(a, pw, offs.long())
     with pytest.raises(ValueError, match=r"\(E,\)"):
-        GG.grouped_gemm_nvfp4(a, pw, offs[:3])
+        GC.grouped_gemm_nvfp4(a, pw, offs[:3])
     with pytest.raises(ValueError, match="non-decreasing"):
-        GG.grouped_gemm_nvfp4(a, pw, torch.tensor([3, 2, 9, 12], dtype=I32, device=DEV), check=True)
+        GC.grouped_gemm_nvfp4(a, pw, torch.tensor([3, 2, 9, 12], dtype=I32, device=DEV), check=True)
     with pytest.raises(ValueError, match="end at the row count"):
-        GG.grouped_gemm_nvfp4(a, pw, torch.tensor([3, 3, 9, 11], dtype=I32, device=DEV), check=True)
+        GC.grouped_gemm_nvfp4(a, pw, torch.tensor([3, 3, 9, 11], dtype=I32, device=DEV), check=True)
     with pytest.raises(ValueError, match="K mismatch"):
-        GG.grouped_gemm_nvfp4(a[:, :1024].contiguous(), pw, offs)
+        GC.grouped_gemm_nvfp4(a[:, :1024].contiguous(), pw, offs)
     with pytest.raises(ValueError, match="out must have shape"):
-        GG.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(12, N + 8, dtype=torch.bfloat16, device=DEV))
-    with pytest.raises(ValueError, match="CUDA tensor"):
-        GG.grouped_gemm_nvfp4(a, GG.prepare_weights(Q.quantize_experts(torch.randn(E, N, K))), offs)
+        GC.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(12, N + 8, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="aligned"):
+        GC.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(12 * N + 1, dtype=torch.bfloat16, device=DEV)[1:].view(12, N))
+    with pytest.raises(ValueError, match="prepared for the reference backend on cpu, the activations are on cuda"):
+        GC.grouped_gemm_nvfp4(a, GC.prepare_weights(Q.quantize_experts(torch.randn(E, N, K)), device="cpu"), offs)
+    with pytest.raises(ValueError, match=r"prepared for the sm90 backend on cpu, the activations are on cuda"):
+        GC.grouped_gemm_nvfp4(a, pw.to("cpu"), offs)
     # unchecked garbage offsets: clamped in the kernel, so it finishes and touches nothing outside the buffers
     out = torch.zeros(12 + 64, N, dtype=torch.bfloat16, device=DEV)
     bad = torch.tensor([7, 2, 1000, -5], dtype=I32, device=DEV)
-    GG.grouped_gemm_nvfp4(a, pw, bad, out=out[:12])
+    GC.grouped_gemm_nvfp4(a, pw, bad, out=out[:12])
     torch.cuda.synchronize()
     assert bool((out[12:] == 0).all())
 
@@ -208,48 +217,25 @@ def test_tvm_ffi_and_python_launch_paths_agree(monkeypatch):
     (W4A16, W4A4 per-row gs, wo_a), and the TVM-FFI path is the one taken when apache-tvm-ffi is installed."""
     pytest.importorskip("tvm_ffi")
     E, N, K = 6, 1024, 2048
-    pw = experts(E, N, K, seed=21)
+    pw, we = experts(E, N, K, seed=21)
     offs, R = routed(7, E, 3, seed=5)
     offs = offs.to(DEV)
     a = torch.randn(R, K, device=DEV).to(torch.bfloat16)
     q = ref_quantize_nvfp4(torch.randn(R, K), per_row=True).to(DEV)
     x = torch.randn(5, 8, 4096, device=DEV).to(torch.bfloat16)
-    pwo = experts(8, 1024, 4096, seed=22)
+    pwo, wo = experts(8, 1024, 4096, seed=22)
     outs = {}
     for flag in ("1", "0"):
-        monkeypatch.setattr(S90, "USE_TVM_FFI", flag == "1")
-        assert S90.have_tvm_ffi() == (flag == "1")
-        outs[flag] = (GG.grouped_gemm_nvfp4(a, pw, offs), GG.grouped_gemm_nvfp4(q, pw, offs), GG.wo_a_nvfp4(x, pwo))
-    wd = wdeq(pw)
+        monkeypatch.setattr(S90K, "USE_TVM_FFI", flag == "1")
+        assert S90K.have_tvm_ffi() == (flag == "1")
+        outs[flag] = (GC.grouped_gemm_nvfp4(a, pw, offs), GC.grouped_gemm_nvfp4(q, pw, offs), GC.wo_a_nvfp4(x, pwo))
+    wd = wdeq(we)
     for flag, (y16, y4, yo) in outs.items():              # each path against the float64 reference first
         assert_close(y16, ref(a.double(), wd, offs.cpu()), f"W4A16, tvm-ffi={flag}")
-        assert_close(yo, torch.einsum("tgk,gnk->tgn", x.double(), wdeq(pwo)), f"wo_a, tvm-ffi={flag}")
+        assert_close(yo, torch.einsum("tgk,gnk->tgn", x.double(), wdeq(wo)), f"wo_a, tvm-ffi={flag}")
     for t1, t0, what in zip(outs["1"], outs["0"], ("W4A16", "W4A4", "wo_a")):
         assert torch.equal(t1, t0), f"{what}: the two launch paths differ in {(t1 != t0).sum().item()} outputs"
-    assert any(key[2] for key in S90._COMPILED), "no TVM-FFI compile was cached"
-
-
-@pytest.mark.parametrize("K", [16, 208, 384, 2048, 7168])          # K tiles: 1, 2 (padded), 3, 16, 56
-@pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
-def test_overlapped_mainloop_is_bit_identical(K, tok_tile):
-    """GemmConfig(overlap=True) issues the same WGMMAs on the same operands in the same order, only earlier: the output
-    must be bit-identical to the plain mainloop, for odd and even K-tile counts, W4A16 and (K % 256 == 0) W4A4 with the
-    in-kernel activation decode, and a wo_a view."""
-    g = torch.Generator().manual_seed(K + tok_tile)
-    E, N, T = 5, 192, 70
-    pw = GG.prepare_weights(Q.quantize_experts(torch.randn(E, N, K, generator=g))).to(DEV)
-    rt = R.route_topk(R.random_topk(T, E, 2, generator=g), E)
-    offs = rt.expert_offsets.to(DEV)
-    xf = torch.randn(T, K, generator=g)[rt.token]
-    base = S90.CONFIGS[tok_tile]
-    cases = [(xf.to(torch.bfloat16).to(DEV), "pre")]
-    if K % 256 == 0: cases.append((ref_quantize_nvfp4(xf, per_row=True).to(DEV), "kernel"))
-    for a, dec in cases:
-        plain = GG.grouped_gemm_nvfp4(a, pw, offs, config=base, act_decode=dec)
-        over = GG.grouped_gemm_nvfp4(a, pw, offs, config=base._replace(overlap=True), act_decode=dec)
-        assert torch.equal(plain, over), f"K={K} tile {tok_tile} act_decode={dec}"
-    x3 = torch.randn(9, E, K, generator=g).to(torch.bfloat16).to(DEV)
-    assert torch.equal(GG.wo_a_nvfp4(x3, pw, config=base), GG.wo_a_nvfp4(x3, pw, config=base._replace(overlap=True)))
+    assert any(key[2] for key in S90K._COMPILED), "no TVM-FFI compile was cached"
 
 
 def test_sms_free_same_bits_smaller_grid(tmp_path):
@@ -258,11 +244,11 @@ def test_sms_free_same_bits_smaller_grid(tmp_path):
     import json
     from torch.profiler import profile, ProfilerActivity
     E, N, K = 8, 1024, 2048
-    pw = experts(E, N, K, seed=31)
+    pw, _ = experts(E, N, K, seed=31)
     offs, R = routed(300, E, 3, seed=9)
     a = torch.randn(R, K, device=DEV).to(torch.bfloat16)
     q = ref_quantize_nvfp4(torch.randn(R, K), per_row=True).to(DEV)
-    run = lambda n=0: (GG.grouped_gemm_nvfp4(a, pw, offs, sms_free=n), GG.grouped_gemm_nvfp4(q, pw, offs, sms_free=n))
+    run = lambda n=0: (GC.grouped_gemm_nvfp4(a, pw, offs, sms_free=n), GC.grouped_gemm_nvfp4(q, pw, offs, sms_free=n))
 
     def grids(n=0):
         with profile(activities=[ProfilerActivity.CUDA]) as p:

@@ -1,13 +1,13 @@
 """GPU: the NVFP4 pieces of the expert MLP. The L1 epilogue's NVFP4 output (Epilogue.SWIGLU_NVFP4) bit for bit against
-`ref_quantize_nvfp4` of the kernel's own fp32 h (the `dump` variant stores it); the in-kernel decode of NVFP4
-activations (GemmConfig.a_fp4) bit-identical to the dequantize-first path; the whole `expert_mlp_nvfp4` against the
+`ref_quantize_nvfp4` of the kernel's own fp32 h (the `dump` variant stores it); the whole `expert_mlp_nvfp4` against the
 float64 `ref_expert_mlp`, ragged groups and empty experts, one token, the DSV4 sizes, NaN rows, and CUDA-graph replay
 with new routing."""
 import pytest
 import torch
 
-from dsv4_nvfp4 import gemm_sm90 as S90
-from dsv4_nvfp4 import grouped_gemm as GG
+from dsv4_nvfp4 import gemm as GC
+from dsv4_nvfp4.gemm import reference as GR
+from dsv4_nvfp4.gemm import sm90 as S90
 from dsv4_nvfp4 import swiglu as S
 from dsv4_nvfp4.quant import NVFP4Tensor, quantize_experts, ref_quantize_nvfp4
 from dsv4_nvfp4.routing import group_sizes, random_topk, route_topk
@@ -25,7 +25,7 @@ def layer(E, H, I, seed):
         w13 = S.interleave_experts(quantize_experts(torch.randn(E, I, H, generator=g)),
                                    quantize_experts(torch.randn(E, I, H, generator=g) * 2), unify=True)
         w2 = quantize_experts(torch.randn(E, H, I, generator=g))
-        _LAYERS[key] = (w13, w2, GG.prepare_weights(w13).to(DEV), GG.prepare_weights(w2).to(DEV))
+        _LAYERS[key] = (w13, w2, GC.prepare_weights(w13, device=DEV), GC.prepare_weights(w2, device=DEV))
     return _LAYERS[key]
 
 
@@ -62,8 +62,8 @@ def rows_gs(gs_e, offs):
 
 
 @pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
-@pytest.mark.parametrize("w4a4,act_decode", [(False, "pre"), (True, "pre"), (True, "kernel")])
-def test_l1_nvfp4_out_is_the_reference_quantizer_bit_for_bit(tok_tile, w4a4, act_decode):
+@pytest.mark.parametrize("w4a4", [False, True])
+def test_l1_nvfp4_out_is_the_reference_quantizer_bit_for_bit(tok_tile, w4a4):
     E, H, I, T = 8, 2048, 1024, 40
     w13, w2, w13p, _ = layer(E, H, I, seed=1)
     rt = routed(T, E, 3, seed=tok_tile)
@@ -72,7 +72,7 @@ def test_l1_nvfp4_out_is_the_reference_quantizer_bit_for_bit(tok_tile, w4a4, act
     R = rt.perm.numel()
     dump = torch.full((R, I), float("nan"), device=DEV)
     h = S.grouped_gemm_swiglu_nvfp4(to_dev(x), w13p, rt.expert_offsets.to(DEV), route_weight=p.to(DEV), out_dtype="nvfp4",
-                                    out_scale=gs_e.to(DEV), dump=dump, act_decode=act_decode,
+                                    out_scale=gs_e.to(DEV), dump=dump,
                                     config=S90.CONFIGS[tok_tile], check=True)
     hf = dump.cpu()
     assert torch.isfinite(hf).all(), "every row of h was dumped"
@@ -81,48 +81,20 @@ def test_l1_nvfp4_out_is_the_reference_quantizer_bit_for_bit(tok_tile, w4a4, act
     assert torch.equal(h.scale.cpu().view(torch.uint8), want.scale.view(torch.uint8)), "block scales differ"
     assert torch.equal(h.data.cpu(), want.data), "codes differ"
     # and the fp32 h itself is the SwiGLU of the float64 reference to fp32 accuracy of the GEMM
-    g_, u_ = S.deinterleave_l1(GG.ref_grouped_gemm_nvfp4(x, w13, rt.expert_offsets), dim=-1)
+    g_, u_ = S.deinterleave_l1(GR.ref_grouped_gemm_nvfp4(x, w13, rt.expert_offsets), dim=-1)
     ref = S.ref_swiglu(g_, u_) * p.double()[:, None]
     assert ((hf.double() - ref).norm() / ref.norm()).item() <= 1e-3
 
 
-@pytest.mark.parametrize("K", [2048, 3072, 4096, 7168])
-@pytest.mark.parametrize("per_row", [False, True])
-def test_in_kernel_activation_decode_is_bit_identical_to_the_decode_pass(K, per_row):
-    E, N, T = 6, 256, 300
-    g = torch.Generator().manual_seed(K)
-    wp = GG.prepare_weights(quantize_experts(torch.randn(E, N, K, generator=g))).to(DEV)
-    rt = routed(T, E, 2, seed=K + 1)
-    xf = torch.randn(T, K, generator=g)[rt.token]
-    x = to_dev(ref_quantize_nvfp4(xf, per_row=per_row))
-    offs = rt.expert_offsets.to(DEV)
-    for tt, cfg in S90.CONFIGS.items():
-        pre = GG.grouped_gemm_nvfp4(x, wp, offs, config=cfg, act_decode="pre")
-        ker = GG.grouped_gemm_nvfp4(x, wp, offs, config=cfg, act_decode="kernel")
-        assert torch.equal(pre, ker), f"K={K} tile {tt}: in-kernel decode differs from the decode pass"
-
-
-@pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
-def test_fused_l1_with_in_kernel_decode_is_bit_identical(tok_tile):
-    E, H, I, T = 8, 2048, 1024, 40
-    _, _, w13p, _ = layer(E, H, I, seed=1)
-    rt = routed(T, E, 3, seed=5)
-    x, p = inputs(rt, H, True, seed=6)
-    args = (to_dev(x), w13p, rt.expert_offsets.to(DEV))
-    kw = dict(route_weight=p.to(DEV), config=S90.CONFIGS[tok_tile])
-    assert torch.equal(S.grouped_gemm_swiglu_nvfp4(*args, act_decode="pre", **kw),
-                       S.grouped_gemm_swiglu_nvfp4(*args, act_decode="kernel", **kw))
-
-
 @pytest.mark.parametrize("H,I,E", [(4096, 2048, 16), (7168, 3072, 4), (2048, 3072, 6), (3072, 2048, 6)])
-@pytest.mark.parametrize("act,act_decode", [("w4a16", "pre"), ("w4a4", "pre"), ("w4a4", "kernel")])
-def test_expert_mlp_against_float64(H, I, E, act, act_decode):
+@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+def test_expert_mlp_against_float64(H, I, E, act):
     w13, w2, w13p, w2p = layer(E, H, I, seed=H + I)
     rt = routed(24, E, min(6, E - 1), seed=I)
     x, p = inputs(rt, H, act == "w4a4", seed=3)
     a2 = a2_scales(x, w13, w2, rt.expert_offsets, p) if act == "w4a4" else None
     y = S.expert_mlp_nvfp4(to_dev(x), w13p, w2p, rt.expert_offsets.to(DEV), act=act, route_weight=p.to(DEV),
-                           a2_scales=None if a2 is None else a2.to(DEV), act_decode=act_decode, check=True)
+                           a2_scales=None if a2 is None else a2.to(DEV), check=True)
     want = S.ref_expert_mlp(x, w13, w2, rt.expert_offsets, act=act, route_weight=p, a2_scales=a2)
     assert y.shape == (rt.perm.numel(), H) and torch.isfinite(y).all()
     assert ((y.cpu().double() - want).norm() / want.norm()).item() <= 5e-3
@@ -136,7 +108,7 @@ def test_expert_mlp_one_token_and_a_nan_row(act):
     x, p = inputs(rt, H, act == "w4a4", seed=4)
     a2 = a2_scales(x, w13, w2, rt.expert_offsets, p) if act == "w4a4" else None
     kw = dict(act=act, route_weight=p, a2_scales=a2)
-    y = S.expert_mlp_nvfp4(to_dev(x), w13p, w2p, rt.expert_offsets.to(DEV), act_decode="auto",
+    y = S.expert_mlp_nvfp4(to_dev(x), w13p, w2p, rt.expert_offsets.to(DEV),
                            **{k: to_dev(v) for k, v in kw.items()})
     want = S.ref_expert_mlp(x, w13, w2, rt.expert_offsets, **kw)
     assert ((y.cpu().double() - want).norm() / want.norm()).item() <= 5e-3
@@ -151,7 +123,7 @@ def test_expert_mlp_one_token_and_a_nan_row(act):
         x, xn = x4, NVFP4Tensor(x4.data, x4.scale, gs, x4.shape)
     a2 = torch.full((E,), 0.01) if act == "w4a4" else None
     run = lambda xx: S.expert_mlp_nvfp4(to_dev(xx), w13p, w2p, rt.expert_offsets.to(DEV), act=act, route_weight=p.to(DEV),
-                                        a2_scales=None if a2 is None else a2.to(DEV), act_decode="auto").cpu()
+                                        a2_scales=None if a2 is None else a2.to(DEV)).cpu()
     clean, dirty = run(x), run(xn)
     assert dirty[bad].isnan().all()
     keep = [r for r in range(dirty.shape[0]) if r != bad]
@@ -168,10 +140,10 @@ def test_expert_mlp_graph_replay_with_new_routing(act):
     p = (torch.rand(R, generator=g) + 0.5).to(DEV)
     a2 = torch.full((E,), 2e-4, device=DEV) if act == "w4a4" else None
     offs = torch.tensor([6, 6, 20, 21, 30, 40, 40, 48], dtype=torch.int32, device=DEV)
-    ws = S.mlp_workspace(R, w13p, w2p, act, act_decode="auto")
+    ws = S.mlp_workspace(R, w13p, w2p, act)
     out = torch.empty(R, H, dtype=torch.bfloat16, device=DEV)
     call = lambda: S.expert_mlp_nvfp4(x, w13p, w2p, offs, act=act, route_weight=p, a2_scales=a2, out=out,
-                                      workspace=ws, act_decode="auto")
+                                      workspace=ws)
     call(); torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -179,5 +151,5 @@ def test_expert_mlp_graph_replay_with_new_routing(act):
     for new in ([0, 8, 8, 30, 31, 31, 47, 48], [48] * 8, [1, 2, 3, 4, 5, 6, 7, 48]):
         offs.copy_(torch.tensor(new, dtype=torch.int32)); out.fill_(float("nan")); graph.replay(); torch.cuda.synchronize()
         replayed = out.clone()
-        eager = S.expert_mlp_nvfp4(x, w13p, w2p, offs, act=act, route_weight=p, a2_scales=a2, act_decode="auto")
+        eager = S.expert_mlp_nvfp4(x, w13p, w2p, offs, act=act, route_weight=p, a2_scales=a2)
         assert torch.equal(replayed, eager), new

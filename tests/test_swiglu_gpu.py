@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from dsv4_nvfp4 import gemm_sm90 as S90
-from dsv4_nvfp4 import grouped_gemm as GG
+from dsv4_nvfp4 import gemm as GC
+from dsv4_nvfp4.gemm import reference as GR
+from dsv4_nvfp4.gemm import sm90 as S90
 from dsv4_nvfp4 import swiglu as S
 from dsv4_nvfp4.quant import quantize_experts, ref_quantize_nvfp4
 from dsv4_nvfp4.routing import random_topk, route_topk
@@ -21,7 +22,7 @@ def layer(E, H, I, seed):
     w13 = S.interleave_experts(quantize_experts(torch.randn(E, I, H, generator=g)),
                                quantize_experts(torch.randn(E, I, H, generator=g) * 2), unify=True)
     w2 = quantize_experts(torch.randn(E, H, I, generator=g))
-    return w13, w2, GG.prepare_weights(w13).to(DEV), GG.prepare_weights(w2).to(DEV)
+    return w13, w2, GC.prepare_weights(w13, device=DEV), GC.prepare_weights(w2, device=DEV)
 
 
 def routed(T, E, k, seed, empty=1):
@@ -39,7 +40,7 @@ def metrics(got, want):
 
 
 def ref_h(x, w13, offs, p, limit=10.0):
-    g, u = S.deinterleave_l1(GG.ref_grouped_gemm_nvfp4(x, w13, offs), dim=-1)
+    g, u = S.deinterleave_l1(GR.ref_grouped_gemm_nvfp4(x, w13, offs), dim=-1)
     return S.ref_swiglu(g, u, limit) * p.double()[:, None]
 
 
@@ -89,7 +90,7 @@ def test_fused_l1_then_l2_is_the_expert_mlp():
     p = torch.rand(rt.perm.numel(), generator=g)
     offs = rt.expert_offsets.to(DEV)
     h = S.grouped_gemm_swiglu_nvfp4(x.to(DEV), w13p, offs, route_weight=p.to(DEV))
-    y = GG.grouped_gemm_nvfp4(h, w2p, offs).cpu().double()
+    y = GC.grouped_gemm_nvfp4(h, w2p, offs).cpu().double()
     want = S.ref_expert_mlp(x, w13, w2, rt.expert_offsets, route_weight=p)
     assert ((y - want).norm() / want.norm()).item() <= 5e-3
 
@@ -118,4 +119,4 @@ def test_fused_l1_graph_replay_and_bad_input():
     with pytest.raises(ValueError, match="out must have shape"):
         S.grouped_gemm_swiglu_nvfp4(x, w13p, offs, out=torch.empty(R, 2 * I, dtype=torch.bfloat16, device=DEV))
     with pytest.raises(ValueError, match="I a multiple of 16"):
-        S.grouped_gemm_swiglu_nvfp4(x, GG.prepare_weights(quantize_experts(torch.randn(4, 48, H))).to(DEV), offs)
+        S.grouped_gemm_swiglu_nvfp4(x, GC.prepare_weights(quantize_experts(torch.randn(4, 48, H)), device=DEV), offs)

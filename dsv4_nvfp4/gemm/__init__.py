@@ -270,6 +270,7 @@ def check_activations(a, K: int, what: str, dims: int = 2) -> tuple:
             raise TypeError(f"{what}: activations must be bf16 (W4A16) or an NVFP4Tensor (W4A4), got {a.dtype}")
         if a.dim() != dims: raise ValueError(f"{what}: activations must be {dims}-D, got {tuple(a.shape)}")
         if a.shape[-1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {a.shape[-1]}, weights K = {K}")
+        check_operand(a, what, "activations", (torch.bfloat16,), a.device)
         return "bf16", a.device, None
     raise TypeError(f"{what}: activations must be a bf16 tensor or an NVFP4Tensor, got {type(a).__name__}")
 

@@ -61,7 +61,7 @@ class Sm100Backend(Backend):
 
     def supports(self, device) -> bool:
         device = torch.device(device)
-        return device.type == runtime._DEVICE_TYPE and torch.cuda.get_device_capability(device)[0] == 10
+        return device.type == runtime.launch_device_type() and torch.cuda.get_device_capability(device)[0] == 10
     def prepare(self, experts: NVFP4Experts, a_gs) -> Sm100Weights:
         E, N, K = experts.shape
         kt = round_up(K, self.K_PAD)

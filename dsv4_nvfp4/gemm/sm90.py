@@ -226,7 +226,7 @@ class Sm90Backend(Backend):
 
     def supports(self, device) -> bool:
         device = torch.device(device)
-        return device.type == runtime._DEVICE_TYPE and torch.cuda.get_device_capability(device)[0] == 9
+        return device.type == runtime.launch_device_type() and torch.cuda.get_device_capability(device)[0] == 9
     def prepare(self, experts: NVFP4Experts, a_gs) -> Sm90Weights:
         E, N, K = experts.shape
         kt, np_ = round_up(K, K_TILE), round_up(N, N_PAD)
