@@ -18,7 +18,7 @@ CUTE = [("pytest_ep_2gpu", "python3 -m pytest -q -m gpu -p no:cacheprovider test
         ("pytest_gemm", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemm_gpu.py", 1, 200),
         ("pytest_mlp", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 200),
         ("pytest_moe", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py", 1, 300),
-        ("pytest_compile", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_compile_gpu.py", 1, 120)]
+        ("pytest_compile", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_compile_gpu.py tests/test_cli.py", 1, 150)]
 
 
 def notebooks(phase):
@@ -33,6 +33,8 @@ def jobs(phase, ngpu):
         out += [(f"nb_{n}", f"nbdev_test --path nbs/{n}.ipynb --flags gpu", 1, 60) for n in notebooks("nvrtc")]
     if phase in ("cute", "all"):
         out += CUTE + [(f"nb_{n}", f"nbdev_test --path nbs/{n}.ipynb --flags gpu", 1, 150) for n in notebooks("cute")]
+        skip = "|".join(notebooks("nvrtc") + notebooks("cute"))          # every other notebook, on one GPU, 6 at a time
+        out.append(("nb_rest", f"nbdev_test --flags gpu --n_workers 6 --skip_file_re '^({skip})\\.ipynb$'", 1, 200))
     return sorted(out, key=lambda j: -j[3] * j[2])
 
 
