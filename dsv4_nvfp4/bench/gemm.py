@@ -90,10 +90,10 @@ PEER_HARNESS = "bench_peer.py"      # the peers' timing script, staged into .pee
 
 def find_peer_dir(path=None):
     """The staged peer kernels (vLLM's Marlin MoE op `_moe_C.abi3.so`, OpenAI's `triton_kernels`, and the `bench_peer.py`
-    harness that times them) as a Path: `path`, else `$DSV4_PEER_DIR`, else `.peer/` in the working directory or the
+    harness that times them) as a Path: `path` when given (and nothing else), else `$DSV4_PEER_DIR`, else `.peer/` in the working directory or the
     repository; None when there is none."""
     here = Path(__file__).resolve().parents[2] if "__file__" in globals() else Path.cwd()   # dsv4_nvfp4/bench/gemm.py
-    for c in ([path] if path else []) + [os.environ.get("DSV4_PEER_DIR"), Path.cwd() / ".peer", here / ".peer"]:
+    for c in [path] if path else [os.environ.get("DSV4_PEER_DIR"), Path.cwd() / ".peer", here / ".peer"]:
         if c and (Path(c) / PEER_HARNESS).is_file(): return Path(c)
     return None
 
