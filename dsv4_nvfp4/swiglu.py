@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import e2m1_decode, unpack_fp4
 from .gemm import (EpilogueArgs, ExpertWeights, Problem, backend_of, check_activations, check_offsets_operand,
                                   check_operand, check_sms_free, grouped_gemm_nvfp4, out_operand, plan_for)
 from .gemm.reference import (L1_GROUP, check_swiglu_limit, deinterleave_l1, interleave_l1, ref_grouped_gemm_nvfp4,
                                        ref_swiglu, ref_swiglu_out)
 from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
-from .routing import check_offsets, group_sizes
+from .routing import check_offsets
 
 # %% auto #0
 __all__ = ['interleave_experts', 'calibrate_input_scales', 'ref_expert_mlp', 'grouped_gemm_swiglu_nvfp4', 'MLPWorkspace',

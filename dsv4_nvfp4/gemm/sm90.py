@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 
 from .. import runtime
 from ..formats import cdiv, round_up
-from . import ACTS, EPILOGUES, Backend, EpilogueArgs, ExpertWeights, Problem, check_operand
+from . import ACTS, Backend, EpilogueArgs, ExpertWeights, Problem
 from ..quant import BLOCK, NVFP4Experts, NVFP4Tensor
 from ..quantize_cuda import dequantize_nvfp4_cuda
 
