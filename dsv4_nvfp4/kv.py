@@ -391,7 +391,7 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
 # %% ../nbs/06_kv_compress.ipynb #9a0775c5
 def dsv4_compress_ratios(model: str = "Flash") -> list[int]:
     """Per-layer compress ratios (0: no compressed KV): Flash 43 layers, 0-1 none, then even layers CSA (4) and odd
-    HCA (128); Pro 61 layers, 0-1 HCA, then even CSA and odd HCA (the design notes' DeepSeek-V4 facts)."""
+    HCA (128); Pro 61 layers, 0-1 HCA, then even CSA and odd HCA (DeepSeek-V4's layer layout)."""
     if model == "Flash": return [0, 0] + [CSA_RATIO if l % 2 == 0 else HCA_RATIO for l in range(2, 43)]
     if model == "Pro": return [HCA_RATIO, HCA_RATIO] + [CSA_RATIO if l % 2 == 0 else HCA_RATIO for l in range(2, 61)]
     raise ValueError(f"dsv4_compress_ratios: model must be 'Flash' or 'Pro', got {model!r}")

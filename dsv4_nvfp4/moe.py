@@ -30,7 +30,11 @@ __all__ = ['FLASH', 'PRO', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
-    "The shape and constants of one DSV4 MoE layer."
+    """The shape and constants of one DSV4 MoE layer: `hidden` (H, the token width), `inter` (I, the intermediate size
+    of a routed expert and of the shared one), `num_experts` (E, the routed experts), `top_k` (routed experts per
+    token, 6), `routed_scaling_factor` (the router weights' factor: 1.5 for Flash, 2.5 for Pro), `swiglu_limit` (L, the
+    SwiGLU clamp, 10) and `hash_layers` (the layers below this index route by token id through `tid2eid`, 3).
+    `FLASH` and `PRO` are DSV4-Flash's and DSV4-Pro's."""
     hidden: int                        # H
     inter: int                         # I (moe_intermediate_size; the shared expert has the same)
     num_experts: int                   # E routed experts
@@ -134,6 +138,16 @@ class DSV4MoE(torch.nn.Module):
         self.bf16_weights = None           # (w1, w3, w2) unquantized, when the layer was built from them (synthetic)
         self.backend = None                # the expert GEMM's backend by name (None: the registry's choice per device)
 
+    def extra_repr(self) -> str:
+        "What `repr(layer)` shows: the config, the activation kind, the experts held and the device the forward runs on."
+        E = self.cfg.num_experts
+        if self.experts is None: held = f"all {E}"
+        else:
+            ids = self.experts.tolist()
+            held = f"{len(ids)} of {E} " + (str(ids) if len(ids) <= 8 else f"[{ids[0]}, {ids[1]}, ..., {ids[-1]}]")
+        held += " + shared" if self.shared else ", no shared"
+        return f"cfg={self.cfg}, act={self.act!r}, experts={held}, device={self.gate_weight.device}"
+
     def __setstate__(self, state):
         "A copy (copy.deepcopy, pickle) is a layer of its own: its own op key, not the original's."
         super().__setstate__(state)
@@ -155,6 +169,11 @@ class DSV4MoE(torch.nn.Module):
         if need_ids and self.tid2eid is not None and input_ids is None: raise ValueError(f"{what}: this layer routes by token id: pass input_ids")
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer on `x`, bf16 (T, H) -> bf16 (T, H): route each token to its top-k experts (by `input_ids` (T,), the
+        token ids, on a layer with a `tid2eid` table: it needs them), run the routed experts and the shared one, and sum
+        the weighted rows. On a CUDA device the kernels (weights prepared on first use; one custom op under
+        torch.compile); on the CPU `forward_torch` (on the reference backend `ref_moe` rounded to bf16). An
+        expert-parallel slice returns its share of the layer."""
         self.check_input(x, input_ids)
         if not x.is_cuda: return self.forward_torch(x, input_ids)
         if input_ids is not None:
@@ -397,14 +416,22 @@ def _heavy(shape, g, scale, device):
 @torch.no_grad()
 @patch(cls_method=True)
 def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", hash_vocab: int = 0,
-               calib_tokens: int = 64, device="cpu", keep_bf16: bool = True):
+               calib_tokens: int = 64, device="cpu", keep_bf16: bool = True,
+               progress: bool | None = None,   # a tqdm bar over the experts; None: for a layer of more than 2^27 weights on the CPU
+              ):
     """A realistic random layer: heavy-tailed weights, the shared expert, a selection bias (or, with `hash_vocab`, a
-    tid2eid table), W4A4's static scales of x and h calibrated on `calib_tokens` sample tokens; keeps its unquantized weights."""
+    tid2eid table), W4A4's static scales of x and h calibrated on `calib_tokens` sample tokens; keeps its unquantized
+    weights. The weights are drawn and quantized on `device` and the layer is returned on the CPU (move it with
+    `.to`): a GPU (`device="cuda"`) builds a DSV4-Flash layer in seconds, a CPU takes minutes (a progress bar shows the
+    experts done)."""
+    from tqdm.auto import tqdm
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
     E, H, I = cfg.num_experts, cfg.hidden, cfg.inter
+    if progress is None: progress = dev.type == "cpu" and 3 * (E + 1) * H * I > 2 ** 27
     w1, w3, w2, q1, q3, q2 = [], [], [], [], [], []
-    for e in range(E + 1):                             # one expert at a time: a Flash layer never sits in fp32 at once
+    bar = tqdm(range(E + 1), desc=f"DSV4MoE.synthetic: {E} + 1 experts on {dev}", unit="expert", disable=not progress)
+    for e in bar:                                      # one expert at a time: a Flash layer never sits in fp32 at once
         a, b, c = _heavy((I, H), g, H ** -0.5, dev), _heavy((I, H), g, H ** -0.5, dev), _heavy((H, I), g, I ** -0.5, dev)
         q1.append(ref_quantize_nvfp4(a)); q3.append(ref_quantize_nvfp4(b)); q2.append(ref_quantize_nvfp4(c))
         if keep_bf16: w1.append(a.cpu()); w3.append(b.cpu()); w2.append(c.cpu())
@@ -592,12 +619,14 @@ def save(self: DSV4MoE, path, layer: int, format: str = "modelopt", prefix: str 
 
 @patch(cls_method=True)
 def flash(cls: DSV4MoE, seed: int = 0, act: str = "w4a16", **kw):
-    "A synthetic DSV4-Flash layer (256 + 1 experts, H 4096, I 2048); `device='cuda'` builds it in seconds."
+    """A synthetic DSV4-Flash layer (256 + 1 experts, H 4096, I 2048; `synthetic(FLASH, ...)`): `device="cuda"` builds it
+    on a GPU in seconds; on a CPU it takes minutes, with a progress bar over the experts."""
     return cls.synthetic(FLASH, seed, act, **kw)
 
 @patch(cls_method=True)
 def pro(cls: DSV4MoE, seed: int = 0, act: str = "w4a16", **kw):
-    "A synthetic DSV4-Pro layer (384 + 1 experts, H 7168, I 3072)."
+    """A synthetic DSV4-Pro layer (384 + 1 experts, H 7168, I 3072; `synthetic(PRO, ...)`): `device="cuda"` builds it on
+    a GPU in seconds; on a CPU it takes many minutes, with a progress bar over the experts."""
     return cls.synthetic(PRO, seed, act, **kw)
 
 # %% ../nbs/08_moe_layer.ipynb #04885a55

@@ -104,7 +104,7 @@ def plot_kv(res: dict, path=None):
     return fig
 
 def kv_goals(res: dict) -> str:
-    """The issue's goals, from the rows: prefill >= 10x torch and its inputs read at >= 70% of copy bandwidth at 8K+
+    """The benchmark's goals, from the rows: prefill >= 10x torch and its inputs read at >= 70% of copy bandwidth at 8K+
     tokens; gathers at >= 85% of copy bandwidth when they move >= 64 MB. Copy bandwidth is the ceiling (the best
     copy of >= 256 MB); each line also says how the rows fare against a copy of their own bytes."""
     out, name = [], lambda r: f"{r['kernel']} {r['shape']}"

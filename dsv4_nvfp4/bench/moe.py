@@ -15,7 +15,7 @@ from ..routing import (ROUTE_FUSED_MAX_T, combine_tokens, dsv4_router_torch, per
 from ..swiglu import grouped_gemm_swiglu_nvfp4
 
 # %% auto #0
-__all__ = ['MOE_PROBLEMS', 'TorchMoE', 'bench_moe', 'moe_table', 'moe_goals']
+__all__ = ['MOE_PROBLEMS', 'TorchMoE', 'bench_moe', 'moe_table', 'moe_goals', 'plot_moe']
 
 # %% ../../nbs/08e_bench_moe.ipynb #2aedd6ea
 MOE_PROBLEMS = ([("Flash", MoEConfig(4096, 2048, 256, 6, 1.5), T) for T in (1, 8, 32, 128, 512, 2048, 8192)] +
@@ -139,7 +139,7 @@ def moe_table(res: dict) -> str:
     return text
 
 def moe_goals(res: dict) -> str:
-    "The layer against the issue's goals, rendered from the measured rows."
+    "The layer against its goals (x vs torch at decode and at 8192 tokens, the time outside the GEMMs), rendered from the measured rows."
     rows, out = res["rows"], []
     small = [r for r in rows if r["tokens"] <= 128]
     if small:
@@ -155,3 +155,27 @@ def moe_goals(res: dict) -> str:
     if big:
         out.append("* **T = 8192: >= 1.1x the torch bf16 layer**: " + ", ".join(f"{r['problem']} {r['x_bf16']:.2f}x" for r in big) + ".")
     return "\n".join(out)
+
+# %% ../../nbs/08e_bench_moe.ipynb #a3c91e07
+def plot_moe(res: dict,   # `bench_moe`'s result or its JSON record: rows with problem, tokens, w4a16_us, bf16_us, fp8_us (w4a4_us)
+             path=None,   # also save the figure there
+            ):
+    "Speed-up of the whole layer over the torch bf16 and fp8 layers against tokens, one line per problem and activation kind."
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["problem"] for r in res["rows"]):        # the problems in the rows' order
+        rr = sorted((r for r in res["rows"] if r["problem"] == name), key=lambda r: r["tokens"])
+        for key, st in (("w4a16", "o-"), ("w4a4", "s--")):
+            pts = [r for r in rr if r.get(key + "_us")]
+            if not pts: continue
+            T = [r["tokens"] for r in pts]
+            ax[0].plot(T, [r["bf16_us"] / r[key + "_us"] for r in pts], st, label=f"{name} {key}")
+            ax[1].plot(T, [r["fp8_us"] / r[key + "_us"] for r in pts], st, label=f"{name} {key}")
+    for a_, t, goal in ((ax[0], "MoE layer: x vs torch bf16", 3.0), (ax[1], "MoE layer: x vs torch fp8", 1.7)):
+        a_.set_xscale("log", base=2); a_.axhline(1, color="k", lw=0.8)
+        a_.plot([1, 128], [goal, goal], color="gray", ls=":", lw=0.8)      # the decode goal, T <= 128
+        a_.set_xlabel("tokens"); a_.set_ylabel("speed-up"); a_.set_title(t)
+    ax[0].legend(fontsize=7)
+    fig.tight_layout()
+    if path: fig.savefig(path, dpi=110)
+    return fig

@@ -1,0 +1,46 @@
+"The MoE layer's public surface on the CPU: what `help()` and `repr()` tell a first-time user, and the build's progress bar."
+import torch
+
+from dsv4_nvfp4.moe import DSV4MoE, MoEConfig
+
+SMALL = MoEConfig(hidden=64, inter=32, num_experts=4, top_k=2)
+
+
+def test_moe_config_docstring_names_every_field():
+    doc = MoEConfig.__doc__
+    missing = [f for f in MoEConfig._fields if f"`{f}`" not in doc]
+    assert not missing, f"MoEConfig's docstring does not name {missing}"
+
+
+def test_forward_has_a_docstring():
+    doc = DSV4MoE.forward.__doc__ or ""
+    assert "(T, H)" in doc and "input_ids" in doc, doc
+
+
+def test_repr_shows_config_act_experts_device():
+    lay = DSV4MoE.synthetic(SMALL, seed=0, keep_bf16=False)
+    r = repr(lay)
+    for s in ("hidden=64", "inter=32", "num_experts=4", "top_k=2", "act='w4a16'", "experts=all 4 + shared", "device=cpu"):
+        assert s in r, (s, r)
+    r = repr(lay.local([1, 3], shared=False))
+    assert "experts=2 of 4 [1, 3], no shared" in r, r
+    assert "act='w4a4'" in repr(DSV4MoE.synthetic(SMALL, seed=0, act="w4a4", calib_tokens=8, keep_bf16=False))
+
+
+def test_repr_abbreviates_many_experts():
+    lay = DSV4MoE.synthetic(MoEConfig(hidden=32, inter=16, num_experts=16, top_k=2), seed=0, keep_bf16=False)
+    assert "experts=10 of 16 [0, 1, ..., 15] + shared" in repr(lay.local([0, 1, 2, 4, 5, 7, 9, 11, 13, 15]))
+
+
+def test_synthetic_shows_progress(capsys):
+    DSV4MoE.synthetic(SMALL, seed=0, progress=True, keep_bf16=False)
+    err = capsys.readouterr().err
+    assert "DSV4MoE.synthetic" in err and "5/5" in err, err        # E + 1 = 5 experts, counted on stderr
+    DSV4MoE.synthetic(SMALL, seed=0, keep_bf16=False)               # a small layer: no bar by default
+    assert capsys.readouterr().err == ""
+
+
+def test_synthetic_progress_does_not_change_the_layer():
+    a = DSV4MoE.synthetic(SMALL, seed=3, progress=True)
+    b = DSV4MoE.synthetic(SMALL, seed=3, progress=False)
+    assert torch.equal(a.w13.data, b.w13.data) and torch.equal(a.w2.scale.view(torch.uint8), b.w2.scale.view(torch.uint8))
