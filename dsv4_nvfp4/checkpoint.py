@@ -442,7 +442,7 @@ def compressed_tensors_config(exclude=()) -> dict:
     weights only, FP4 in groups of 16 with a tensor-group global scale, activations left alone) on every `Linear`
     but the module names in `exclude`."""
     weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": BLOCK, "strategy": "tensor_group",
-               "dynamic": False}
+               "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}     # as compressed-tensors 0.20 writes its NVFP4A16 preset
     return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                           "output_activations": None}},
