@@ -11,19 +11,22 @@ import math
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 from pathlib import Path
 
 import torch
 
+from . import __version__
 from .quant import BLOCK, MX_BLOCK, MXFP4Tensor, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4
 
 # %% auto #0
-__all__ = ['DEFAULT_SKIP', 'ModelOptNVFP4', 'save_modelopt_nvfp4', 'safetensors_keys', 'read_safetensors', 'iter_modelopt_nvfp4',
-           'load_modelopt_nvfp4', 'modelopt_experts', 'save_compressed_tensors_nvfp4', 'iter_compressed_tensors_nvfp4',
-           'iter_dsv4_mxfp4', 'save_dsv4_mxfp4', 'quantize_fp8_blocks', 'dequantize_fp8_blocks', 'checkpoint_format',
-           'iter_nvfp4_checkpoint', 'CheckpointReader', 'read_nvfp4_layers', 'load_nvfp4_checkpoint',
+__all__ = ['DEFAULT_SKIP', 'OUTLIER_SHARE', 'ModelOptNVFP4', 'save_modelopt_nvfp4', 'safetensors_keys', 'read_safetensors',
+           'iter_modelopt_nvfp4', 'load_modelopt_nvfp4', 'modelopt_experts', 'save_compressed_tensors_nvfp4',
+           'iter_compressed_tensors_nvfp4', 'iter_dsv4_mxfp4', 'save_dsv4_mxfp4', 'quantize_fp8_blocks',
+           'dequantize_fp8_blocks', 'checkpoint_format', 'iter_nvfp4_checkpoint', 'CheckpointReader',
+           'read_nvfp4_layers', 'load_nvfp4_checkpoint', 'hf_quant_config', 'compressed_tensors_config',
            'quantize_checkpoint']
 
 # %% ../nbs/01a_checkpoint.ipynb #e5c880aa
@@ -81,19 +84,37 @@ def _header_at(path: str, mtime_ns: int, size: int) -> tuple[int, dict]:
             n = int.from_bytes(fh.read(8), "little")
             if not 2 <= n <= size - 8: raise ValueError(f"a header of {n} bytes in a file of {size}")
             h = json.loads(fh.read(n))
-        return 8 + n, {k: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for k, v in h.items() if k != "__metadata__"}
+        entries = {k: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for k, v in h.items() if k != "__metadata__"}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{Path(path).name}: not a readable safetensors file ({e})") from None
+    for k, (_, _, _, end) in entries.items():          # a cut-off download: say so here, not as a reshape error later
+        if 8 + n + end > size:
+            raise ValueError(f"{Path(path).name}: truncated: tensor {k} ends at byte {8 + n + end}, the file has {size}")
+    return 8 + n, entries
 
 def _header(f: Path) -> tuple[int, dict]:
     "The header of safetensors file `f` (read once per version of the file)."
     st = Path(f).stat()
     return _header_at(str(f), st.st_mtime_ns, st.st_size)
 
+def _inside(folder: Path, name: str, what: str) -> Path:
+    """folder / name, refused (ValueError naming it) unless it stays inside `folder`: no absolute path, no `..`, no symlink
+    out (except a Hugging Face cache snapshot's links into its own `blobs/`)."""
+    p = Path(name) if isinstance(name, str) else None
+    root = folder.resolve()
+    real = (folder / p).resolve() if p is not None else None
+    hub = root.parent.name == "snapshots" and real is not None and real.is_relative_to(root.parent.parent / "blobs")
+    if p is None or p.is_absolute() or ".." in p.parts or not (real.is_relative_to(root) or hub):   # hub: a Hugging Face cache snapshot
+        raise ValueError(f"{what} names {name!r}, which is outside the checkpoint folder {folder}: refused "
+                         "(shard names must be files inside the folder)")
+    return folder / p
+
 def safetensors_keys(path) -> dict:
     """{tensor name: file} of a safetensors checkpoint: one `.safetensors` file, or a folder holding a sharded one
     (`model.safetensors.index.json`, whose `weight_map` names each tensor's shard) or, without an index, its
-    `.safetensors` files. Only the headers are read."""
+    `.safetensors` files. Only the headers are read. Raises FileNotFoundError for a missing file or shard, and
+    ValueError for a shard name that resolves outside the folder (absolute, `..`, a symlink out), a truncated or
+    unreadable file, or a tensor held by two shards."""
     path = Path(path)
     if not path.exists(): raise FileNotFoundError(f"no such file or folder: {path}")
     if path.is_dir():
@@ -101,12 +122,14 @@ def safetensors_keys(path) -> dict:
         if index.exists():
             try: wmap = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as e: raise ValueError(f"{index}: not a safetensors index ({e})") from e
-            files = {k: path / v for k, v in wmap.items()}
+            shard = {v: _inside(path, v, str(index)) for v in set(wmap.values())}
+            files = {k: shard[v] for k, v in wmap.items()}
             missing = sorted({str(f.name) for f in files.values() if not f.exists()})
             if missing: raise FileNotFoundError(f"{index} names shard(s) that are not in {path}: {', '.join(missing[:3])}")
             return files
         shards = sorted(path.glob("*.safetensors"))
         if not shards: raise FileNotFoundError(f"{path} is a folder with no .safetensors file and no model.safetensors.index.json")
+        for f in shards: _inside(path, f.name, f"{path}: the shard")   # a symlink that points out of the folder
     else:
         shards = [path]
     files = {}
@@ -325,14 +348,16 @@ def load_nvfp4_checkpoint(path, verbose: bool = False) -> tuple[str, dict]:
 
 # %% ../nbs/01a_checkpoint.ipynb #5e1f9a02
 DEFAULT_SKIP = r"(^|\.)(embed_tokens|embed|lm_head|head)\.weight$|norm|(^|\.)gate\.weight$"
+OUTLIER_SHARE = 0.01   # warn when more than this share of a weight's nonzero blocks quantize to all zeros
 
 class _Plan(NamedTuple):
-    "One output tensor: how to make it (kind: copy / codes / scales / gs) from the input tensor `src`."
+    "One output tensor: how to make it (kind: copy / codes / scales / gs / igs) from input tensor `src` (expert `e` of a stacked one)."
     name: str
     kind: str
     src: str
     dtype: torch.dtype
     shape: tuple
+    e: int | None = None
 
 def _block_scale_name(name: str, keys) -> str | None:
     "The 128 x 128 block-scale tensor of an FP8 weight `name` (HF `weight_scale_inv`, DSV4 `scale`), if any."
@@ -346,12 +371,30 @@ def _fp8_rows(w8: torch.Tensor, sc: torch.Tensor, r0: int) -> torch.Tensor:
     s = sc.float()[r0 // 128: (r0 + w8.shape[0] - 1) // 128 + 1].repeat_interleave(128, 0).repeat_interleave(128, 1)
     return w8.float() * s[r0 % 128: r0 % 128 + w8.shape[0], : w8.shape[1]]
 
-def _eligible(n, hdr, keys, pat) -> bool:
-    "Whether tensor `n` is a linear weight to quantize (2-D, K % 16 == 0, high precision or FP8 with block scales)."
+_HIGH = (torch.bfloat16, torch.float16, torch.float32)
+
+def _why_kept(n, hdr, keys, pat) -> tuple[str, str] | None:
+    """None when tensor `n` is quantized; else (reason, detail) for a weight left as it is (reason: 'skip pattern',
+    'rank', 'dtype', 'K % 16'), or ('', '') for a tensor that is not a weight (a bias, a buffer, an FP8 block scale)."""
     dt, shape = hdr[n]
-    return (n.endswith(".weight") and len(shape) == 2 and shape[1] % BLOCK == 0 and not (pat and pat.search(n))
-            and (dt in (torch.bfloat16, torch.float16, torch.float32)
-                 or (dt == torch.float8_e4m3fn and _block_scale_name(n, keys) is not None)))
+    stacked = len(shape) == 3 and "expert" in n.lower()          # (E, N, K): one expert per leading index
+    if not (n.endswith(".weight") or stacked): return ("", "")
+    if pat and (m := pat.search(n)): return ("skip pattern", f"the name matches the skip pattern ({m.group(0)!r})")
+    if len(shape) not in (2, 3) or (len(shape) == 3 and not stacked):
+        return ("rank", f"{len(shape)}-D {tuple(shape)}: quantized are 2-D (N, K) weights and 3-D (E, N, K) experts (an 'expert' name)")
+    if dt == torch.float8_e4m3fn and (stacked or _block_scale_name(n, keys) is None):
+        return ("dtype", "float8_e4m3fn " + ("stacked experts (not converted)" if stacked else
+                "without 128 x 128 block scales (NAME.weight_scale_inv or NAME.scale)"))
+    if dt not in _HIGH and dt != torch.float8_e4m3fn:
+        return ("dtype", f"{str(dt).removeprefix('torch.')}: quantized are bf16, fp16, fp32 and block-scaled FP8 e4m3")
+    if shape[-1] % BLOCK: return ("K % 16", f"K = {shape[-1]} is not a multiple of {BLOCK}")
+    return None
+
+def _expert_name(n: str, e: int) -> str:
+    "Layer name of expert `e` of stacked tensor `n`: `P.experts.gate_up_proj` -> `P.experts.{e}.gate_up_proj` (ModelOpt's per-expert names)."
+    base = n[: -len(".weight")] if n.endswith(".weight") else n
+    parent, _, leaf = base.rpartition(".")
+    return f"{parent}.{e}.{leaf}" if parent else f"{e}.{leaf}"
 
 _NAMES = {"modelopt": (".weight", ".weight_scale", ".weight_scale_2", "gs", ()),                # codes, scales, global
            "compressed-tensors": (".weight_packed", ".weight_scale", ".weight_global_scale", "igs", (1,))}   # 1/gs there
@@ -359,17 +402,19 @@ _NAMES = {"modelopt": (".weight", ".weight_scale", ".weight_scale_2", "gs", ()),
 def _plan_file(names, hdr, keys, pat, used, fmt: str = "modelopt") -> list:
     "The output tensors of one input file, in order; `used` are FP8 block scales (from any shard) consumed, not copied."
     out = []
+    cn, sn, gn, gk, gshape = _NAMES[fmt]
     for n in names:
         dt, shape = hdr[n]
-        if _eligible(n, hdr, keys, pat):
-            base = n[: -len(".weight")]
-            cn, sn, gn, gk, gshape = _NAMES[fmt]
-            out += [_Plan(base + cn, "codes", n, torch.uint8, (shape[0], shape[1] // 2)),
-                    _Plan(base + sn, "scales", n, torch.float8_e4m3fn, (shape[0], shape[1] // BLOCK)),
-                    _Plan(base + gn, gk, n, torch.float32, gshape)]
-        else:
+        if _why_kept(n, hdr, keys, pat) is None:
+            N, K = shape[-2:]
+            for e in (range(shape[0]) if len(shape) == 3 else (None,)):
+                base = n[: -len(".weight")] if e is None else _expert_name(n, e)
+                out += [_Plan(base + cn, "codes", n, torch.uint8, (N, K // 2), e),
+                        _Plan(base + sn, "scales", n, torch.float8_e4m3fn, (N, K // BLOCK), e),
+                        _Plan(base + gn, gk, n, torch.float32, gshape, e)]
+        elif n not in used:                                     # an FP8 weight's block scales are consumed
             out.append(_Plan(n, "copy", n, dt, tuple(shape)))
-    return [o for o in out if not (o.kind == "copy" and o.name in used)]   # an FP8 weight's block scales are consumed
+    return out
 
 def _plan_header(plan, metadata=None) -> bytes:
     "The safetensors header (8-byte length + JSON, padded to 8 bytes) of the planned tensors, in order."
@@ -384,23 +429,54 @@ def _plan_header(plan, metadata=None) -> bytes:
     js += b" " * (-len(js) % 8)
     return len(js).to_bytes(8, "little") + js
 
+# %% ../nbs/01a_checkpoint.ipynb #5e1f9a11
+def hf_quant_config(exclude=()) -> dict:
+    """ModelOpt's `hf_quant_config.json` for NVFP4 weights (group size 16, e4m3 block scales, one fp32 global scale a
+    weight), the file vLLM, SGLang and TensorRT-LLM look for; `exclude`: module names left in high precision."""
+    return {"producer": {"name": "dsv4_nvfp4", "version": __version__},
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": BLOCK,
+                             "exclude_modules": sorted(exclude)}}
+
+def compressed_tensors_config(exclude=()) -> dict:
+    """The `quantization_config` of `config.json` for compressed-tensors' `nvfp4-pack-quantized` weights (NVFP4A16:
+    weights only, FP4 in groups of 16 with a tensor-group global scale, activations left alone) on every `Linear`
+    but the module names in `exclude`."""
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": BLOCK, "strategy": "tensor_group",
+               "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}     # as compressed-tensors 0.20 writes its NVFP4A16 preset
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}},
+            "ignore": sorted(exclude), "kv_cache_scheme": None}
+
+# %% ../nbs/01a_checkpoint.ipynb #5e1f9a13
 def quantize_checkpoint(src,                       # a .safetensors file or a (sharded) folder of them
                         dst,                       # the output: a .safetensors file for a file, a folder for a folder
                         *,
                         skip: str | None = DEFAULT_SKIP,  # regex of weight names kept as they are
                         rows_per_slab: int = 256,   # rows quantized at a time (memory: about 20 x rows x K bytes)
-                        progress: bool = True,      # a tqdm bar over the tensors
-                        overwrite: bool = False,
+                        progress: bool = True,      # a tqdm bar over the input tensors
+                        overwrite: bool = False,    # replace an existing `dst` (never the input itself)
                         format: str = "modelopt",   # or "compressed-tensors" (nvfp4-pack-quantized names, 1/gs)
-                       ) -> dict:                   # what was done: files, quantized / copied tensors, bytes in and out
-    "Quantize every eligible linear weight of a checkpoint to NVFP4 (ModelOpt or compressed-tensors names), streaming one tensor at a time (see above)."
+                       ) -> dict:                   # what was done (see below)
+    """Quantize every eligible weight of a checkpoint to NVFP4 (ModelOpt or compressed-tensors names), streaming one
+    tensor at a time: 2-D (N, K) weights and 3-D (E, N, K) stacked experts (one global scale per expert, written as
+    per-expert layers). Returns {files, inputs, quantized, experts, stacked, copied, fp8_scales, kept, warnings, notes,
+    bytes_in, bytes_out, largest_tensor}: `inputs` = `quantized` + `copied` + `fp8_scales` input tensors, `kept` the
+    (name, reason, detail) of each weight left as it is. Raises FileExistsError (`dst` exists, `overwrite` False),
+    ValueError (`dst` is or holds `src`; a NaN / Inf tensor, a truncated file, a shard outside the folder, each named;
+    a bad `format`), FileNotFoundError. A failure leaves nothing at `dst`."""
     src, dst = Path(src), Path(dst)
     if format not in _NAMES: raise ValueError(f"quantize_checkpoint: format must be one of {sorted(_NAMES)}, got {format!r}")
     files = safetensors_keys(src)
-    if dst.exists() and not overwrite: raise FileExistsError(f"quantize_checkpoint: {dst} exists (pass overwrite=True to replace it)")
+    if dst.resolve() == src.resolve() or src.resolve().is_relative_to(dst.resolve()):
+        raise ValueError(f"quantize_checkpoint: the output {dst} is the input (or holds it): refused, writing it would "
+                         "replace the input; choose another output")
+    if dst.exists() and not overwrite: raise FileExistsError(f"quantize_checkpoint: {dst} exists (overwrite=True replaces it)")
     if not dst.parent.is_dir(): raise FileNotFoundError(f"quantize_checkpoint: the folder {dst.parent} does not exist")
     if src.is_dir() and dst.suffix == ".safetensors": raise ValueError(f"quantize_checkpoint: {src} is a folder: give a folder as the output, not {dst.name}")
     if not src.is_dir() and dst.suffix != ".safetensors": raise ValueError(f"quantize_checkpoint: {src.name} is one file: name the output NAME.safetensors, not {dst.name}")
+    extras = [_inside(src, x.name, f"{src}: the file") for x in sorted(src.iterdir())       # config.json, tokenizer, ...
+              if x.is_file() and x.suffix != ".safetensors" and x.name not in _OWN_FILES] if src.is_dir() else []
     by_file = {}
     for k, f in files.items(): by_file.setdefault(f, []).append(k)
     keys = set(files)
@@ -410,32 +486,37 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
         if dt not in _SAFE_DTYPE: raise ValueError(f"quantize_checkpoint: {n} has dtype {dt}, which this torch cannot hold")
         hdr[n] = (_SAFE_DTYPE[dt], shape)
     pat = re.compile(skip) if skip else None
-    used = {_block_scale_name(n, keys) for n in keys if hdr[n][0] == torch.float8_e4m3fn and _eligible(n, hdr, keys, pat)}
+    why = {n: _why_kept(n, hdr, keys, pat) for n in sorted(keys)}
+    used = {_block_scale_name(n, keys) for n in keys if why[n] is None and hdr[n][0] == torch.float8_e4m3fn}
+    kept = [(n, *w) for n, w in why.items() if w and w[0]]
+    exclude = [n.removesuffix(".weight") for n, *_ in kept if len(hdr[n][1]) >= 2]   # linear-like modules left as they are
+    qcfg = hf_quant_config(exclude) if format == "modelopt" else compressed_tensors_config(exclude)
     plans = {f: _plan_file(sorted(names), hdr, keys, pat, used, format) for f, names in sorted(by_file.items())}
     clash = sorted({o.name for p in plans.values() for o in p if o.kind != "copy"} & {o.name for p in plans.values() for o in p if o.kind == "copy"})
     if clash: raise ValueError(f"quantize_checkpoint: {clash[0]} would be written twice (the input already holds a tensor of that name)")
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    stats = dict(files=len(plans), quantized=0, copied=0, bytes_in=0, bytes_out=0, largest_tensor=0)
+    stats = dict(files=len(plans), inputs=len(keys), quantized=0, experts=0, stacked=0, copied=0, fp8_scales=len(used),
+                 kept=kept, warnings=[], notes=[], bytes_in=0, bytes_out=0, largest_tensor=0)
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=sum(len(p) for p in plans.values()), unit="tensor", desc=f"quantize {src.name}")
+        bar = tqdm(total=len(keys), unit="tensor", desc=f"quantize {src.name}")   # input tensors, as the summary counts
     try:
         if src.is_dir(): tmp.mkdir()
         weight_map = {}
+        meta = {"format": "pt", "quantization": f"{format} nvfp4 (dsv4_nvfp4)", "quantization_config": json.dumps(qcfg)}
         for f, plan in plans.items():
             out_path = (tmp / f.name) if src.is_dir() else tmp
             with open(out_path, "wb") as fo:
-                fo.write(_plan_header(plan, {"format": "pt", "quantization": f"{format} nvfp4 (dsv4_nvfp4)"}))
+                fo.write(_plan_header(plan, meta))
                 done = {}                                       # a weight's scales / gs, written after its codes
                 for o in plan:
                     _emit(o, files, hdr, keys, done, rows_per_slab, fo, stats)
                     weight_map[o.name] = f.name
-                    if bar: bar.update(1)
+                    last = o.kind in ("gs", "igs") and (o.e is None or o.e == hdr[o.src][1][0] - 1)
+                    if bar and (o.kind == "copy" or last): bar.update(1 + (last and hdr[o.src][0] == torch.float8_e4m3fn))
         if src.is_dir():
-            for extra in sorted(src.iterdir()):                 # config.json, tokenizer files, ...: copied as they are
-                if extra.is_file() and extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json":
-                    shutil.copy2(extra, tmp / extra.name)
+            _write_metadata(src, tmp, extras, format, qcfg, stats)
             total = sum((tmp / f.name).stat().st_size for f in plans)
             (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         if dst.exists():
@@ -450,20 +531,45 @@ def quantize_checkpoint(src,                       # a .safetensors file or a (s
         if bar: bar.close()
     return stats
 
+_OWN_FILES = ("model.safetensors.index.json", "hf_quant_config.json")   # written anew, never copied
+
+def _write_metadata(src: Path, out: Path, extras, fmt: str, qcfg: dict, stats: dict):
+    """Copy the input folder's other files into `out` and write the quantization metadata serving stacks read:
+    ModelOpt `hf_quant_config.json`; compressed-tensors `quantization_config` in `config.json` (in a
+    `quantization_config.json` to paste when the input has no `config.json`: a model type is not ours to invent)."""
+    for x in extras: shutil.copy2(x, out / x.name)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else None
+    if cfg is not None and "quantization_config" in cfg:
+        stats["notes"].append(f"config.json: its quantization_config ({cfg['quantization_config'].get('quant_method', '?')}) "
+                              "described the input and was replaced")
+        del cfg["quantization_config"]
+    if fmt == "modelopt":
+        (out / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=2))
+    elif cfg is not None:
+        cfg["quantization_config"] = qcfg
+    else:
+        (out / "quantization_config.json").write_text(json.dumps(qcfg, indent=2))
+        stats["notes"].append("no config.json in the input: quantization_config.json holds the block to add to the model's "
+                              "config.json as \"quantization_config\"")
+    if cfg is not None: cfg_path.write_text(json.dumps(cfg, indent=2))
+
 def _read(f: Path, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
-    """Tensor `name` of file `f` (rows [a, b) of it), read with plain file reads: safetensors' own reader maps the file,
-    and the mapped pages it touches count as resident memory, so a conversion's memory would grow with the file."""
+    """Tensor `name` of file `f`, or rows [a, b) of its (-1, K) view, read with plain file reads: safetensors' own
+    reader maps the file, and the mapped pages it touches count as resident memory, so memory would grow with the file."""
     base, entries = _header(f)
     dts, shape, begin, _ = entries[name]
     dt = _SAFE_DTYPE[dts]
-    row = math.prod(shape[1:]) * torch.empty(0, dtype=dt).element_size()    # bytes of one row (or of a 0-d tensor)
+    size = torch.empty(0, dtype=dt).element_size()
     whole = a is None
-    a, b = (0, shape[0] if shape else 1) if whole else (a, b)
+    row = (math.prod(shape) if whole else shape[-1]) * size
+    a, b = (0, 1) if whole else (a, b)
     with open(f, "rb") as fh:
         fh.seek(base + begin + a * row)
         buf = bytearray(fh.read((b - a) * row))
+    if len(buf) != (b - a) * row: raise ValueError(f"{f.name}: truncated: tensor {name} is cut off")
     t = (torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)).view(dt)
-    return t.view(shape) if whole else t.view(b - a, *shape[1:])
+    return t.view(shape) if whole else t.view(b - a, shape[-1])
 
 def _emit(o: _Plan, files: dict, hdr, keys, done: dict, rows: int, fo, stats):
     "Write output tensor `o` (its bytes only: the header is already written), reading a slab of rows at a time."
@@ -474,25 +580,42 @@ def _emit(o: _Plan, files: dict, hdr, keys, done: dict, rows: int, fo, stats):
         stats["copied"] += 1; stats["bytes_in"] += t.numel() * t.element_size(); stats["bytes_out"] += t.numel() * t.element_size()
         stats["largest_tensor"] = max(stats["largest_tensor"], t.numel() * t.element_size())
         return
+    key = (o.src, o.e)
     if o.kind in ("scales", "gs", "igs"):
-        fo.write(done.pop((o.src, o.kind)))
-        if o.kind != "scales": done.pop((o.src, "igs" if o.kind == "gs" else "gs"))   # the other convention's, unused
+        fo.write(done.pop((key, o.kind)))
+        if o.kind != "scales": done.pop((key, "igs" if o.kind == "gs" else "gs"))   # the other convention's, unused
         return
     # codes: amax over slabs of rows, then each slab quantized with that global scale
     fp8 = _block_scale_name(o.src, keys) if dt == torch.float8_e4m3fn else None
     sc = _read(files[fp8], fp8) if fp8 else None
-    f, N, scales = files[o.src], shape[0], []
-    rows_of = lambda a, b: _fp8_rows(_read(f, o.src, a, b), sc, a) if fp8 else _read(f, o.src, a, b).float()
+    f, (N, K), scales = files[o.src], shape[-2:], []
+    r0 = 0 if o.e is None else o.e * N                          # expert e: rows [e N, (e + 1) N) of the (E N, K) view
+    label = o.src if o.e is None else f"{o.src} (expert {o.e})"
+    rows_of = lambda a, b: _fp8_rows(_read(f, o.src, a, b), sc, a) if fp8 else _read(f, o.src, r0 + a, r0 + b).float()
     amax = torch.zeros((), dtype=torch.float32)
     for a in range(0, N, rows): amax = torch.maximum(amax, rows_of(a, min(N, a + rows)).abs().max())
+    if not torch.isfinite(amax):
+        raise ValueError(f"quantize_checkpoint: {label} in {f.name} holds NaN or Inf values: repair the tensor, or keep "
+                         "it as it is with --skip (skip=)")
     gs = global_scale_from_amax(amax)
+    live = zero = 0                                             # blocks holding a nonzero value; those whose scale is 0
     for a in range(0, N, rows):
-        q = ref_quantize_nvfp4(rows_of(a, min(N, a + rows)), gs)
+        x = rows_of(a, min(N, a + rows))
+        q = ref_quantize_nvfp4(x, gs)
+        held = x.reshape(x.shape[0], K // BLOCK, BLOCK).abs().amax(-1) > 0
+        live += int(held.sum()); zero += int((held & (q.scale.view(torch.uint8) == 0)).sum())
         fo.write(q.data.contiguous().numpy().tobytes())
         scales.append(q.scale.contiguous().view(torch.uint8).numpy().tobytes())
-    done[(o.src, "scales")] = b"".join(scales)
-    done[(o.src, "gs")] = gs.reshape(()).float().numpy().tobytes()
-    done[(o.src, "igs")] = (1.0 / gs.reshape(1).float()).numpy().tobytes()          # compressed-tensors stores 1/gs
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
-    stats["quantized"] += 1; stats["bytes_in"] += nbytes; stats["bytes_out"] += N * shape[1] // 2 + N * shape[1] // BLOCK + 4
+    if live and zero > OUTLIER_SHARE * live:
+        msg = (f"{label}: {zero} of its {live} nonzero blocks ({zero / live:.1%}) quantize to all zeros: its largest "
+               f"|value| {amax.item():.3g} sets the global scale and those blocks fall below the smallest block scale. "
+               "Check the tensor for a corrupt value, or keep it in high precision with --skip (skip=)")
+        stats["warnings"].append(msg)
+        warnings.warn(msg, stacklevel=3)
+    done[(key, "scales")] = b"".join(scales)
+    done[(key, "gs")] = gs.reshape(()).float().numpy().tobytes()
+    done[(key, "igs")] = (1.0 / gs.reshape(1).float()).numpy().tobytes()          # compressed-tensors stores 1/gs
+    nbytes = N * K * torch.empty(0, dtype=dt).element_size()
+    stats["quantized"] += o.e in (None, 0); stats["stacked"] += o.e == 0; stats["experts"] += o.e is not None
+    stats["bytes_in"] += nbytes; stats["bytes_out"] += N * K // 2 + N * K // BLOCK + 4
     stats["largest_tensor"] = max(stats["largest_tensor"], nbytes)

@@ -239,23 +239,56 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 def quantize_command(src, dst, fmt: str = "modelopt", skip=None, overwrite: bool = False, progress: bool = True) -> list[str]:
-    "`dsv4-nvfp4 quantize`: convert, then the report lines."
+    """`dsv4-nvfp4 quantize`: convert with `quantize_checkpoint`, print its warnings to stderr, return the report lines:
+    the counts (in input tensors, as the progress bar), each weight kept as it is with its reason and a count per
+    reason, the metadata written, memory. Raises what `quantize_checkpoint` raises (an existing output: `--overwrite`)."""
+    import warnings
     from dsv4_nvfp4.checkpoint import DEFAULT_SKIP, quantize_checkpoint
     t0, base = time.perf_counter(), _rss_mb()
-    st = quantize_checkpoint(src, dst, skip=DEFAULT_SKIP if skip is None else skip, overwrite=overwrite, progress=progress, format=fmt)
+    try:
+        with warnings.catch_warnings(record=True):       # printed below from the stats, once each
+            warnings.simplefilter("always")
+            st = quantize_checkpoint(src, dst, skip=DEFAULT_SKIP if skip is None else skip, overwrite=overwrite,
+                                     progress=progress, format=fmt)
+    except FileExistsError:
+        raise FileExistsError(f"{dst} exists: pass --overwrite to replace it") from None
     peak = _peak_rss_mb() - base
-    return [f"dsv4-nvfp4 quantize: {src} -> {dst} ({fmt}, {st['files']} file(s)) in {time.perf_counter() - t0:.1f} s",
-            f"  {st['quantized']} weight(s) to NVFP4, {st['copied']} tensor(s) copied; {st['bytes_in'] / 1e6:.1f} MB -> "
-            f"{st['bytes_out'] / 1e6:.1f} MB",
-            f"  peak memory above the start: {peak:.0f} MB; largest input tensor {st['largest_tensor'] / 1e6:.1f} MB "
-            f"({peak * 2 ** 20 / max(st['largest_tensor'], 1):.2f}x)"]
+    for w in st["warnings"]: print(f"dsv4-nvfp4: warning: {w}", file=sys.stderr)
+    extra = (f", {st['fp8_scales']} FP8 block scale(s) folded in" if st["fp8_scales"] else "")
+    stacked = (f"; {st['experts']} expert(s) from {st['stacked']} stacked tensor(s), one global scale each" if st["stacked"] else "")
+    lines = [f"dsv4-nvfp4 quantize: {src} -> {dst} ({fmt}, {st['files']} file(s)) in {time.perf_counter() - t0:.1f} s",
+             f"  {st['inputs']} input tensor(s): {st['quantized']} weight(s) to NVFP4, {st['copied']} tensor(s) copied{extra}"
+             f"{stacked}; {st['bytes_in'] / 1e6:.1f} MB -> {st['bytes_out'] / 1e6:.1f} MB"]
+    if st["kept"]:
+        lines.append(f"  {len(st['kept'])} weight(s) kept as they are:")
+        lines += [f"    {name}: {why}" for name, _, why in st["kept"]]
+        per = {}
+        for _, reason, _ in st["kept"]: per[reason] = per.get(reason, 0) + 1
+        lines.append("  kept, by reason: " + ", ".join(f"{r} {n}" for r, n in sorted(per.items(), key=lambda x: -x[1])))
+    if Path(dst).is_dir():
+        lines.append("  metadata: " + ("hf_quant_config.json (quant_algo NVFP4, group size 16)" if fmt == "modelopt" else
+                     "quantization_config (nvfp4-pack-quantized) in " + ("config.json" if (Path(dst) / "config.json").exists()
+                                                                         else "quantization_config.json")))
+    lines += [f"  note: {n}" for n in st["notes"]]
+    lines.append(f"  peak memory above the start: {peak:.0f} MB; largest input tensor {st['largest_tensor'] / 1e6:.1f} MB "
+                 f"({peak * 2 ** 20 / max(st['largest_tensor'], 1):.2f}x)")
+    return lines
 
 def inspect_command(path) -> list[str]:
-    "`dsv4-nvfp4 inspect`: one line per NVFP4 layer of a checkpoint, then the totals."
+    """`dsv4-nvfp4 inspect`: one line per NVFP4 layer of a checkpoint, then the totals. Raises ValueError for a
+    checkpoint with no 4-bit layer (one with bf16 / fp16 / fp32 weights: pointing to `dsv4-nvfp4 quantize`)."""
     import torch
-    from dsv4_nvfp4.checkpoint import iter_nvfp4_checkpoint
+    from dsv4_nvfp4.checkpoint import CheckpointReader, iter_nvfp4_checkpoint
     from dsv4_nvfp4.quant import MXFP4Tensor, mxfp4_to_nvfp4
-    fmt, layers = iter_nvfp4_checkpoint(path)          # the format detected (ModelOpt, compressed-tensors or DSV4's MXFP4)
+    try:
+        fmt, layers = iter_nvfp4_checkpoint(path)      # the format detected (ModelOpt, compressed-tensors or DSV4's MXFP4)
+    except ValueError as e:
+        if "not an NVFP4 checkpoint" not in str(e): raise
+        r = CheckpointReader(path)
+        high = sum(k.endswith(".weight") and r.dtype(k) in ("BF16", "F16", "F32") for k in r.keys)
+        if not high: raise
+        raise ValueError(f"{e}. It holds {high} bf16 / fp16 / fp32 weight(s): convert it with "
+                         f"`dsv4-nvfp4 quantize {path} OUT`") from None
     if fmt == "dsv4-mxfp4":
         lines, n, tot, carried = [f"dsv4-nvfp4 inspect: {path} (DSV4 MXFP4: E2M1 codes, a power-of-two scale per 32)"], 0, 0, 0
         lines.append(f"{'layer':56s} {'shape':>14s} {'MB':>8s}  block exponents min / max, all-zero blocks; onto NVFP4")

@@ -1,4 +1,5 @@
 """Tests for the ``dsv4-nvfp4`` console script (dsv4_nvfp4.cli.main)."""
+import os
 import re
 
 import numpy as np
@@ -251,3 +252,166 @@ def test_bench_ep_passes_its_token_counts(monkeypatch):
     assert run_main(["bench", "ep", "--tokens", "64", "2048"]) == 0 and seen == [(64, 2048)]
     assert run_main(["bench", "ep"]) == 0 and seen[-1] == (1, 128, 2048, 8192)
     assert run_main(["bench", "ep", "--tokens", "x"]) == 2                      # not a number: argparse's usage error
+
+
+# --- `quantize` / `inspect`: what is kept and why, stacked experts, outliers, bad input (each leaves no output) ---
+
+def _quantize(capsys, *argv):
+    "(rc, stdout, stderr) of `dsv4-nvfp4 quantize ARGV --no-progress`."
+    rc = run_main(["quantize", *map(str, argv), "--no-progress"])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    return rc, out.out, out.err
+
+
+def _names(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_quantize_reports_each_kept_weight_and_a_count_per_reason(tmp_path, capsys):
+    "int32, 1-D, K = 1000, 3-D (not experts) and a skip-pattern name: each listed with its reason, then counts per reason."
+    save_file({"m.a.weight": torch.randint(0, 9, (32, 64), dtype=torch.int32), "m.b.weight": torch.randn(64),
+               "m.c.weight": torch.randn(8, 1000), "m.conv.weight": torch.randn(4, 32, 16),
+               "m.input_layernorm.weight": torch.ones(64), "m.q_proj.weight": torch.randn(16, 64)},
+              str(tmp_path / "in.safetensors"))
+    rc, out, _ = _quantize(capsys, tmp_path / "in.safetensors", tmp_path / "out.safetensors")
+    assert rc == 0, out
+    assert "6 input tensor(s): 1 weight(s) to NVFP4, 5 tensor(s) copied" in out, out
+    assert "5 weight(s) kept as they are:" in out, out
+    assert "m.a.weight: int32: quantized are bf16, fp16, fp32" in out
+    assert "m.b.weight: 1-D (64,)" in out
+    assert "m.c.weight: K = 1000 is not a multiple of 16" in out
+    assert "m.conv.weight: 3-D (4, 32, 16)" in out
+    assert "m.input_layernorm.weight: the name matches the skip pattern ('norm')" in out
+    assert "kept, by reason: rank 2, dtype 1, K % 16 1, skip pattern 1" in out, out
+
+
+def test_quantize_progress_bar_counts_input_tensors(tmp_path, capsys):
+    "The bar's total is the number of input tensors, the unit the summary counts in."
+    save_file({"a.weight": torch.randn(32, 64), "b.weight": torch.randn(16, 64),
+               "norm.weight": torch.ones(64)}, str(tmp_path / "in.safetensors"))
+    assert run_main(["quantize", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")]) == 0
+    out = capsys.readouterr()
+    assert "3 input tensor(s): 2 weight(s) to NVFP4, 1 tensor(s) copied" in out.out
+    assert "3/3" in out.err, out.err
+
+
+def test_quantize_stacked_experts_per_expert(tmp_path, capsys):
+    "A synthetic (E, N, K) experts tensor: one global scale per expert, written as per-expert layers our loader reads."
+    from dsv4_nvfp4.checkpoint import load_modelopt_nvfp4, load_nvfp4_checkpoint, modelopt_experts
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(4, 48, 64, generator=g) * torch.tensor([1e-3, 1e-1, 1.0, 30.0])[:, None, None]).bfloat16()
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": w}, str(tmp_path / "in.safetensors"))
+    rc, out, _ = _quantize(capsys, tmp_path / "in.safetensors", tmp_path / "out.safetensors")
+    assert rc == 0 and "4 expert(s) from 1 stacked tensor(s), one global scale each" in out, out
+    ex = modelopt_experts(load_modelopt_nvfp4(tmp_path / "out.safetensors"), "model.layers.0.mlp.experts.{e}.gate_up_proj", 4)
+    gs = [m.weight.global_scale.item() for m in ex]
+    assert len(set(gs)) == 4, gs
+    for e in range(4):
+        r = ref_quantize_nvfp4(w[e])
+        assert torch.equal(ex[e].weight.data, r.data) and torch.equal(ex[e].weight.global_scale, r.global_scale), e
+        assert torch.equal(ex[e].weight.scale.view(torch.uint8), r.scale.view(torch.uint8)), e
+    rc, out, _ = _quantize(capsys, tmp_path / "in.safetensors", tmp_path / "ct.safetensors", "--format", "compressed-tensors")
+    fmt, layers = load_nvfp4_checkpoint(tmp_path / "ct.safetensors")
+    assert rc == 0 and fmt == "compressed-tensors" and len(layers) == 4
+    assert torch.equal(layers["model.layers.0.mlp.experts.2.gate_up_proj"].weight.data, ex[2].weight.data)
+    assert run_main(["inspect", str(tmp_path / "out.safetensors")]) == 0
+    assert "4 NVFP4 layer(s)" in capsys.readouterr().out
+
+
+def test_quantize_warns_on_an_outlier_naming_the_tensor(tmp_path, capsys):
+    "One 1e30 in an fp32 tensor: every other block underflows; a warning names the tensor and says what to do."
+    w = torch.randn(64, 256); w[3, 9] = 1e30
+    save_file({"m.spiky.weight": w, "m.fine.weight": torch.randn(64, 256)}, str(tmp_path / "in.safetensors"))
+    rc, out, err = _quantize(capsys, tmp_path / "in.safetensors", tmp_path / "out.safetensors")
+    assert rc == 0, err
+    warn = [ln for ln in err.splitlines() if ln.startswith("dsv4-nvfp4: warning:")]
+    assert len(warn) == 1 and "m.spiky.weight: 1023 of its 1024 nonzero blocks (99.9%) quantize to all zeros" in warn[0], err
+    assert "--skip" in warn[0] and "m.fine" not in err
+
+
+def test_quantize_nan_names_the_tensor_and_leaves_nothing(tmp_path, capsys):
+    w = torch.randn(32, 64); w[1, 2] = float("nan")
+    save_file({"m.a.weight": torch.randn(32, 64), "m.b.weight": w}, str(tmp_path / "in.safetensors"))
+    rc, _, err = _quantize(capsys, tmp_path / "in.safetensors", tmp_path / "out.safetensors")
+    assert rc == 2 and "m.b.weight in in.safetensors holds NaN or Inf values" in err, err
+    assert len(err.strip().splitlines()) == 1 and _names(tmp_path) == ["in.safetensors"]
+
+
+def test_quantize_truncated_file_is_one_line_naming_file_and_tensor(tmp_path, capsys):
+    save_file({"m.w.weight": torch.randn(256, 1024).bfloat16()}, str(tmp_path / "in.safetensors"))
+    os.truncate(tmp_path / "in.safetensors", 140000)
+    rc, _, err = _quantize(capsys, tmp_path / "in.safetensors", tmp_path / "out.safetensors")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "in.safetensors: truncated: tensor m.w.weight" in err, err
+    assert _names(tmp_path) == ["in.safetensors"]
+    assert run_main(["inspect", str(tmp_path / "in.safetensors")]) == 2
+    assert "truncated: tensor m.w.weight" in capsys.readouterr().err
+
+
+def test_quantize_overwrite_onto_itself_is_refused(tmp_path, capsys):
+    save_file({"m.w.weight": torch.randn(32, 64)}, str(tmp_path / "in.safetensors"))
+    before = (tmp_path / "in.safetensors").read_bytes()
+    rc, _, err = _quantize(capsys, tmp_path / "in.safetensors", tmp_path / "in.safetensors", "--overwrite")
+    assert rc == 2 and "is the input" in err, err
+    assert (tmp_path / "in.safetensors").read_bytes() == before and _names(tmp_path) == ["in.safetensors"]
+    (tmp_path / "ck").mkdir()
+    save_file({"m.w.weight": torch.randn(32, 64)}, str(tmp_path / "ck" / "model.safetensors"))
+    rc, _, err = _quantize(capsys, tmp_path / "ck", tmp_path / "ck", "--overwrite")
+    assert rc == 2 and "is the input" in err and _names(tmp_path / "ck") == ["model.safetensors"], err
+
+
+def test_quantize_existing_output_names_the_cli_flag(tmp_path, capsys):
+    save_file({"m.w.weight": torch.randn(32, 64)}, str(tmp_path / "in.safetensors"))
+    (tmp_path / "out.safetensors").write_bytes(b"keep me")
+    rc, _, err = _quantize(capsys, tmp_path / "in.safetensors", tmp_path / "out.safetensors")
+    assert rc == 2 and "pass --overwrite" in err and "overwrite=True" not in err, err
+    assert (tmp_path / "out.safetensors").read_bytes() == b"keep me"
+
+
+def test_index_pointing_outside_its_folder_is_refused_everywhere(tmp_path, capsys):
+    "`../outside.safetensors` in weight_map: quantize, inspect and the library loader refuse it, naming it; nothing is read or written."
+    import json
+    from dsv4_nvfp4.checkpoint import load_modelopt_nvfp4, load_nvfp4_checkpoint
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4
+    from dsv4_nvfp4.checkpoint import save_modelopt_nvfp4
+    save_modelopt_nvfp4(tmp_path / "outside.safetensors", {"secret": ref_quantize_nvfp4(torch.randn(16, 64))})
+    ck = tmp_path / "ck"; ck.mkdir()
+    save_file({"m.w.weight": torch.randn(16, 64)}, str(ck / "model-1.safetensors"))
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "m.w.weight": "model-1.safetensors", "secret.weight": "../outside.safetensors"}}))
+    rc, _, err = _quantize(capsys, ck, tmp_path / "out")
+    assert rc == 2 and "'../outside.safetensors', which is outside the checkpoint folder" in err, err
+    assert not (tmp_path / "out").exists() and not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    assert run_main(["inspect", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert "outside the checkpoint folder" in err and "Traceback" not in err, err
+    for load in (load_modelopt_nvfp4, load_nvfp4_checkpoint):
+        with pytest.raises(ValueError, match="outside the checkpoint folder"): load(ck)
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"m.w.weight": str(tmp_path / "outside.safetensors")}}))
+    with pytest.raises(ValueError, match="outside the checkpoint folder"): load_modelopt_nvfp4(ck)   # an absolute path
+    os.symlink(tmp_path / "outside.safetensors", ck / "link.safetensors")
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"secret.weight": "link.safetensors"}}))
+    with pytest.raises(ValueError, match="outside the checkpoint folder"): load_modelopt_nvfp4(ck)   # a symlink out
+    assert _names(tmp_path) == ["ck", "outside.safetensors"]
+
+
+def test_inspect_bf16_points_to_quantize(tmp_path, capsys):
+    save_file({"m.w.weight": torch.randn(32, 64).bfloat16()}, str(tmp_path / "in.safetensors"))
+    assert run_main(["inspect", str(tmp_path / "in.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "It holds 1 bf16 / fp16 / fp32 weight(s): convert it with `dsv4-nvfp4 quantize" in err, err
+    assert len(err.strip().splitlines()) == 1 and _names(tmp_path) == ["in.safetensors"]
+
+
+def test_quantize_runs_as_a_subprocess(tmp_path):
+    "The console entry point as a user runs it: the summary on stdout, a clear error and exit 2 for a bad input."
+    import subprocess
+    import sys
+    save_file({"m.w.weight": torch.randn(32, 64), "m.c.weight": torch.randn(8, 1000)}, str(tmp_path / "in.safetensors"))
+    cmd = [sys.executable, "-m", "dsv4_nvfp4.cli", "quantize", str(tmp_path / "in.safetensors"), str(tmp_path / "o.safetensors"), "--no-progress"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0 and "m.c.weight: K = 1000 is not a multiple of 16" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 2 and "pass --overwrite" in r.stderr and "Traceback" not in r.stderr, r.stderr
