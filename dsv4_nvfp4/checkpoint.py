@@ -340,7 +340,15 @@ def read_nvfp4_layers(path, names) -> tuple[str, dict]:
     return fmt, out
 
 def load_nvfp4_checkpoint(path, verbose: bool = False) -> tuple[str, dict]:
-    "(format, {name: ModelOptNVFP4 | MXFP4Tensor}) of a checkpoint in any of the three conventions, the format detected (see above)."
+    """Read every 4-bit layer of a checkpoint (a `.safetensors` file or a folder of shards) into memory: `(format,
+    {name: layer})`, the format detected from the tensor names and dtypes (`checkpoint_format`). "modelopt"
+    (NAME.weight uint8, NAME.weight_scale, NAME.weight_scale_2, optional NAME.input_scale) and "compressed-tensors"
+    (NAME.weight_packed, NAME.weight_scale, NAME.weight_global_scale) give `ModelOptNVFP4` layers: an `NVFP4Tensor`
+    weight (N, K) on the CPU and the activation's `input_scale` or None; "dsv4-mxfp4" (DeepSeek-V4's released format:
+    NAME.weight int8 with NAME.scale) gives `MXFP4Tensor`s. `name` is the layer's name without `.weight`. FP8, bf16 and
+    other tensors are left out. Raises ValueError for a path that holds none of the three formats, or a shard outside
+    the folder. With `verbose`, prints the format and the number of layers. `read_nvfp4_layers` reads only some layers;
+    `iter_nvfp4_checkpoint` goes through them one at a time."""
     fmt, it = iter_nvfp4_checkpoint(path)
     layers = dict(it)
     if verbose: print(f"{path}: {fmt} NVFP4, {len(layers)} layer(s)")

@@ -164,7 +164,7 @@ def demo_checkpoint(path) -> list[str]:
     "Report on every NVFP4 weight of a checkpoint (ModelOpt or compressed-tensors: a file or a sharded folder)."
     import torch
     from dsv4_nvfp4.checkpoint import load_nvfp4_checkpoint
-    from dsv4_nvfp4.quant import ref_quantize_nvfp4, sqnr_db
+    from dsv4_nvfp4.quant import ref_quantize_nvfp4
     t0 = time.perf_counter()
     fmt, layers = load_nvfp4_checkpoint(path)         # ModelOpt or compressed-tensors, detected
     if fmt == "dsv4-mxfp4":
@@ -277,9 +277,8 @@ def quantize_command(src, dst, fmt: str = "modelopt", skip=None, overwrite: bool
 def inspect_command(path) -> list[str]:
     """`dsv4-nvfp4 inspect`: one line per NVFP4 layer of a checkpoint, then the totals. Raises ValueError for a
     checkpoint with no 4-bit layer (one with bf16 / fp16 / fp32 weights: pointing to `dsv4-nvfp4 quantize`)."""
-    import torch
     from dsv4_nvfp4.checkpoint import CheckpointReader, iter_nvfp4_checkpoint
-    from dsv4_nvfp4.quant import MXFP4Tensor, mxfp4_to_nvfp4
+    from dsv4_nvfp4.quant import mxfp4_to_nvfp4
     try:
         fmt, layers = iter_nvfp4_checkpoint(path)      # the format detected (ModelOpt, compressed-tensors or DSV4's MXFP4)
     except ValueError as e:

@@ -5,7 +5,6 @@
 # %% ../nbs/08_moe_layer.ipynb #c7e43cf7
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,7 +17,7 @@ from .gemm import backend_for, get_backend, grouped_gemm_nvfp4, prepare_weights
 from .runtime import define_op, op_object, register_op_object
 from .quant import (GS_MIN, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_nvfp4, stack_experts)
-from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, dsv4_router_torch, group_sizes,
+from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, group_sizes,
                                 local_groups, permute_rows, ref_dsv4_router, route_buffers, route_permute_fused, route_rows, route_topk,
                                 router_logits, ROUTE_FUSED_MAX_T)
 from .gemm.reference import check_swiglu_limit, deinterleave_l1, ref_swiglu
