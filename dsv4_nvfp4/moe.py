@@ -221,13 +221,8 @@ class DSV4MoE(torch.nn.Module):
         prepared for the CPU's backend, the slots summed in float64 and rounded to bf16 once. On the reference backend
         this is `ref_moe` rounded to bf16, bit for bit (its L2 keeps float64 rows); another backend's rows are bf16."""
         c = self.cfg
-        w, ids = _ref_route(x, self, input_ids) if given is None else (given[0].cpu().float(), given[1].cpu().long())
-        rt, p = route_with_shared(ids, w, c.num_experts, self.experts, self.shared)
-        if rt.token.numel() == 0: return torch.zeros(x.shape[0], c.hidden, dtype=torch.bfloat16)
-        xr = x.cpu()[rt.token]
-        if self.act == "w4a4":
-            group = torch.repeat_interleave(torch.arange(self.num_groups), group_sizes(rt.expert_offsets))
-            xr = ref_quantize_nvfp4(xr.float(), self.a1_scales.cpu()[group])
+        rt, p, xr = _ref_rows(x, self, input_ids, given)
+        if xr is None: return torch.zeros(x.shape[0], c.hidden, dtype=torch.bfloat16)
         w13p, w2p = self.prepared("cpu")
         f64 = torch.float64 in get_backend(w2p.backend).out_dtypes
         rows = expert_mlp_nvfp4(xr, w13p, w2p, rt.expert_offsets, act=self.act, swiglu_limit=c.swiglu_limit, route_weight=p.float(),
@@ -358,6 +353,19 @@ def _ref_route(x, layer, input_ids):
     return ref_dsv4_router(x.cpu(), layer.gate_weight.cpu(), cpu(layer.gate_bias), top_k=c.top_k,
                            routed_scaling_factor=c.routed_scaling_factor, tid2eid=cpu(layer.tid2eid), input_ids=cpu(input_ids))
 
+def _ref_rows(x, layer, input_ids=None, routing=None):
+    """The reference's routing and permutation on the CPU: (Routing over the layer's groups, fp32 weight of each row,
+    the expert-major rows: bf16, or for W4A4 each quantized with its group's `a1_scales`; None when no row is held)."""
+    c = layer.cfg
+    w, ids = _ref_route(x, layer, input_ids) if routing is None else (routing[0].cpu().float(), routing[1].cpu().long())
+    rt, p = route_with_shared(ids, w, c.num_experts, layer.experts, layer.shared)
+    if rt.token.numel() == 0: return rt, p, None
+    xr = x.cpu()[rt.token]
+    if layer.act == "w4a4":
+        group = torch.repeat_interleave(torch.arange(layer.num_groups), group_sizes(rt.expert_offsets))
+        xr = ref_quantize_nvfp4(xr.float(), layer.a1_scales.cpu()[group])
+    return rt, p, xr
+
 def ref_moe(x: torch.Tensor,            # (T, H) activations (bf16)
             layer: DSV4MoE,
             input_ids: torch.Tensor | None = None,
@@ -369,13 +377,8 @@ def ref_moe(x: torch.Tensor,            # (T, H) activations (bf16)
     expert's static scale `a1_scales[e]`, h with `a2_scales[e]`. An expert-parallel slice: its share (the slots of
     the experts it holds)."""
     c = layer.cfg
-    w, ids = _ref_route(x, layer, input_ids) if routing is None else (routing[0].cpu().float(), routing[1].cpu().long())
-    rt, p = route_with_shared(ids, w, c.num_experts, layer.experts, layer.shared)
-    if rt.token.numel() == 0: return torch.zeros(x.shape[0], c.hidden, dtype=torch.float64)
-    xr = x.cpu()[rt.token]
-    if layer.act == "w4a4":
-        group = torch.repeat_interleave(torch.arange(layer.num_groups), group_sizes(rt.expert_offsets))
-        xr = ref_quantize_nvfp4(xr.float(), layer.a1_scales.cpu()[group])
+    rt, p, xr = _ref_rows(x, layer, input_ids, routing)
+    if xr is None: return torch.zeros(x.shape[0], c.hidden, dtype=torch.float64)
     rows = ref_expert_mlp(xr, layer.w13, layer.w2, rt.expert_offsets, act=layer.act, swiglu_limit=c.swiglu_limit,
                           route_weight=p, a2_scales=None if layer.a2_scales is None else layer.a2_scales.cpu())
     held = (rt.inv >= 0)[..., None]

@@ -472,11 +472,13 @@ def check_tensor(t,                       # the argument to check
                  dim=None,                # allowed rank: an int or a tuple of ints (None: any)
                  contiguous: bool = True, # must be contiguous
                  align: int = 16,         # required alignment of data_ptr() in bytes (0: none)
+                 cuda: bool = True,       # must be a CUDA tensor (False: any device; alignment then checked on CUDA only)
                 ) -> torch.Tensor:        # `t` itself
     "Check one launcher argument on the host (no sync): TypeError for a non-tensor or a wrong dtype, ValueError for the rest."
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != _DEVICE_TYPE:
+    if not cuda and not t.is_cuda: align = 0
+    if cuda and t.device.type != _DEVICE_TYPE:
         raise ValueError(f"{what}: {name} must be a CUDA tensor, got device {t.device}")
     if device is not None and t.device != device:
         raise ValueError(f"{what}: {name} is on {t.device} but the input is on {device}")
@@ -499,10 +501,11 @@ def out_tensor(t,                 # the caller's out= buffer, or None
                dtypes,            # allowed dtypes; a new buffer gets dtypes[0]
                device,            # the input's device
                align: int = 16,
+               cuda: bool = True, # must be a CUDA tensor (False: any device)
               ) -> torch.Tensor:  # `t`, checked, or a new tensor
     "The caller's `out=` buffer checked against `shape` and `dtypes` (no allocation), or a new `torch.empty` when `t` is None."
     if t is None: return torch.empty(tuple(shape), dtype=dtypes[0], device=device)
-    check_tensor(t, what, name, dtypes, device=device, align=align)
+    check_tensor(t, what, name, dtypes, device=device, align=align, cuda=cuda)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{what}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     return t

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gemm import (EpilogueArgs, ExpertWeights, Problem, backend_of, check_activations, check_offsets_operand,
+from .gemm import (EpilogueArgs, ExpertWeights, Problem, backend_of, cached_ones, check_activations, check_offsets_operand,
                                   check_operand, check_sms_free, grouped_gemm_nvfp4, out_operand, plan_for)
 from .gemm.reference import (L1_GROUP, check_swiglu_limit, deinterleave_l1, interleave_l1, ref_grouped_gemm_nvfp4,
                                        ref_swiglu, ref_swiglu_out)
@@ -196,7 +196,7 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
             if tuple(p.shape) != (R,): raise ValueError(f"{what}: route_weight must be ({R},), got {tuple(p.shape)}")
     if R == 0: return out
     if not scales_given:                      # the epilogue's per-row (gs_a, p): one small copy kernel
-        ones = torch.ones((), dtype=torch.float32, device=dev)
+        ones = cached_ones((), dev)
         gs_rows = ones.expand(R) if gs is None else gs.reshape(-1).expand(R) if gs.numel() == 1 else gs.reshape(R)
         torch.stack([gs_rows, ones.expand(R) if route_weight is None else p], 1, out=row_scales)
     kind = "swiglu_nvfp4" if out_dtype == "nvfp4" else "swiglu_bf16"

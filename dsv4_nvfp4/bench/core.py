@@ -13,7 +13,8 @@ import torch
 from ..formats import markdown_text
 
 # %% auto #0
-__all__ = ['gpu_info', 'Timer', 'bench_row', 'copy_rows', 'matmul_tflops', 'ceilings', 'bandwidth_results', 'fmt', 'table']
+__all__ = ['gpu_info', 'Timer', 'bench_row', 'copy_rows', 'matmul_tflops', 'ceilings_head', 'ceilings', 'bandwidth_results',
+           'fmt', 'table']
 
 # %% ../../nbs/02a_bench.ipynb #7a82d279
 def gpu_info() -> dict:
@@ -125,6 +126,12 @@ def matmul_tflops(timer: Timer, n: int = 8192) -> float:
     t = timer(lambda: a @ b)[0]
     del a, b; torch.cuda.empty_cache()
     return 2 * n ** 3 / t / 1e6
+
+def ceilings_head(res: dict) -> str:
+    "The first line of a table measured with `ceilings`: the GPU, torch and the two ceilings of the same run."
+    i = res["info"]
+    return (f"{i['gpu']} ({i['sms']} SMs), torch {i['torch']}; copy {res['copy_tbs']:.2f} TB/s, "
+            f"bf16 matmul {res['bf16_tflops']:.0f} TFLOP/s")
 
 def ceilings(timer: Timer, log=print) -> dict:
     "The start of every compute benchmark's result: GPU info, copy bandwidth and bf16 matmul rate, measured now."

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .core import Timer, ceilings, fmt, gpu_info, table
+from .core import Timer, ceilings_head, ceilings, fmt, gpu_info, table
 from ..formats import cdiv, round_up
 from ..gemm import grouped_gemm_nvfp4, prepare_weights, wo_a_nvfp4
 from ..gemm.sm90 import (CONFIGS, K_TILE, N_PAD, SLAB_BYTES, SLAB_CODE_BYTES, SLAB_ROWS, SLAB_WIDTH, WG_ROWS, Sm90Weights,
@@ -178,9 +178,7 @@ def bench_gemm(problems=None, log=print) -> dict:
 
 def gemm_table(res: dict) -> str:
     "The benchmark as a markdown table."
-    i = res["info"]
-    head = (f"{i['gpu']} ({i['sms']} SMs), torch {i['torch']}; copy {res['copy_tbs']:.2f} TB/s, "
-            f"bf16 matmul {res['bf16_tflops']:.0f} TFLOP/s")
+    head = ceilings_head(res)
     text = table(res["rows"], [("problem", "problem"), ("tokens", "tokens"),
                                ("rows/active expert", fmt(lambda r: r["rows"] / max(r["active"], 1), ".0f")), ("tile", "tok_tile"),
                                ("time_us", fmt("time_us")), ("eager us", fmt("eager_us")),

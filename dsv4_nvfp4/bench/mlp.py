@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import Timer, ceilings, fmt, table
+from .core import Timer, ceilings_head, ceilings, fmt, table
 from .gemm import synthetic_weights
 from ..quant import NVFP4Tensor
 from ..routing import group_sizes, random_topk, route_topk
@@ -94,9 +94,7 @@ def bench_mlp(problems=None, log=print) -> dict:
 
 def mlp_table(res: dict) -> str:
     "The MLP benchmark as a Markdown table (rendered from the measured rows)."
-    i = res["info"]
-    head = (f"{i['gpu']} ({i['sms']} SMs), torch {i['torch']}; copy {res['copy_tbs']:.2f} TB/s, "
-            f"bf16 matmul {res['bf16_tflops']:.0f} TFLOP/s; times in us, graph-replayed")
+    head = ceilings_head(res) + "; times in us, graph-replayed"
     return table(res["rows"], [("problem", "problem"), ("tokens", "tokens"),
                                ("rows/active expert", fmt(lambda r: r["rows"] / max(r["active"], 1), ".0f")),
                                ("W4A16", fmt("w4a16_us")), ("W4A16 eager", fmt("w4a16_eager_us")),

@@ -17,11 +17,12 @@ import torch
 from ..checkpoint import ModelOptNVFP4
 from ..quant import MXFP4Tensor, NVFP4Experts, NVFP4Tensor, mxfp4_experts_to_nvfp4, stack_experts
 from ..routing import check_offsets
+from ..runtime import check_tensor, out_tensor
 
 # %% auto #0
 __all__ = ['ACTS', 'EPILOGUES', 'Problem', 'EpilogueArgs', 'ExpertWeights', 'Backend', 'register_backend', 'unregister_backend',
            'backend_names', 'get_backend', 'backend_for', 'plan_for', 'backend_of', 'expert_source', 'default_device',
-           'prepare_weights', 'check_operand', 'out_operand', 'check_sms_free', 'check_activations',
+           'prepare_weights', 'check_operand', 'out_operand', 'cached_ones', 'check_sms_free', 'check_activations',
            'check_offsets_operand', 'grouped_gemm_nvfp4', 'wo_a_nvfp4']
 
 # %% ../../nbs/04_gemm_seam.ipynb #6dd46f77
@@ -230,25 +231,20 @@ def prepare_weights(experts,                  # NVFP4Experts, a list of NVFP4Ten
 
 # %% ../../nbs/04_gemm_seam.ipynb #48a0a577
 def check_operand(t, what: str, name: str, dtypes, device, align: int = 16) -> torch.Tensor:
-    """One operand of the seam's ops on the activations' device (any device type: the backend says which it runs on):
-    TypeError for a non-tensor or a wrong dtype, ValueError for another device, a non-contiguous tensor or (CUDA) a
-    misaligned one. The messages are `runtime.check_tensor`'s."""
-    if not isinstance(t, torch.Tensor): raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device != device: raise ValueError(f"{what}: {name} is on {t.device} but the input is on {device}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{what}: {name} must be {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{what}: {name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)}); call .contiguous() first")
-    if align and t.is_cuda and t.numel() and t.data_ptr() % align:
-        raise ValueError(f"{what}: {name} must be {align}-byte aligned (data_ptr % {align} = {t.data_ptr() % align}); a fresh tensor or .clone() is")
-    return t
+    "`runtime.check_tensor` on the activations' device, whatever its type (the backend says which devices it runs on)."
+    return check_tensor(t, what, name, dtypes, device, align=align, cuda=False)
 
 def out_operand(t, what: str, name: str, shape, dtypes, device, align: int = 16) -> torch.Tensor:
-    "The caller's `out=` buffer checked against `shape` and `dtypes`, or a new `torch.empty` of dtypes[0] when it is None."
-    if t is None: return torch.empty(tuple(shape), dtype=dtypes[0], device=device)
-    check_operand(t, what, name, dtypes, device, align)
-    if tuple(t.shape) != tuple(shape): raise ValueError(f"{what}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    return t
+    "`runtime.out_tensor` on the activations' device, whatever its type: the caller's `out=` checked, or a new tensor."
+    return out_tensor(t, what, name, shape, dtypes, device, align=align, cuda=False)
+
+_ONES = {}
+
+def cached_ones(shape, device) -> torch.Tensor:
+    "A cached fp32 tensor of ones on `device` (unit scales for a launch): no allocation per call. Never write into it."
+    key = (tuple(shape), torch.device(device))
+    if key not in _ONES: _ONES[key] = torch.ones(tuple(shape), dtype=torch.float32, device=device)
+    return _ONES[key]
 
 def check_sms_free(sms_free, what: str):
     "ValueError unless `sms_free` (the SMs a launch leaves free) is an int >= 0."

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .. import runtime
 from ..formats import cdiv, round_up
-from . import ACTS, Backend, EpilogueArgs, ExpertWeights, Problem
+from . import ACTS, Backend, EpilogueArgs, ExpertWeights, Problem, cached_ones
 from ..quant import BLOCK, NVFP4Experts, NVFP4Tensor
 from ..quantize_cuda import dequantize_nvfp4_cuda
 
@@ -195,19 +195,12 @@ class Sm90Plan(NamedTuple):
 _KIND = {("bf16", False): Epilogue.BF16, ("bf16", True): Epilogue.BF16_ROW_GS, ("wo_a", False): Epilogue.WO_A,
          ("wo_a", True): Epilogue.WO_A_ROW_GS, ("swiglu_bf16", False): Epilogue.SWIGLU_BF16,
          ("swiglu_nvfp4", False): Epilogue.SWIGLU_NVFP4}
-_ONES = {}
-
-def _ones(shape, dev) -> torch.Tensor:
-    "A cached fp32 tensor of ones on `dev` (unit global scales; wo_a's stand-in offsets are zeros): no allocation per call."
-    key = (tuple(shape), dev)
-    if key not in _ONES: _ONES[key] = torch.ones(shape, dtype=torch.float32, device=dev)
-    return _ONES[key]
+_ZEROS = {}
 
 def _no_offsets(dev) -> torch.Tensor:
     "wo_a's offsets operand: the kernel derives G groups of T rows from the shapes, so a cached 1-element int32 stands in."
-    key = ("no_offsets", dev)
-    if key not in _ONES: _ONES[key] = torch.zeros(1, dtype=torch.int32, device=dev)
-    return _ONES[key]
+    if dev not in _ZEROS: _ZEROS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return _ZEROS[dev]
 
 _K = []
 
@@ -255,12 +248,12 @@ class Sm90Backend(Backend):
         run = _kernel().run_sm90
         if isinstance(a, NVFP4Tensor):          # W4A4: the exact decode pass (`e2m1 * s`; gs_a goes to the epilogue)
             dev = a.data.device
-            a = dequantize_nvfp4_cuda(a.data, a.scale, _ones((), dev), out=workspace)
+            a = dequantize_nvfp4_cuda(a.data, a.scale, cached_ones((), dev), out=workspace)
         dev = a.device
         kind = cfg.epilogue
         if kind.wo_a:
             T, G = a.shape[0], a.shape[1]
-            gs = _ones((1, 1), dev) if epi.gs_a is None else epi.gs_a.reshape(1, 1) if not kind.per_row else epi.gs_a.reshape(T, G)
+            gs = cached_ones((1, 1), dev) if epi.gs_a is None else epi.gs_a.reshape(1, 1) if not kind.per_row else epi.gs_a.reshape(T, G)
             run(cfg, w.w_sm90, a.permute(0, 2, 1), out.permute(0, 2, 1), _no_offsets(dev), w.w_gs, gs, sms_free=free)
         elif kind.fp4_out:
             run(cfg, w.w_sm90, a, out.data.view(torch.int32), offsets, w.w_gs, epi.row_scales, out.scale.view(torch.uint8),
@@ -268,13 +261,13 @@ class Sm90Backend(Backend):
         elif kind.swiglu:
             run(cfg, w.w_sm90, a, out, offsets, w.w_gs, epi.row_scales, sms_free=free)
         else:
-            gs = _ones((1, 1), dev) if epi.gs_a is None else epi.gs_a.reshape(-1, 1) if kind.per_row else epi.gs_a.reshape(1, 1)
+            gs = cached_ones((1, 1), dev) if epi.gs_a is None else epi.gs_a.reshape(-1, 1) if kind.per_row else epi.gs_a.reshape(1, 1)
             run(cfg, w.w_sm90, a, out, offsets, w.w_gs, gs, sms_free=free)
         return out
     def remember(self, w: Sm90Weights, plan: Sm90Plan, rows: int, sms_free: int):
         d = w.__dict__
         if d.get("_hot_w") is not w.w_sm90 or d.get("_hot_gs") is not w.w_gs:      # (re)start the cache for these tensors
-            d.update(_hot_w=w.w_sm90, _hot_gs=w.w_gs, _hot_dev=w.w_sm90.device, _hot_plans={}, _hot_ones=_ones((1, 1), w.w_sm90.device))
+            d.update(_hot_w=w.w_sm90, _hot_gs=w.w_gs, _hot_dev=w.w_sm90.device, _hot_plans={}, _hot_ones=cached_ones((1, 1), w.w_sm90.device))
         if len(d["_hot_plans"]) > 4096: d["_hot_plans"].clear()
         d["_hot_plans"][(rows, sms_free)] = plan.cfg
     def fast_path(self, a, w, offsets, out, sms_free: int) -> bool:

@@ -6,8 +6,6 @@
 __all__ = ['USE_TVM_FFI', 'GroupedGemmSm90', 'compile_sm90', 'have_tvm_ffi', 'run_sm90']
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #ab70ae4b
-import os
-
 import torch
 
 try:
@@ -504,11 +502,11 @@ def compile_sm90(cfg: GemmConfig,
     opts = f"--gpu-arch={arch}" + (" --enable-tvm-ffi" if tvm_ffi else "") + (f" {options}" if options else "")
     return cute.compile(GroupedGemmSm90(cfg), *_fake_args(tvm_ffi, cfg), options=opts)
 
-USE_TVM_FFI = os.environ.get("DSV4_GEMM_TVM_FFI", "1") not in ("0", "")   # read once, at import (a launch is hot)
+USE_TVM_FFI = True   # the thin launch path where apache-tvm-ffi is importable (the launch-cost benchmark sets False to compare)
 _TVM_FFI = []   # [importable] once known
 
 def have_tvm_ffi() -> bool:
-    "Whether the thin launch path is used: apache-tvm-ffi importable and `USE_TVM_FFI` (DSV4_GEMM_TVM_FFI=0 at import turns it off)."
+    "Whether the thin launch path is used: apache-tvm-ffi importable and `USE_TVM_FFI` (False: CuTeDSL's Python path)."
     if not USE_TVM_FFI: return False
     if not _TVM_FFI:
         try:
