@@ -8,6 +8,7 @@ Expected values come from
   every global scale is a power of two, because then the fp32 dequantization is exact); ml_dtypes as the
   E2M1 / E4M3 / bf16 value oracle; an integer-arithmetic float64 -> bf16 rounding.
 """
+import itertools
 import ml_dtypes
 import numpy as np
 import pytest
@@ -480,14 +481,41 @@ def test_sm90_scale_codes():
 
 def test_sm90_slab_order():
     # hand-placed: weight (row 9, col 1) of slab 0: row 9 = r1 = r0 + 8 with r0 = lane // 4 = 1, col 1 = c + 1 with
-    # c = 2 (lane % 4) = 0 -> lane 4 of warp 0, thread 4; value v3 = (r1, c+1) is pair 1's high element: nibble
-    # slot 5 of its word for K block 0 -> byte 2 (high nibble) of thread 4's first 16 bytes, at 4 * 16 + 2 = 66
+    # c = 2 (lane % 4) = 0 -> lane 4 of warp 0, thread 4; value v3 = (r1, c+1) is the high half of fragment register 1,
+    # which the decode takes as rotl(w, 12) & mask: code 7's magnitude bits (bf16 bits 22-24) come from word bits 10-12,
+    # i.e. byte 1 of thread 4's word for K block 0 (bytes 64-67) = 0x1C
+    assert S90.DECODE_ROTATIONS[1] == (12,)
     w_fp4 = torch.zeros(1, 64, 64, dtype=torch.uint8)
     w_fp4[0, 9, 0] = 0x70                              # element (9, 1) = code 7 (high nibble of byte 0 of row 9)
     sf = torch.zeros(1, 64, 8).to(torch.float8_e4m3fn)
     t = S90.tile_weights_sm90(w_fp4, sf).view(-1)
     nz = torch.nonzero(t[:4096]).flatten().tolist()
-    assert nz == [66] and t[66].item() == 0x70
+    assert nz == [65] and t[65].item() == 0x1C
+    # the scale bytes of quad q: word i = r0's blocks (2i, 2i+1), then r1's
+    sf = torch.zeros(1, 64, 8)
+    sf[0, 9, 3] = 1.0                                  # row 9 = r1 of quad 1, K block 3 -> word 1, byte 3
+    t = S90.tile_weights_sm90(torch.zeros(1, 64, 64, dtype=torch.uint8), sf.to(torch.float8_e4m3fn)).view(-1)
+    nz = torch.nonzero(t[4096:]).flatten().tolist()
+    assert nz == [16 + 4 + 3] and t[4096 + 23].item() == S90.scale_codes(torch.tensor([1.0])).item()
+
+
+def test_sm90_decode_program():
+    # the encoder inverts the decode program on every word (a linear bijection over GF(2): random words suffice to
+    # catch a wrong term, and the all-ones / single-bit words pin every column)
+    w = torch.cat([torch.randint(0, 2 ** 32, (4096,), generator=gen(7), dtype=torch.int64),
+                   torch.tensor([0, 0xFFFFFFFF] + [1 << b for b in range(32)], dtype=torch.int64)])
+    o = S90._decode_words(w)
+    assert int((o & ~S90.BF16_CODE_MASK).abs().sum()) == 0          # every register holds code bits only
+    back = torch.zeros_like(w)
+    for j, d, m in S90._ENCODER: back ^= S90._rotl(o[..., j], d) & m
+    assert torch.equal(back, w)
+    # four rotations is the least: with three, the four registers' mask bits would have to tile the word, and no
+    # three rotations of the mask are disjoint from it and each other with a fourth filling the rest
+    M = {p for p in range(32) if S90.BF16_CODE_MASK >> p & 1}
+    rot = lambda s: {(p - s) % 32 for p in M}
+    tilings = [s for s in itertools.combinations(range(1, 32), 3) if len(M | rot(s[0]) | rot(s[1]) | rot(s[2])) == 32]
+    assert tilings == []
+    assert len({s for r in S90.DECODE_ROTATIONS for s in r} - {0}) == 4
 
 
 def test_pick_config():

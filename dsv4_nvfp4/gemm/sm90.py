@@ -21,8 +21,9 @@ from ..quantize_cuda import dequantize_nvfp4_cuda
 # %% auto #0
 __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYTES', 'SLAB_BYTES', 'SLAB_WIDTH', 'SLAB_ROWS',
            'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
-           'HOPPER_SMEM_PER_SM', 'CONFIGS', 'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue',
-           'GemmConfig', 'smem_bytes', 'device_smem', 'Sm90Weights', 'pick_config', 'Sm90Plan', 'Sm90Backend']
+           'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'CONFIGS', 'scale_codes', 'tile_weights_sm90',
+           'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'Sm90Weights', 'pick_config',
+           'Sm90Plan', 'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -43,13 +44,60 @@ HOPPER_SMEM_PER_SM = 228 * 1024      # shared memory per SM on sm_90
 
 # %% ../../nbs/04_sm90_layout.ipynb #dd261ad5
 def _frag_coords():
-    "(row, col) inside a 64x128 slab of the weight in nibble slot s of thread t's word for K block kb: (128, 8, 8) each."
-    t = torch.arange(128).view(128, 1, 1); kb = torch.arange(8).view(1, 8, 1); s = torch.arange(8).view(1, 1, 8)
-    v = torch.where(s < 4, 2 * s, 2 * (s - 4) + 1)             # slot j <- fragment value 2j, slot j+4 <- value 2j+1
+    "(row, col) inside a 64x128 slab of fragment value v of thread t for K block kb: (128, 8, 8) each, indexed [t, kb, v]."
+    t = torch.arange(128).view(128, 1, 1); kb = torch.arange(8).view(1, 8, 1); v = torch.arange(8).view(1, 1, 8)
     warp, lane = t // 32, t % 32
     row = 16 * warp + lane // 4 + 8 * ((v // 2) % 2)
     col = 16 * kb + 2 * (lane % 4) + (v % 2) + 8 * (v // 4)
     return row.expand(128, 8, 8), col.expand(128, 8, 8)
+
+BF16_CODE_MASK = 0x81C081C0   # a code's bf16 bits, both halves: sign -> bit 15, magnitude e1 e0 m -> bits 8 7 6
+# The decode program of one code word w (8 codes, one K block of one thread): fragment register j (values 2j, 2j+1 in
+# its low and high halves) is BF16_CODE_MASK & (XOR over s in DECODE_ROTATIONS[j] of rotl(w, s)). Four rotations and
+# four masks per word: the least any dense placement allows (three rotations would need four disjoint translates of
+# the mask's bits to tile the word, and none do); the encoder below solves for the word over GF(2).
+DECODE_ROTATIONS = ((0,), (12,), (2, 6), (2, 8))
+
+def _rotl(x, s: int):
+    "Rotate 32-bit words (held in int64 tensors or Python ints) left by s."
+    return x if s % 32 == 0 else ((x << s) | (x >> (32 - s))) & 0xFFFFFFFF
+
+def _encoder() -> list[tuple[int, int, int]]:
+    """(j, d, mask) terms with word = XOR over the terms of rotl(T_j, d) & mask, where T_j is fragment register j as
+    the decode must produce it (bits in BF16_CODE_MASK only): the inverse, over GF(2), of the decode program."""
+    pos = [p for p in range(32) if BF16_CODE_MASK >> p & 1]
+    rows = []                                         # target bit (j, p) = XOR of word bits (p - s) for s in rotations
+    for rot in DECODE_ROTATIONS:
+        for p in pos: rows.append(sum(1 << ((p - s) % 32) for s in rot) & 0xFFFFFFFF if len(rot) == 1 else
+                                  (1 << ((p - rot[0]) % 32)) ^ (1 << ((p - rot[1]) % 32)))
+    n = len(rows); inv = [1 << i for i in range(n)]   # Gauss-Jordan on [rows | I]
+    rows = list(rows); r = 0
+    for b in range(32):
+        piv = next(i for i in range(r, n) if rows[i] >> b & 1)   # StopIteration: the program is not invertible
+        rows[r], rows[piv] = rows[piv], rows[r]; inv[r], inv[piv] = inv[piv], inv[r]
+        for i in range(n):
+            if i != r and rows[i] >> b & 1: rows[i] ^= rows[r]; inv[i] ^= inv[r]
+        r += 1
+    # rows[i] is now the single word bit bit_of[i]; inv[i] says which targets XOR into it
+    terms = {}
+    for i in range(n):
+        b = rows[i].bit_length() - 1
+        for tgt in range(n):
+            if inv[i] >> tgt & 1:
+                j, p = divmod(tgt, len(pos)); d = (b - pos[p]) % 32
+                terms[(j, d)] = terms.get((j, d), 0) | 1 << b
+    return sorted((j, d, m) for (j, d), m in terms.items())
+
+_ENCODER = _encoder()
+
+def _decode_words(w: torch.Tensor) -> torch.Tensor:
+    "The decode program on int64 words `w` (...): the four fragment registers (..., 4) as the kernel computes them."
+    outs = []
+    for rot in DECODE_ROTATIONS:
+        x = _rotl(w, rot[0])
+        for s in rot[1:]: x = x ^ _rotl(w, s)
+        outs.append(x & BF16_CODE_MASK)
+    return torch.stack(outs, -1)
 
 def scale_codes(sf: torch.Tensor) -> torch.Tensor:
     "e4m3 block scales -> the kernel's uint8 codes `(exponent + 22) << 3 | mantissa` (0 for a zero scale)."
@@ -59,25 +107,36 @@ def scale_codes(sf: torch.Tensor) -> torch.Tensor:
     code = ((ex - 1 + 22) << 3) | ((2 * m - 1) * 8).round().to(torch.int32)
     return torch.where(s > 0, code, torch.zeros_like(code)).to(torch.uint8)
 
-def tile_weights_sm90(w_fp4: torch.Tensor,  # uint8 (E, Np, Kt/2), Np % 64 == 0, Kt % 128 == 0
-                      w_sf: torch.Tensor,   # float8_e4m3fn (E, Np, Kt/16)
-                     ) -> torch.Tensor:     # uint8 (E * Np/64 * Kt/128 * 18, 256), slab (e, m, k) at row 18 ((e Np/64 + m) Kt/128 + k)
-    """Cut NVFP4 expert weights into the kernel's register-fragment slabs (the layout above): slab (e, m, k) holds
-    rows [64m, 64m+64) and K [128k, 128k+128) of expert e, 4096 code bytes then 512 scale-code bytes."""
+def _tile_chunk(w_fp4: torch.Tensor, w_sf: torch.Tensor) -> torch.Tensor:
     E, Np, half = w_fp4.shape
-    Kt = 2 * half
-    if Np % 64 or Kt % 128: raise ValueError(f"tile_weights_sm90: need N % 64 == 0 and K % 128 == 0, got N={Np}, K={Kt}")
-    MT, KT = Np // 64, Kt // 128
+    MT, KT = Np // 64, 2 * half // 128
     codes = torch.stack([w_fp4 & 0xF, w_fp4 >> 4], -1).view(E, MT, 64, KT, 128).permute(0, 1, 3, 2, 4)
     row, col = _frag_coords()
-    g = codes[:, :, :, row.to(w_fp4.device), col.to(w_fp4.device)]   # (E, MT, KT, 128 threads, 8 blocks, 8 slots)
-    g = g[..., 0::2] | (g[..., 1::2] << 4)                           # nibble pairs -> bytes
-    g = g.view(E, MT, KT, 128, 2, 16).permute(0, 1, 2, 4, 3, 5)      # K blocks 0-3 of every thread, then 4-7
+    g = codes[:, :, :, row.to(w_fp4.device), col.to(w_fp4.device)].to(torch.int64)   # (E, MT, KT, 128 t, 8 kb, 8 v)
+    pat = ((g & 7) << 6) | ((g >> 3) << 15)                          # each code's bf16 bits (value x 2^-126)
+    T = pat[..., 0::2] | (pat[..., 1::2] << 16)                      # (..., 4): fragment register j as decoded
+    w = torch.zeros_like(T[..., 0])
+    for j, d, m in _ENCODER: w ^= _rotl(T[..., j], d) & m
+    b = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)   # little-endian bytes
+    b = b.view(E, MT, KT, 128, 2, 16).permute(0, 1, 2, 4, 3, 5)      # K blocks 0-3 of every thread, then 4-7
     sc = scale_codes(w_sf).view(E, MT, 64, KT, 8).permute(0, 1, 3, 2, 4)
     q = torch.arange(32, device=w_fp4.device)
     r0 = 16 * (q // 8) + q % 8
     sc = torch.stack([sc[:, :, :, r0], sc[:, :, :, r0 + 8]], 4)      # (E, MT, KT, 32 quads, 2 rows, 8 blocks)
-    return torch.cat([g.reshape(E, MT, KT, 4096), sc.reshape(E, MT, KT, 512)], -1).reshape(-1, 256).contiguous()
+    sc = sc.view(E, MT, KT, 32, 2, 4, 2).permute(0, 1, 2, 3, 5, 4, 6)  # word i = r0 (2i, 2i+1), r1 (2i, 2i+1)
+    return torch.cat([b.reshape(E, MT, KT, 4096), sc.reshape(E, MT, KT, 512)], -1).reshape(-1, 256)
+
+def tile_weights_sm90(w_fp4: torch.Tensor,  # uint8 (E, Np, Kt/2), Np % 64 == 0, Kt % 128 == 0
+                      w_sf: torch.Tensor,   # float8_e4m3fn (E, Np, Kt/16)
+                     ) -> torch.Tensor:     # uint8 (E * Np/64 * Kt/128 * 18, 256), slab (e, m, k) at row 18 ((e Np/64 + m) Kt/128 + k)
+    """Cut NVFP4 expert weights into the kernel's register-fragment slabs (the layout above): slab (e, m, k) holds
+    rows [64m, 64m+64) and K [128k, 128k+128) of expert e, 4096 bytes of encoded code words then 512 scale-code bytes.
+    Works on the weights' device, a few experts at a time (about 16 bytes of temporaries per weight of a chunk)."""
+    E, Np, half = w_fp4.shape
+    Kt = 2 * half
+    if Np % 64 or Kt % 128: raise ValueError(f"tile_weights_sm90: need N % 64 == 0 and K % 128 == 0, got N={Np}, K={Kt}")
+    per = max(1, (1 << 27) // (Np * Kt))                             # experts per chunk: <= 2^27 weights
+    return torch.cat([_tile_chunk(w_fp4[e:e + per], w_sf[e:e + per]) for e in range(0, E, per)]).contiguous()
 
 def emulate_decode_sm90(tiled: torch.Tensor, E: int, Np: int, Kt: int) -> torch.Tensor:
     """A CPU model of the kernel's register decode, bit operation by bit operation: every weight as the kernel
@@ -86,17 +145,20 @@ def emulate_decode_sm90(tiled: torch.Tensor, E: int, Np: int, Kt: int) -> torch.
     b = tiled.view(E, MT, KT, SLAB_BYTES).to(torch.int64)
     word = lambda x: x[..., 0::4] | x[..., 1::4] << 8 | x[..., 2::4] << 16 | x[..., 3::4] << 24
     cw = word(b[..., :4096]).view(E, MT, KT, 2, 128, 4).permute(0, 1, 2, 4, 3, 5).reshape(E, MT, KT, 128, 8)
-    sb = b[..., 4096:].view(E, MT, KT, 32, 16)
+    sw = word(b[..., 4096:]).view(E, MT, KT, 32, 4)                  # scale words of each quad
     bf16 = lambda bits: (bits.to(torch.int32) << 16).view(torch.float32).double()   # a 16-bit pattern read as bf16
     out = torch.zeros(E, MT, KT, 64, 128, dtype=torch.float64)
     row, col = _frag_coords(); t = torch.arange(128)
     for kb in range(8):
-        w = cw[..., kb]
-        S = [bf16((sb[..., t // 4, kb] << 4) | 0x7000), bf16((sb[..., t // 4, 8 + kb] << 4) | 0x7000)]
-        for slot in range(8):
-            nib = (w >> (4 * slot)) & 0xF
-            x = bf16(((nib & 7) << 6) | ((nib >> 3) << 15))         # magnitude -> bits 6-8, sign -> bit 15
-            out[:, :, :, row[t, kb, slot], col[t, kb, slot]] = x * S[(slot % 4) % 2]   # pair j uses r0 (j even) or r1
+        sv = sw[..., t // 4, kb // 2]                                # (E, MT, KT, 128)
+        s2 = ((sv & 0x00FF00FF) << 4) + 0x70007000 if kb % 2 == 0 else ((sv >> 4) & 0x0FF00FF0) + 0x70007000
+        S = [bf16(s2 & 0xFFFF), bf16(s2 >> 16)]                      # {r0's scale, r1's scale} of this K block
+        o = _decode_words(cw[..., kb])                               # (E, MT, KT, 128, 4)
+        for j in range(4):
+            for half in range(2):
+                v = 2 * j + half
+                x = bf16((o[..., j] >> (16 * half)) & 0xFFFF)
+                out[:, :, :, row[t, kb, v], col[t, kb, v]] = x * S[j % 2]   # register j: row r0 (j even) or r1 (odd)
     return out.permute(0, 1, 3, 2, 4).reshape(E, Np, Kt)
 
 # %% ../../nbs/04_sm90_layout.ipynb #15f92a3b

@@ -40,15 +40,21 @@ def _f32_bits(x, *, loc=None, ip=None):
     return cutlass.Uint32(r)
 
 
-# pair j of a code word: element 2j in nibble j, element 2j+1 in nibble j+4.
-# magnitude bits -> bf16 bits 6..8 (x * 2^-126), sign bit -> bit 15, then times the scale (s * 2^119).
-_MAG = ["shl.b32 m, $1, 6;", "shl.b32 m, $1, 2;", "shr.b32 m, $1, 2;", "shr.b32 m, $1, 6;"]
-_SGN = ["shl.b32 s, $1, 12;", "shl.b32 s, $1, 8;", "shl.b32 s, $1, 4;", "mov.b32 s, $1;"]
-_DEC = ["{ .reg .b32 m, s; " + _MAG[j] + " and.b32 m, m, 0x01C001C0; " + _SGN[j] +
-        " and.b32 s, s, 0x80008000; or.b32 m, m, s; mul.rn.bf16x2 $0, m, $2; }" for j in range(4)]
-# scale code byte i of a word -> bf16x2 {S, S}: prmt spreads the byte to lanes 0 and 2, then (x << 4) | 0x7000 per lane
-_SCL = ["{ .reg .b32 x; prmt.b32 x, $1, 0, " + hex(i | (4 << 4) | (i << 8) | (4 << 12)) +
-        "; mad.lo.u32 $0, x, 16, 0x70007000; }" for i in range(4)]
+# The decode of one code word w (sm90.DECODE_ROTATIONS): register j = BF16_CODE_MASK & XOR of rotl(w, s), each half a
+# code's bf16 bits times 2^-126, then times the half of the scale pair {S_r0, S_r1} for its row (j even: r0, odd: r1),
+# each S = s * 2^119. The half is picked by the multiply's operand (HMUL2 ... R.H0_H0 / R.H1_H1 in SASS).
+_ROTS = sorted({s for r in DECODE_ROTATIONS for s in r} - {0})                     # the rotations the decode needs
+_RIDX = [tuple(0 if s == 0 else 1 + _ROTS.index(s) for s in r) for r in DECODE_ROTATIONS]   # register j: indices into [w, rotations]
+_ROT = {s: f"shf.l.wrap.b32 $0, $1, $1, {s};" for s in _ROTS}
+_HALF = ["mov.b32 s, {l, l};", "mov.b32 s, {h, h};"]
+_AND_MUL = ["{ .reg .b32 m, s; .reg .b16 l, h; and.b32 m, $1, " + hex(BF16_CODE_MASK) + "; mov.b32 {l, h}, $2; " + _HALF[r]
+            + " mul.rn.bf16x2 $0, m, s; }" for r in range(2)]
+_XOR_AND_MUL = ["{ .reg .b32 m, s; .reg .b16 l, h; xor.b32 m, $1, $2; and.b32 m, m, " + hex(BF16_CODE_MASK) +
+                "; mov.b32 {l, h}, $3; " + _HALF[r] + " mul.rn.bf16x2 $0, m, s; }" for r in range(2)]
+# scale word i of a quad = codes [r0 (2i), r0 (2i+1), r1 (2i), r1 (2i+1)] -> bf16x2 {S_r0, S_r1} of K block 2i (bytes
+# 0, 2) or 2i + 1 (bytes 1, 3): each byte to bits 4-11 of its half, plus 0x7000
+_SCL = ["{ .reg .b32 x; and.b32 x, $1, 0x00FF00FF; mad.lo.u32 $0, x, 16, 0x70007000; }",
+        "{ .reg .b32 x; and.b32 x, $1, 0xFF00FF00; shr.b32 x, x, 4; add.u32 $0, x, 0x70007000; }"]
 # --- SWIGLU_NVFP4: the NVFP4 quantizer of ref_quantize_nvfp4, one IEEE-rounded operation per step ---------------------
 # block scale byte from the block amax (bits) and the global scale (bits): s = e4m3_rne(min(amax / (6 gs), 448));
 # satfinite saturates to 448 exactly like the reference's clamp-then-cast; a NaN amax gives the NaN byte 0x7f
@@ -178,16 +184,20 @@ class _Consumer:
             v = cute.flat_divide(base, (4,))                                          # (4, 288): 16-byte chunks
             c0 = cute.make_rmem_tensor((4,), cutlass.Uint32)                          # codes, K blocks 0-3
             c1 = cute.make_rmem_tensor((4,), cutlass.Uint32)                          # codes, K blocks 4-7
-            sc = cute.make_rmem_tensor((4,), cutlass.Uint32)                          # scale codes, rows r0 and r1
+            sc = cute.make_rmem_tensor((4,), cutlass.Uint32)                          # scale codes: word i = K blocks 2i, 2i+1
             cute.autovec_copy(v[None, t], c0)
             cute.autovec_copy(v[None, 128 + t], c1)
             cute.autovec_copy(v[None, 256 + t // 4], sc)
             for kb in cutlass.range_constexpr(8):
                 w_ = c0[kb] if kb < 4 else c1[kb - 4]
-                s0 = _asm(_SCL[kb % 4], sc[kb // 4])
-                s1 = _asm(_SCL[kb % 4], sc[2 + kb // 4])
+                s2 = _asm(_SCL[kb % 2], sc[kb // 2])                      # {S_r0, S_r1} of K block kb
+                rot = [w_] + [_asm(_ROT[sh], w_) for sh in _ROTS]         # w and its rotations
                 for j in cutlass.range_constexpr(4):
-                    a_u32[j + 4 * kb] = _asm(_DEC[j], w_, s0 if j % 2 == 0 else s1)
+                    r = _RIDX[j]
+                    if cutlass.const_expr(len(r) == 1):
+                        a_u32[j + 4 * kb] = _asm(_AND_MUL[j % 2], rot[r[0]], s2)
+                    else:
+                        a_u32[j + 4 * kb] = _asm(_XOR_AND_MUL[j % 2], rot[r[0]], rot[r[1]], s2)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(8):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
