@@ -6,7 +6,7 @@ the tests compile) and every kept configuration of the sm_90a grouped GEMM (CuTe
 
 A refactor that must not change the machine code runs it before and after and compares. Kernel symbol names are
 kept in the PTX (a rename would show)."""
-import hashlib, json, os, re, sys, tempfile
+import hashlib, json, os, re, sys
 from pathlib import Path
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -67,10 +67,7 @@ def gemm_configs():
 
 def cute_ptx(cfg) -> bytes:
     from dsv4_nvfp4.gemm import sm90_kernel as S
-    with tempfile.TemporaryDirectory() as d:
-        S.compile_sm90(cfg, "sm_90a", options=f"--keep-ptx --dump-dir={d}")
-        (ptx,) = Path(d).glob("*.ptx")
-        return ptx.read_bytes()
+    return S.kernel_artifact(cfg, "ptx", "sm_90a")
 
 
 def main():

@@ -26,3 +26,11 @@ def test_mainloop_sass_finds_the_loop():
     # the helper sees the loop, not the whole kernel: a kernel has several hundred more instructions (epilogue, schedule)
     body = S.mainloop_sass(L.CONFIGS[16])
     assert 100 < len(body) < 400 and body[-1].split()[-1].startswith("`(.L_x_") and "BRA" in body[-1]
+
+
+def test_kernel_artifact():
+    ptx = S.kernel_artifact(L.CONFIGS[16], "ptx")
+    assert b".target sm_90a" in ptx and b"wgmma.mma_async" in ptx and b"shf.l.wrap.b32" in ptx
+    assert S.kernel_artifact(L.CONFIGS[16], "cubin")[:4] == b"\x7fELF"
+    with pytest.raises(ValueError, match="'ptx' or 'cubin'"):
+        S.kernel_artifact(L.CONFIGS[16], "sass")

@@ -66,29 +66,33 @@ def _encoder() -> list[tuple[int, int, int]]:
     """(j, d, mask) terms with word = XOR over the terms of rotl(T_j, d) & mask, where T_j is fragment register j as
     the decode must produce it (bits in BF16_CODE_MASK only): the inverse, over GF(2), of the decode program."""
     pos = [p for p in range(32) if BF16_CODE_MASK >> p & 1]
-    rows = []                                         # target bit (j, p) = XOR of word bits (p - s) for s in rotations
+    rows = []                                         # target bit (j, p) = XOR of word bits p - s, s in rotations j
     for rot in DECODE_ROTATIONS:
-        for p in pos: rows.append(sum(1 << ((p - s) % 32) for s in rot) & 0xFFFFFFFF if len(rot) == 1 else
-                                  (1 << ((p - rot[0]) % 32)) ^ (1 << ((p - rot[1]) % 32)))
-    n = len(rows); inv = [1 << i for i in range(n)]   # Gauss-Jordan on [rows | I]
-    rows = list(rows); r = 0
+        for p in pos:
+            rows.append(0)
+            for s in rot: rows[-1] ^= 1 << ((p - s) % 32)
+    inv = [1 << i for i in range(32)]                 # Gauss-Jordan on [rows | I]: row b becomes word bit b
     for b in range(32):
-        piv = next(i for i in range(r, n) if rows[i] >> b & 1)   # StopIteration: the program is not invertible
-        rows[r], rows[piv] = rows[piv], rows[r]; inv[r], inv[piv] = inv[piv], inv[r]
-        for i in range(n):
-            if i != r and rows[i] >> b & 1: rows[i] ^= rows[r]; inv[i] ^= inv[r]
-        r += 1
-    # rows[i] is now the single word bit bit_of[i]; inv[i] says which targets XOR into it
-    terms = {}
-    for i in range(n):
-        b = rows[i].bit_length() - 1
-        for tgt in range(n):
-            if inv[i] >> tgt & 1:
-                j, p = divmod(tgt, len(pos)); d = (b - pos[p]) % 32
-                terms[(j, d)] = terms.get((j, d), 0) | 1 << b
+        piv = next(i for i in range(b, 32) if rows[i] >> b & 1)   # StopIteration: the program is not invertible
+        rows[b], rows[piv], inv[b], inv[piv] = rows[piv], rows[b], inv[piv], inv[b]
+        for i in range(32):
+            if i != b and rows[i] >> b & 1: rows[i] ^= rows[b]; inv[i] ^= inv[b]
+    terms = {}                                        # word bit b = XOR of the targets set in inv[b]
+    for b in range(32):
+        for tgt in range(32):
+            if inv[b] >> tgt & 1:
+                j, p = divmod(tgt, len(pos))
+                key = (j, (b - pos[p]) % 32)
+                terms[key] = terms.get(key, 0) | 1 << b
     return sorted((j, d, m) for (j, d), m in terms.items())
 
 _ENCODER = _encoder()
+
+def _encode_words(T: torch.Tensor) -> torch.Tensor:
+    "The code words (int64 (...)) whose decode is the fragment registers `T` (int64 (..., 4), bits in BF16_CODE_MASK)."
+    w = torch.zeros_like(T[..., 0])
+    for j, d, m in _ENCODER: w ^= _rotl(T[..., j], d) & m
+    return w
 
 def _decode_words(w: torch.Tensor) -> torch.Tensor:
     "The decode program on int64 words `w` (...): the four fragment registers (..., 4) as the kernel computes them."
@@ -108,6 +112,7 @@ def scale_codes(sf: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, code, torch.zeros_like(code)).to(torch.uint8)
 
 def _tile_chunk(w_fp4: torch.Tensor, w_sf: torch.Tensor) -> torch.Tensor:
+    "`tile_weights_sm90` of a few experts (shapes already checked): their slab rows."
     E, Np, half = w_fp4.shape
     MT, KT = Np // 64, 2 * half // 128
     codes = torch.stack([w_fp4 & 0xF, w_fp4 >> 4], -1).view(E, MT, 64, KT, 128).permute(0, 1, 3, 2, 4)
@@ -115,8 +120,7 @@ def _tile_chunk(w_fp4: torch.Tensor, w_sf: torch.Tensor) -> torch.Tensor:
     g = codes[:, :, :, row.to(w_fp4.device), col.to(w_fp4.device)].to(torch.int64)   # (E, MT, KT, 128 t, 8 kb, 8 v)
     pat = ((g & 7) << 6) | ((g >> 3) << 15)                          # each code's bf16 bits (value x 2^-126)
     T = pat[..., 0::2] | (pat[..., 1::2] << 16)                      # (..., 4): fragment register j as decoded
-    w = torch.zeros_like(T[..., 0])
-    for j, d, m in _ENCODER: w ^= _rotl(T[..., j], d) & m
+    w = _encode_words(T)
     b = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)   # little-endian bytes
     b = b.view(E, MT, KT, 128, 2, 16).permute(0, 1, 2, 4, 3, 5)      # K blocks 0-3 of every thread, then 4-7
     sc = scale_codes(w_sf).view(E, MT, 64, KT, 8).permute(0, 1, 3, 2, 4)
@@ -131,7 +135,7 @@ def tile_weights_sm90(w_fp4: torch.Tensor,  # uint8 (E, Np, Kt/2), Np % 64 == 0,
                      ) -> torch.Tensor:     # uint8 (E * Np/64 * Kt/128 * 18, 256), slab (e, m, k) at row 18 ((e Np/64 + m) Kt/128 + k)
     """Cut NVFP4 expert weights into the kernel's register-fragment slabs (the layout above): slab (e, m, k) holds
     rows [64m, 64m+64) and K [128k, 128k+128) of expert e, 4096 bytes of encoded code words then 512 scale-code bytes.
-    Works on the weights' device, a few experts at a time (about 16 bytes of temporaries per weight of a chunk)."""
+    Works on the weights' device, a few experts at a time (int64 temporaries for at most 2^27 weights at once)."""
     E, Np, half = w_fp4.shape
     Kt = 2 * half
     if Np % 64 or Kt % 128: raise ValueError(f"tile_weights_sm90: need N % 64 == 0 and K % 128 == 0, got N={Np}, K={Kt}")
