@@ -518,8 +518,9 @@ def test_sm90_decode_program():
 
 def test_pick_config():
     pytest.importorskip("cutlass")                           # the candidates are what the kernel can run
-    assert S90.pick_config(6, 256).tok_tile == 16           # 1 token top-6: 1 row per active expert
-    assert S90.pick_config(192, 256).tok_tile == 16         # 192 rows over 192 experts at most
+    assert S90.pick_config(6, 256).tok_tile == 8            # 1 token top-6: 1 row per active expert
+    assert S90.pick_config(192, 256).tok_tile == 8          # 192 rows over 192 experts at most
+    assert S90.pick_config(2048, 256).tok_tile == 8         # 8 rows per expert
     assert S90.pick_config(3072, 256).tok_tile == 16        # 12 rows per expert
     assert S90.pick_config(12288, 256).tok_tile == 64       # 48
     assert S90.pick_config(49152, 256).tok_tile == 128      # 192

@@ -178,35 +178,76 @@ class _Consumer:
     "Mixin of GroupedGemmSm90: the mainloop of one consumer warpgroup over the K tiles of one unit."
 
     @cute.jit
+    def decode_kb(self, c0, c1, sc, kb):
+        "The 4 fragment registers (bf16x2) of K block kb (0-7) from this thread's code and scale words."
+        w_ = c0[kb] if kb < 4 else c1[kb - 4]
+        s2 = _asm(_SCL[kb % 2], sc[kb // 2])                      # {S_r0, S_r1} of K block kb
+        rot = [w_] + [_asm(_ROT[sh], w_) for sh in _ROTS]         # w and its rotations
+        return [_asm(_DEC[(len(_RIDX[j]), j % 2)], *[rot[i] for i in _RIDX[j]], s2) for j in range(4)]
+
+    @cute.jit
+    def load_codes(self, sW, cw, idx, t):
+        "This thread's code words (K blocks 0-3, 4-7) and scale words of the slab in ring stage idx: three 16-byte LDS."
+        base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, idx].iterator, dtype=cutlass.Uint32),
+                                cute.make_layout(SLAB_BYTES // 4))                    # (1152,) words of this slab
+        v = cute.flat_divide(base, (4,))                                              # (4, 288): 16-byte chunks
+        c0 = cute.make_rmem_tensor((4,), cutlass.Uint32)                              # codes, K blocks 0-3
+        c1 = cute.make_rmem_tensor((4,), cutlass.Uint32)                              # codes, K blocks 4-7
+        sc = cute.make_rmem_tensor((4,), cutlass.Uint32)                              # scale codes: word i = K blocks 2i, 2i+1
+        cute.autovec_copy(v[None, t], c0)
+        cute.autovec_copy(v[None, 128 + t], c1)
+        cute.autovec_copy(v[None, 256 + t // 4], sc)
+        return c0, c1, sc
+
+    @cute.jit
     def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT):
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
-        for k in cutlass.range(KT, unroll=1):
-            pipe.consumer_wait(cs)
-            bi = cs.index
-            base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, cs.index].iterator, dtype=cutlass.Uint32),
-                                    cute.make_layout(SLAB_BYTES // 4))                # (1152,) words of this slab
-            v = cute.flat_divide(base, (4,))                                          # (4, 288): 16-byte chunks
-            c0 = cute.make_rmem_tensor((4,), cutlass.Uint32)                          # codes, K blocks 0-3
-            c1 = cute.make_rmem_tensor((4,), cutlass.Uint32)                          # codes, K blocks 4-7
-            sc = cute.make_rmem_tensor((4,), cutlass.Uint32)                          # scale codes: word i = K blocks 2i, 2i+1
-            cute.autovec_copy(v[None, t], c0)
-            cute.autovec_copy(v[None, 128 + t], c1)
-            cute.autovec_copy(v[None, 256 + t // 4], sc)
-            for kb in cutlass.range_constexpr(8):
-                w_ = c0[kb] if kb < 4 else c1[kb - 4]
-                s2 = _asm(_SCL[kb % 2], sc[kb // 2])                      # {S_r0, S_r1} of K block kb
-                rot = [w_] + [_asm(_ROT[sh], w_) for sh in _ROTS]         # w and its rotations
-                for j in cutlass.range_constexpr(4):
-                    a_u32[j + 4 * kb] = _asm(_DEC[(len(_RIDX[j]), j % 2)], *[rot[i] for i in _RIDX[j]], s2)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(8):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
-                cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
-            warpgroup.commit_group()
+        if cutlass.const_expr(self.wgs == 1):
+            # One WGMMA commit group per K block: K block kb of tile k + 1 is decoded while the WGMMAs of tile k's
+            # blocks kb + 1 .. 7 run. Before its registers are rewritten, wait_group(7) retires the WGMMA that read
+            # them (8 groups ago). A stage is released one tile late (its last reader retires during the next tile):
+            # the ring is one stage shorter, which the 8-stage one-warpgroup configurations afford. Same WGMMAs in the
+            # same order: the bits do not change.
+            prev = cs.clone()
+            for k in cutlass.range(KT, unroll=1):
+                pipe.consumer_wait(cs)
+                bi = cs.index
+                c0, c1, sc = self.load_codes(sW, cw, bi, t)
+                for kb in cutlass.range_constexpr(8):
+                    d = self.decode_kb(c0, c1, sc, kb)
+                    warpgroup.wait_group(7)
+                    for j in cutlass.range_constexpr(4):
+                        a_u32[j + 4 * kb] = d[j]
+                    warpgroup.fence()
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
+                    cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+                    warpgroup.commit_group()
+                if k > 0:
+                    pipe.consumer_release(prev)
+                prev = cs.clone()
+                cs.advance()
             warpgroup.wait_group(0)
-            pipe.consumer_release(cs)
-            cs.advance()
+            pipe.consumer_release(prev)
+        else:
+            # Two warpgroups (4-5 stages): decode the whole tile, 8 WGMMAs, wait, release. The other warpgroup and the
+            # other CTAs on the SM fill the MMA's latency; a one-tile-late release would cost a fifth of the ring.
+            for k in cutlass.range(KT, unroll=1):
+                pipe.consumer_wait(cs)
+                bi = cs.index
+                c0, c1, sc = self.load_codes(sW, cw, bi, t)
+                for kb in cutlass.range_constexpr(8):
+                    d = self.decode_kb(c0, c1, sc, kb)
+                    for j in cutlass.range_constexpr(4):
+                        a_u32[j + 4 * kb] = d[j]
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(8):
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
+                    cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                pipe.consumer_release(cs)
+                cs.advance()
         return cs
 
 
@@ -337,7 +378,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                       smem_limit: int | None = None,  # opt-in shared memory per block (None: the current device's)
                      ) -> tuple[bool, str]:        # (ok, why not)
         "Whether this kernel can run `cfg` on E experts and K: every limit of the kernel is checked here."
-        if cfg.tok_tile not in (16, 32, 64, 128): return False, f"tok_tile must be 16, 32, 64 or 128, got {cfg.tok_tile}"
+        if cfg.tok_tile not in (8, 16, 32, 64, 128): return False, f"tok_tile must be 8, 16, 32, 64 or 128, got {cfg.tok_tile}"
         if cfg.wgs not in (1, 2): return False, f"wgs (consumer warpgroups) must be 1 or 2, got {cfg.wgs}"
         if cfg.stages < 2: return False, f"stages must be >= 2, got {cfg.stages}"
         if not 1 <= num_experts <= MAX_EXPERTS:
@@ -578,7 +619,8 @@ def run_sm90(cfg: GemmConfig,
     _COMPILED_PY[key](*args)
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #a7bde6a6
-MAINLOOP_SASS_BUDGET = 176   # SASS instructions per K tile per consumer thread (64 weights): 2.75 per weight
+MAINLOOP_SASS_BUDGET = 192   # SASS instructions per K tile per consumer thread (64 weights): 3.0 per weight, the
+                             # overlap's 14 extra wait/arrive included (the plain loop of two warpgroups: 175)
 
 def _nvdisasm() -> str:
     "Path of nvdisasm: on PATH, or from the `nvidia-cuda-nvdisasm` wheel (in the [dev] extra)."
