@@ -249,7 +249,7 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
     # rule 2: the expected rows per active expert, known without the offsets: R rows over at most min(E, R) experts
     per = cdiv(max(rows, 1), max(1, min(num_experts, rows)))
     # rule 3: the smallest token tile that holds them. A larger tile pads WGMMA's N with rows that do not exist; a
-    # smaller one decodes every weight tile again for each further token tile. The small tiles (16, 32) are also
+    # smaller one decodes every weight tile again for each further token tile. The small tiles (8, 16, 32) are also
     # the one-warpgroup configurations: 64-row work units, twice as many as the two-warpgroup ones, which spreads
     # decode batches (few active experts, few rows each) over more SMs.
     fit = [c for c in cands if c.tok_tile >= per]
