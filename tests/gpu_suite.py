@@ -5,20 +5,21 @@ GPUs: a greedy queue, longest job first, each job pinned to its GPU(s) with CUDA
 
 PHASE `nvrtc`: what needs no CuTeDSL (the NVRTC kernels' tests and notebooks); `cute`: the rest (the GEMM, the MLP,
 the MoE layer, EP on 2 GPUs, their notebooks); `all`: both. A job still running at the guard is stopped and reported
-as such (never as passed). Writes OUT/summary.md and OUT/<job>.log."""
+as such (never as passed). Writes OUT/summary.md and OUT/<job>.log; pytest runs verbose, so a stopped job's log still
+names every test that passed or failed before the stop."""
 import os, subprocess, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # (name, command, GPUs, expected seconds): the expectations are last runs' times, to order the queue
-NVRTC = [("pytest_kernels", "python3 -m pytest -q -m gpu -p no:cacheprovider -n {ngpu} tests/test_kernels_gpu.py", "all", 300),
-         ("pytest_kv_route", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kv_gpu.py tests/test_moe_route_gpu.py", 1, 90)]
+NVRTC = [("pytest_kernels", "python3 -m pytest -v -m gpu -p no:cacheprovider -n {ngpu} tests/test_kernels_gpu.py", "all", 300),
+         ("pytest_kv_route", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kv_gpu.py tests/test_moe_route_gpu.py", 1, 90)]
 NVRTC_NBS = ["03_runtime", "03a_quantize_cuda", "03b_norm_quantize", "06_kv_compress", "07_dequant_gather", "index"]
-CUTE = [("pytest_ep_2gpu", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ep_gpu.py", 2, 150),
-        ("pytest_gemm", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemm_gpu.py", 1, 200),
-        ("pytest_mlp", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 200),
-        ("pytest_moe", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py", 1, 300),
-        ("pytest_compile", "python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_compile_gpu.py tests/test_cli.py", 1, 150)]
+CUTE = [("pytest_ep_2gpu", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_ep_gpu.py", 2, 150),
+        ("pytest_gemm", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_gemm_gpu.py", 1, 200),
+        ("pytest_mlp", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 200),
+        ("pytest_moe", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py", 1, 300),
+        ("pytest_compile", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_compile_gpu.py tests/test_cli.py", 1, 150)]
 
 
 def notebooks(phase):
