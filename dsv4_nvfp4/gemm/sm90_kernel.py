@@ -203,43 +203,34 @@ class _Consumer:
     def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT):
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
-        if cutlass.const_expr(self.wgs == 1):
-            # One WGMMA commit group per K block: K block kb of tile k + 1 is decoded while the WGMMAs of tile k's
-            # blocks kb + 1 .. 7 run. Before its registers are rewritten, wait_group(7) retires the WGMMA that read
-            # them (8 groups ago). A stage is released one tile late (its last reader retires during the next tile):
-            # the ring is one stage shorter, which the 8-stage one-warpgroup configurations afford. Same WGMMAs in the
-            # same order: the bits do not change.
-            prev = cs.clone()
-            for k in cutlass.range(KT, unroll=1):
-                pipe.consumer_wait(cs)
-                bi = cs.index
-                c0, c1, sc = self.load_codes(sW, cw, bi, t)
-                for kb in cutlass.range_constexpr(8):
-                    d = self.decode_kb(c0, c1, sc, kb)
+        # One warpgroup (overlap): one WGMMA commit group per K block, so K block kb of tile k + 1 is decoded while
+        # the WGMMAs of tile k's blocks kb + 1 .. 7 run; wait_group(7) retires the WGMMA that read a block's registers
+        # (8 groups ago) before they are rewritten, and a stage is released one tile late (its last reader retires
+        # during the next tile): the 8-stage ring acts as 7. Two warpgroups (4-5 stages): decode the tile, 8 WGMMAs,
+        # wait, release; the other warpgroup fills the MMA's latency and a late release would cost a fifth of the
+        # ring. Same WGMMAs in the same order either way: the bits do not change.
+        overlap = self.wgs == 1
+        prev = cs.clone()
+        for k in cutlass.range(KT, unroll=1):
+            pipe.consumer_wait(cs)
+            bi = cs.index
+            c0, c1, sc = self.load_codes(sW, cw, bi, t)
+            for kb in cutlass.range_constexpr(8):
+                d = self.decode_kb(c0, c1, sc, kb)
+                if cutlass.const_expr(overlap):
                     warpgroup.wait_group(7)
-                    for j in cutlass.range_constexpr(4):
-                        a_u32[j + 4 * kb] = d[j]
+                for j in cutlass.range_constexpr(4):
+                    a_u32[j + 4 * kb] = d[j]
+                if cutlass.const_expr(overlap):
                     warpgroup.fence()
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
                     cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
                     warpgroup.commit_group()
+            if cutlass.const_expr(overlap):
                 if k > 0:
                     pipe.consumer_release(prev)
                 prev = cs.clone()
-                cs.advance()
-            warpgroup.wait_group(0)
-            pipe.consumer_release(prev)
-        else:
-            # Two warpgroups (4-5 stages): decode the whole tile, 8 WGMMAs, wait, release. The other warpgroup and the
-            # other CTAs on the SM fill the MMA's latency; a one-tile-late release would cost a fifth of the ring.
-            for k in cutlass.range(KT, unroll=1):
-                pipe.consumer_wait(cs)
-                bi = cs.index
-                c0, c1, sc = self.load_codes(sW, cw, bi, t)
-                for kb in cutlass.range_constexpr(8):
-                    d = self.decode_kb(c0, c1, sc, kb)
-                    for j in cutlass.range_constexpr(4):
-                        a_u32[j + 4 * kb] = d[j]
+            else:
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(8):
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
@@ -247,7 +238,10 @@ class _Consumer:
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 pipe.consumer_release(cs)
-                cs.advance()
+            cs.advance()
+        if cutlass.const_expr(overlap):
+            warpgroup.wait_group(0)
+            pipe.consumer_release(prev)
         return cs
 
 
