@@ -1,0 +1,74 @@
+"""dsv4_nvfp4.attention: the float64 decode attention against an independent rendering of DeepSeek-V4's reference
+structure (inference/model.py: one cache of window slots then compressed entries, the window's and the compressed
+indices concatenated, -1 masked to -inf with a zero row, the sink added to the exponent sum, the output's RoPE dims
+rotated back by the conjugate angle), on small shapes. CPU only."""
+import math
+
+import pytest
+import torch
+
+from dsv4_nvfp4 import attention as A
+
+
+def structured(q, kv_window, window_len, kv_comp, comp_idx, sink, scale, cos, sin):
+    "The reference's layout, vectorized: cache = [window | compressed], idx = [window idx (-1 pad) | comp idx + W]."
+    B, H, D = q.shape
+    W, Nc = kv_window.shape[1], kv_comp.shape[1]
+    cache = torch.cat([kv_window, kv_comp], 1).double()                       # (B, W + Nc, D)
+    win = torch.arange(W).expand(B, W)
+    win = torch.where(win < window_len.view(B, 1), win, torch.full_like(win, -1))
+    comp = torch.where((comp_idx >= 0) & (comp_idx < Nc), comp_idx + W, torch.full_like(comp_idx, -1))
+    idx = torch.cat([win, comp], 1)                                           # (B, S)
+    rows = cache[torch.arange(B).view(B, 1), idx.clamp(min=0)]                 # (B, S, D)
+    rows = torch.where((idx >= 0).unsqueeze(-1), rows, torch.zeros_like(rows))
+    s = torch.einsum("bhd,bsd->bhs", q.double(), rows) * scale
+    s = torch.where((idx >= 0).view(B, 1, -1), s, torch.full_like(s, -math.inf))
+    m = torch.maximum(s.amax(-1), sink.double().view(1, H))                   # the sink joins the running max
+    e = torch.exp(s - m.unsqueeze(-1))
+    o = torch.einsum("bhs,bsd->bhd", e, rows) / (e.sum(-1) + torch.exp(sink.double().view(1, H) - m)).unsqueeze(-1)
+    z = torch.view_as_complex(o[..., -A.ROPE_DIM:].reshape(B, H, -1, 2).contiguous())
+    f = torch.complex(cos.double(), sin.double()).view(B, 1, -1)                 # the angle's table entry, cos + j sin
+    o = torch.cat([o[..., :-A.ROPE_DIM], torch.view_as_real(z * f.conj()).flatten(-2)], -1)
+    return o
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reference_matches_the_reference_structure(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, H, W, Nc, k = 3, 8, 16, 24, 6
+    q = torch.randn(B, H, A.HEAD_DIM, generator=g) * 0.2
+    kw, kc = torch.randn(B, W, A.HEAD_DIM, generator=g), torch.randn(B, Nc, A.HEAD_DIM, generator=g)
+    wl = torch.randint(1, W + 1, (B,), generator=g)
+    idx = torch.randint(-1, Nc + 3, (B, k), generator=g)                     # -1 and out-of-range entries included
+    sink = torch.randn(H, generator=g)
+    ang = torch.rand(B, A.ROPE_DIM // 2, generator=g) * 6.3
+    got = A.ref_sparse_attention(q, kw, wl, kc, idx, sink, out_rope=(ang.cos(), ang.sin()))
+    want = structured(q, kw, wl, kc, idx, sink, A.HEAD_DIM ** -0.5, ang.cos(), ang.sin())
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_edge_cases():
+    g = torch.Generator().manual_seed(9)
+    B, H, W, Nc = 2, 4, 8, 10
+    q = torch.randn(B, H, A.HEAD_DIM, generator=g) * 0.2
+    kw, kc = torch.randn(B, W, A.HEAD_DIM, generator=g), torch.randn(B, Nc, A.HEAD_DIM, generator=g)
+    sink = torch.randn(H, generator=g)
+    # no valid slot: zeros (window empty, every index -1 or out of range)
+    o = A.ref_sparse_attention(q, kw, torch.tensor([0, 0]), kc, torch.tensor([[-1, 10], [-5, 99]]), sink)
+    assert torch.equal(o, torch.zeros_like(o))
+    # one slot and no sink: the output is that slot exactly (softmax of one score)
+    o = A.ref_sparse_attention(q, kw, torch.tensor([1, 0]), kc, torch.tensor([[-1], [4]]))
+    assert torch.allclose(o[0], kw[0, 0].double().expand(H, -1)) and torch.allclose(o[1], kc[1, 4].double().expand(H, -1))
+    # a NaN slot poisons exactly the queries that read it
+    kc2 = kc.clone(); kc2[1, 4, 0] = float("nan")
+    o = A.ref_sparse_attention(q, kw, torch.tensor([3, 3]), kc2, torch.tensor([[4, 5], [4, 5]]), sink)
+    assert o[1].isnan().all() and not o[0].isnan().any()
+    # the sink only shrinks the weights: a large sink drives the output to zero
+    o = A.ref_sparse_attention(q, kw, torch.tensor([3, 3]), kc, torch.tensor([[4, 5], [4, 5]]), torch.full((H,), 1e3))
+    assert o.abs().max() < 1e-100
+
+
+def test_slot_counts():
+    assert A.window_slots(0) == [0] and A.window_slots(200)[0] == 73 and len(A.window_slots(200)) == A.WINDOW
+    assert [A.compressed_count(p, A.CSA_RATIO) for p in range(9)] == [0, 0, 0, 1, 1, 1, 1, 2, 2]
+    assert A.compressed_count(255, A.HCA_RATIO) == 2 and A.compressed_count(254, A.HCA_RATIO) == 1
