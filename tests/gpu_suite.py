@@ -12,14 +12,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # (name, command, GPUs, expected seconds): the expectations are last runs' times, to order the queue
-NVRTC = [("pytest_kernels", "python3 -m pytest -v -m gpu -p no:cacheprovider -n {ngpu} tests/test_kernels_gpu.py", "all", 300),
-         ("pytest_kv_route", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kv_gpu.py tests/test_moe_route_gpu.py", 1, 90)]
+NVRTC = [("pytest_kernels", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider -n {ngpu} tests/test_kernels_gpu.py", "all", 300),
+         ("pytest_kv_route", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_kv_gpu.py tests/test_moe_route_gpu.py", 1, 90)]
 NVRTC_NBS = ["03_runtime", "03a_quantize_cuda", "03b_norm_quantize", "06_kv_compress", "07_dequant_gather", "index"]
-CUTE = [("pytest_ep_2gpu", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_ep_gpu.py", 2, 150),
-        ("pytest_gemm", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_gemm_gpu.py", 1, 200),
-        ("pytest_mlp", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 200),
-        ("pytest_moe", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py", 1, 300),
-        ("pytest_compile", "python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_compile_gpu.py tests/test_cli.py", 1, 150)]
+CUTE = [("pytest_ep_2gpu", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_ep_gpu.py", 2, 150),
+        ("pytest_gemm", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_gemm_gpu.py", 1, 200),
+        ("pytest_mlp", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 200),
+        ("pytest_moe", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py", 1, 300),
+        ("pytest_compile", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_compile_gpu.py tests/test_cli.py", 1, 150)]
 
 
 def notebooks(phase):
@@ -37,6 +37,18 @@ def jobs(phase, ngpu):
         skip = "|".join(notebooks("nvrtc") + notebooks("cute"))          # every other notebook, on one GPU, 6 at a time
         out.append(("nb_rest", f"nbdev_test --flags gpu --n_workers 6 --skip_file_re '^({skip})\\.ipynb$'", 1, 200))
     return sorted(out, key=lambda j: -j[3] * j[2])
+
+
+def failures(out, names, per_job=40):
+    """The failing tests and their assertion lines of each job in `names`, from its log, for summary.md: the summary
+    is the one file sure to come back from a time-limited run (a run returns a limited number of files)."""
+    text = ""
+    for n in names:
+        f = out / f"{n}.log"
+        lines = f.read_text(errors="replace").splitlines() if f.exists() else []
+        bad = [l for l in lines if " FAILED" in l or " ERROR" in l or l.startswith(("E ", "FAILED ", "ERROR "))]
+        if bad: text += f"\n### {n}\n\n```\n" + "\n".join(l[:240] for l in bad[:per_job]) + "\n```\n"
+    return "\n## Failures\n" + text if text else ""
 
 
 def main():
@@ -75,7 +87,8 @@ def main():
             queue = []
     rows = "\n".join(f"| {n} | `{c}` | {g} | {s} | {rc} | {t} |" for n, c, g, s, rc, t in done)
     (out / "summary.md").write_text(f"{torch.cuda.get_device_name(0)} x {ngpu}, phase {phase}, {time.time() - t0:.0f} s\n\n"
-                                    "| job | command | GPUs | s | rc | last line |\n|---|---|---|---|---|---|\n" + rows + "\n")
+                                    "| job | command | GPUs | s | rc | last line |\n|---|---|---|---|---|---|\n" + rows + "\n"
+                                    + failures(out, [d[0] for d in done if d[4] != 0]))
     print((out / "summary.md").read_text())
     sys.exit(0 if all(r[4] == 0 for r in done) else 1)
 

@@ -28,3 +28,15 @@ def test_every_notebook_is_valid_nbformat():
     paths = sorted(glob.glob(str(ROOT / "nbs" / "*.ipynb")))
     assert paths
     for p in paths: nbformat.validate(nbformat.read(p, as_version=4))
+
+
+def test_gpu_suite_summary_names_the_failures(tmp_path):
+    "tests/gpu_suite.py puts each failing job's failed tests and assertion lines into summary.md (the file sure to come back)."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_suite", Path(__file__).parent / "gpu_suite.py")
+    G = importlib.util.module_from_spec(spec); spec.loader.exec_module(G)
+    (tmp_path / "bad.log").write_text("tests/x.py::t1 PASSED\ntests/x.py::t2 FAILED [50%]\nE   assert 1 == 2\n")
+    (tmp_path / "good.log").write_text("tests/x.py::t1 PASSED\n")
+    text = G.failures(tmp_path, ["bad", "missing"])
+    assert "### bad" in text and "t2 FAILED" in text and "E   assert 1 == 2" in text and "t1 PASSED" not in text
+    assert G.failures(tmp_path, ["good"]) == ""
