@@ -7,27 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from .kv import DSV4_ROPE, RopeConfig, apply_rope
+
 # %% auto #0
-__all__ = ['HEAD_DIM', 'ROPE_DIM', 'WINDOW', 'CSA_RATIO', 'HCA_RATIO', 'TOPK', 'rope_pairs', 'window_slots', 'compressed_count',
-           'ref_sparse_attention']
+__all__ = ['WINDOW', 'window_slots', 'compressed_count', 'ref_sparse_attention']
 
 # %% ../nbs/07b_sparse_attention.ipynb #60719d64
-HEAD_DIM = 512        # one latent per KV slot, read as both key and value (MQA: every query head shares it)
-ROPE_DIM = 64         # the last 64 dims carry interleaved (GPT-J) RoPE: pairs (2i, 2i + 1)
 WINDOW = 128          # raw tokens every layer attends: the query's own token and the 127 before it
-CSA_RATIO, HCA_RATIO = 4, 128
-TOPK = {"flash": 512, "pro": 1024}     # CSA entries the indexer selects per query
-
-# %% ../nbs/07b_sparse_attention.ipynb #567990f3
-def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Interleaved RoPE on the last `2 * cos.shape[-1]` dims of x: pair (x[2i], x[2i+1]) times (cos_i + j sin_i) as a
-    complex number (its conjugate with `inverse`, which undoes the rotation). cos / sin broadcast against x[..., :1]."""
-    n = cos.shape[-1]
-    head, tail = x[..., :-2 * n], x[..., -2 * n:]
-    a, b = tail[..., 0::2], tail[..., 1::2]
-    s = -sin if inverse else sin
-    out = torch.stack([a * cos - b * s, a * s + b * cos], -1).flatten(-2)
-    return torch.cat([head, out], -1)
 
 # %% ../nbs/07b_sparse_attention.ipynb #a81a487e
 def window_slots(pos: int, window: int = WINDOW) -> list[int]:
@@ -45,13 +31,14 @@ def ref_sparse_attention(q: torch.Tensor,           # (B, H, D) queries, normali
                          kv_comp: torch.Tensor,     # (B, Nc, D) compressed entries (rotated at i * ratio)
                          comp_idx: torch.Tensor,    # (B, k) int: entries attended (CSA: the indexer's top-k; HCA: all), -1: none
                          sink: torch.Tensor | None = None,   # (H,) per-head sink logit (in the denominator only)
-                         scale: float | None = None,         # default HEAD_DIM ** -0.5
-                         out_rope: tuple | None = None,      # (cos, sin) (B, ROPE_DIM / 2) at the query's position: undo RoPE on the output
+                         scale: float | None = None,         # default D ** -0.5 (512^-0.5 for DSV4)
+                         out_pos: torch.Tensor | None = None,  # (B,) the query positions: rotate the output back to them
+                         rope: RopeConfig = DSV4_ROPE,         # the layer's RoPE (window-only layers: theta 10000, no YaRN)
                         ) -> torch.Tensor:                   # float64 (B, H, D)
     """DeepSeek-V4's attention for one decode query per sequence, in float64: one softmax over the sequence's window
     rows and its selected compressed entries together (duplicates are not removed), every head reading the same
     latent as key and value, scores `q . kv * scale`, the head's sink logit added to the denominator, the output's
-    RoPE dims rotated back to the query's frame. Indices -1 or outside [0, Nc) contribute nothing; a sequence with no
+    RoPE dims rotated back to the query's frame (`kv.apply_rope` at minus the query position). Indices -1 or outside [0, Nc) contribute nothing; a sequence with no
     valid slot returns zeros; a NaN in a slot reaches only the queries that read it."""
     B, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
@@ -68,7 +55,5 @@ def ref_sparse_attention(q: torch.Tensor,           # (B, H, D) queries, normali
         p = torch.exp(s - m)
         den = p.sum(-1, keepdim=True) + (torch.exp(sink.double().view(H, 1) - m) if sink is not None else 0)
         out[b] = (p / den) @ kv
-    if out_rope is not None:
-        cos, sin = out_rope
-        out = rope_pairs(out, cos.double()[:, None, :], sin.double()[:, None, :], inverse=True)
+    if out_pos is not None: out = apply_rope(out, -out_pos.view(B, 1).expand(B, H), rope)
     return out

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from dsv4_nvfp4 import attention as A
+from dsv4_nvfp4.kv import CSA_RATIO, DSV4_ROPE, HCA_RATIO, KV_DIM, rope_freqs
 
 
-def structured(q, kv_window, window_len, kv_comp, comp_idx, sink, scale, cos, sin):
+def structured(q, kv_window, window_len, kv_comp, comp_idx, sink, scale, pos):
     "The reference's layout, vectorized: cache = [window | compressed], idx = [window idx (-1 pad) | comp idx + W]."
     B, H, D = q.shape
     W, Nc = kv_window.shape[1], kv_comp.shape[1]
@@ -26,9 +27,10 @@ def structured(q, kv_window, window_len, kv_comp, comp_idx, sink, scale, cos, si
     m = torch.maximum(s.amax(-1), sink.double().view(1, H))                   # the sink joins the running max
     e = torch.exp(s - m.unsqueeze(-1))
     o = torch.einsum("bhs,bsd->bhd", e, rows) / (e.sum(-1) + torch.exp(sink.double().view(1, H) - m)).unsqueeze(-1)
-    z = torch.view_as_complex(o[..., -A.ROPE_DIM:].reshape(B, H, -1, 2).contiguous())
-    f = torch.complex(cos.double(), sin.double()).view(B, 1, -1)                 # the angle's table entry, cos + j sin
-    o = torch.cat([o[..., :-A.ROPE_DIM], torch.view_as_real(z * f.conj()).flatten(-2)], -1)
+    d = DSV4_ROPE.dim
+    z = torch.view_as_complex(o[..., -d:].reshape(B, H, -1, 2).contiguous())
+    f = torch.polar(torch.ones(B, d // 2, dtype=torch.float64), pos.double().view(B, 1) * rope_freqs())   # freqs_cis
+    o = torch.cat([o[..., :-d], torch.view_as_real(z * f.conj().view(B, 1, -1)).flatten(-2)], -1)
     return o
 
 
@@ -36,22 +38,22 @@ def structured(q, kv_window, window_len, kv_comp, comp_idx, sink, scale, cos, si
 def test_reference_matches_the_reference_structure(seed):
     g = torch.Generator().manual_seed(seed)
     B, H, W, Nc, k = 3, 8, 16, 24, 6
-    q = torch.randn(B, H, A.HEAD_DIM, generator=g) * 0.2
-    kw, kc = torch.randn(B, W, A.HEAD_DIM, generator=g), torch.randn(B, Nc, A.HEAD_DIM, generator=g)
+    q = torch.randn(B, H, KV_DIM, generator=g) * 0.2
+    kw, kc = torch.randn(B, W, KV_DIM, generator=g), torch.randn(B, Nc, KV_DIM, generator=g)
     wl = torch.randint(1, W + 1, (B,), generator=g)
     idx = torch.randint(-1, Nc + 3, (B, k), generator=g)                     # -1 and out-of-range entries included
     sink = torch.randn(H, generator=g)
-    ang = torch.rand(B, A.ROPE_DIM // 2, generator=g) * 6.3
-    got = A.ref_sparse_attention(q, kw, wl, kc, idx, sink, out_rope=(ang.cos(), ang.sin()))
-    want = structured(q, kw, wl, kc, idx, sink, A.HEAD_DIM ** -0.5, ang.cos(), ang.sin())
+    pos = torch.randint(0, 1 << 17, (B,), generator=g)
+    got = A.ref_sparse_attention(q, kw, wl, kc, idx, sink, out_pos=pos)
+    want = structured(q, kw, wl, kc, idx, sink, KV_DIM ** -0.5, pos)
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_edge_cases():
     g = torch.Generator().manual_seed(9)
     B, H, W, Nc = 2, 4, 8, 10
-    q = torch.randn(B, H, A.HEAD_DIM, generator=g) * 0.2
-    kw, kc = torch.randn(B, W, A.HEAD_DIM, generator=g), torch.randn(B, Nc, A.HEAD_DIM, generator=g)
+    q = torch.randn(B, H, KV_DIM, generator=g) * 0.2
+    kw, kc = torch.randn(B, W, KV_DIM, generator=g), torch.randn(B, Nc, KV_DIM, generator=g)
     sink = torch.randn(H, generator=g)
     # no valid slot: zeros (window empty, every index -1 or out of range)
     o = A.ref_sparse_attention(q, kw, torch.tensor([0, 0]), kc, torch.tensor([[-1, 10], [-5, 99]]), sink)
@@ -70,5 +72,5 @@ def test_edge_cases():
 
 def test_slot_counts():
     assert A.window_slots(0) == [0] and A.window_slots(200)[0] == 73 and len(A.window_slots(200)) == A.WINDOW
-    assert [A.compressed_count(p, A.CSA_RATIO) for p in range(9)] == [0, 0, 0, 1, 1, 1, 1, 2, 2]
-    assert A.compressed_count(255, A.HCA_RATIO) == 2 and A.compressed_count(254, A.HCA_RATIO) == 1
+    assert [A.compressed_count(p, CSA_RATIO) for p in range(9)] == [0, 0, 0, 1, 1, 1, 1, 2, 2]
+    assert A.compressed_count(255, HCA_RATIO) == 2 and A.compressed_count(254, HCA_RATIO) == 1

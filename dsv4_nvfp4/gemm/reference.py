@@ -17,12 +17,15 @@ from ..quant import BLOCK, NVFP4Experts, NVFP4Tensor, ref_quantize_nvfp4
 from ..routing import check_offsets, group_sizes
 
 # %% auto #0
-__all__ = ['L1_GROUP', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4', 'interleave_l1', 'deinterleave_l1',
-           'check_swiglu_limit', 'ref_swiglu', 'ReferenceWeights', 'ref_swiglu_out', 'ReferenceBackend']
+__all__ = ['L1_GROUP', 'unscaled', 'grouped_rows', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4', 'interleave_l1',
+           'deinterleave_l1', 'check_swiglu_limit', 'ref_swiglu', 'ReferenceWeights', 'ref_swiglu_out',
+           'ReferenceBackend']
 
 # %% ../../nbs/04a_grouped_gemm.ipynb #80082d62
-def _unscaled(t, K: int) -> torch.Tensor:
-    "float64 `e2m1 * s` of an NVFP4 tensor or experts, cropped to the logical K (exact)."
+def unscaled(t,       # NVFP4Tensor (..., K) or NVFP4Experts (E, N, K)
+             K: int,  # the logical K (the codes may be padded to a multiple of 16)
+            ) -> torch.Tensor:  # float64 (..., K)
+    "`e2m1 * s` of every element, the global scale left out, cropped to K: exact in float64."
     vals = e2m1_decode(unpack_fp4(t.data)).double()
     vals = vals.reshape(*t.scale.shape, BLOCK) * t.scale.double()[..., None]
     return vals.reshape(*t.scale.shape[:-1], t.scale.shape[-1] * BLOCK)[..., :K]
@@ -31,7 +34,7 @@ def _operand_a(a, what: str):
     "(unscaled float64 A (R, K), gs_a float64 (R,) or ()) from an NVFP4Tensor (R, K) or a bf16 (R, K) tensor."
     if isinstance(a, NVFP4Tensor):
         if len(a.shape) != 2: raise ValueError(f"{what}: NVFP4 activations must be 2-D (rows, K), got {tuple(a.shape)}")
-        return _unscaled(a, a.shape[-1]), a.global_scale.double()
+        return unscaled(a, a.shape[-1]), a.global_scale.double()
     if isinstance(a, torch.Tensor):
         if a.dtype != torch.bfloat16:
             raise TypeError(f"{what}: activations must be an NVFP4Tensor (W4A4) or bf16 (W4A16), got {a.dtype}")
@@ -48,6 +51,23 @@ def _f64_to_bf16(x: torch.Tensor) -> torch.Tensor:
     midpoint = (b & 0xFFFF) == 0x8000                            # f is exactly halfway between two bf16 values
     f = torch.where(midpoint & (f.double() < x), up, torch.where(midpoint & (f.double() > x), dn, f))
     return f.to(torch.bfloat16)
+
+def grouped_rows(x: torch.Tensor,               # (R, K) rows, expert-major
+                 w: torch.Tensor,               # (E, N, K) one matrix per expert
+                 expert_offsets: torch.Tensor,  # int32 (E,) cumulative end offsets (checked: a host read)
+                 scale: torch.Tensor | None = None,  # (E,): each expert's product times scale[e]
+                ) -> torch.Tensor:              # float64 (R, N) on the CPU
+    "The grouped product in float64: rows `[offsets[e-1], offsets[e])` of x times `w[e]^T` (times `scale[e]`)."
+    R, E, N = x.shape[0], w.shape[0], w.shape[1]
+    check_offsets(expert_offsets, R, E)
+    x, w = x.double().cpu(), w.double().cpu()
+    sc = None if scale is None else scale.double().cpu()
+    c = torch.zeros(R, N, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(expert_offsets.cpu().long().tolist()):
+        if end > start: c[start:end] = (x[start:end] @ w[e].T) * (1.0 if sc is None else sc[e])
+        start = end
+    return c
 
 def ref_grouped_gemm_nvfp4(a,                             # NVFP4Tensor (R, K) (gs scalar or (R,)) or bf16 (R, K)
                            w: NVFP4Experts,               # (E, N, K) stacked expert weights
@@ -66,15 +86,7 @@ def ref_grouped_gemm_nvfp4(a,                             # NVFP4Tensor (R, K) (
     E, N, K = w.shape
     if au.shape[1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {au.shape[1]}, weights K = {K}")
     R = au.shape[0]
-    check_offsets(expert_offsets, R, E)
-    wu = _unscaled(w, K)                                           # (E, N, K) float64
-    ends = expert_offsets.cpu().long().tolist()
-    c = torch.zeros(R, N, dtype=torch.float64)
-    gs_w = w.global_scale.double().cpu()
-    start = 0
-    for e, end in enumerate(ends):
-        if end > start: c[start:end] = (au[start:end] @ wu[e].T) * gs_w[e]
-        start = end
+    c = grouped_rows(au, unscaled(w, K), expert_offsets, w.global_scale)
     c = c * (gs_a[:, None] if gs_a.dim() else gs_a)
     return c if out_dtype == torch.float64 else _f64_to_bf16(c)
 

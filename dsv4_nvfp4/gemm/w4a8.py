@@ -9,18 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import check_float, e2m1_decode, unpack_fp4
+from ..formats import E4M3_MAX, check_float
+from .reference import grouped_rows, unscaled
 from ..quant import NVFP4Experts
 
 # %% auto #0
-__all__ = ['E4M3_MAX', 'FP8_BLOCK', 'E2M1_TO_E4M3_SHIFT', 'e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act',
-           'w4a8_weights', 'ref_grouped_gemm_w4a8']
+__all__ = ['e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'w4a8_weights', 'ref_grouped_gemm_w4a8']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
-E4M3_MAX = 448.0           # largest finite float8_e4m3fn: FP8 values saturate here (a documented clamp, never Inf)
-FP8_BLOCK = 128            # the block of the 1 x 128 activation scales (DeepGEMM's and DSV4's reference layout)
-E2M1_TO_E4M3_SHIFT = 6     # an E2M1 code placed in an E4M3 byte (sign bit 7, e1 e0 m in bits 4..2) is its value x 2^-6
-
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes (0..15) -> the E4M3 bytes the W4A8 decode places them in: `(c & 8) << 4 | (c & 7) << 2`, a
     float8_e4m3fn tensor whose values are exactly `e2m1(c) * 2^-6` (E2M1's subnormal 0.5 lands on E4M3's subnormal)."""
@@ -84,9 +80,7 @@ def w4a8_weights(experts: NVFP4Experts) -> tuple[torch.Tensor, torch.Tensor, dic
     weight is `w8 * 2^c * gs_w[e]`. One rounding (RNE) per weight; none where the block scale is a power of two and
     the product stays at or above E4M3's 2^-9 granularity, which holds for MXFP4 weights carried to NVFP4. Returns
     (w8 float8_e4m3fn (E, N, K), c, report: weights, rounded, flushed to zero, largest relative change)."""
-    E, N, K = experts.shape
-    codes = unpack_fp4(experts.data)[..., :K]
-    v = e2m1_decode(codes).double() * experts.scale.double().repeat_interleave(16, -1)[..., :K]   # exact products
+    v = unscaled(experts, experts.shape[-1])                      # (E, N, K) the exact products e2m1 * s
     rowmax = v.abs().amax(-1)
     c = torch.where(rowmax > 0, torch.ceil(torch.log2(rowmax / E4M3_MAX)), torch.zeros_like(rowmax)).to(torch.int32)
     scaled = v * torch.exp2(-c.double())[..., None]
@@ -104,18 +98,10 @@ def ref_grouped_gemm_w4a8(a: FP8Activations,           # (R, K) FP8 rows, expert
                           w8: torch.Tensor,            # float8_e4m3fn (E, N, K) from w4a8_weights
                           c: torch.Tensor,             # int32 (E, N) the row exponents
                           gs_w: torch.Tensor,          # fp32 (E,)
-                          expert_offsets: torch.Tensor,  # int32 (E,) cumulative end offsets
-                         ) -> torch.Tensor:            # float64 (R, N)
-    """The W4A8 grouped GEMM in float64: `out[r] = gs_w[e] 2^c[e] * (scale-weighted sum over K of w8[e] x a)` for
-    the rows r of expert e: the kernel's fp32 accumulation has this as its exact value."""
-    R, K = a.data.shape
-    E, N, _ = w8.shape
-    x = a.dequantize()
-    w = w8.double() * torch.exp2(c.double())[..., None] * gs_w.double().view(E, 1, 1)
-    out = torch.zeros(R, N, dtype=torch.float64, device=x.device)
-    offs = expert_offsets.long().clamp(0, R).tolist()
-    lo = 0
-    for e, hi in enumerate(offs):
-        if hi > lo: out[lo:hi] = x[lo:hi] @ w[e].T
-        lo = max(lo, hi)
-    return out
+                          expert_offsets: torch.Tensor,  # int32 (E,) cumulative end offsets (checked: a host read)
+                         ) -> torch.Tensor:            # float64 (R, N), on the CPU
+    """The W4A8 grouped GEMM in float64: for the rows r of expert e, `out[r, n] = gs_w[e] * sum_k (w8[e, n, k]
+    2^c[e, n]) (a.data[r, k] a.scale)`: the exact value the kernel's fp32 accumulation approximates (the row power of
+    two and the activation scales are exact in float64; gs_w is applied after the sum, as the epilogue does)."""
+    w = w8.double() * torch.exp2(c.double())[..., None]
+    return grouped_rows(a.dequantize(), w, expert_offsets, gs_w)
