@@ -203,45 +203,24 @@ class _Consumer:
     def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT):
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
-        # One warpgroup (overlap): one WGMMA commit group per K block, so K block kb of tile k + 1 is decoded while
-        # the WGMMAs of tile k's blocks kb + 1 .. 7 run; wait_group(7) retires the WGMMA that read a block's registers
-        # (8 groups ago) before they are rewritten, and a stage is released one tile late (its last reader retires
-        # during the next tile): the 8-stage ring acts as 7. Two warpgroups (4-5 stages): decode the tile, 8 WGMMAs,
-        # wait, release; the other warpgroup fills the MMA's latency and a late release would cost a fifth of the
-        # ring. Same WGMMAs in the same order either way: the bits do not change.
-        overlap = self.wgs == 1
-        prev = cs.clone()
+        # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage. (An overlapped
+        # form for one warpgroup, decoding the next tile's blocks under this tile's WGMMAs, gave wrong sums: see above.)
         for k in cutlass.range(KT, unroll=1):
             pipe.consumer_wait(cs)
             bi = cs.index
             c0, c1, sc = self.load_codes(sW, cw, bi, t)
             for kb in cutlass.range_constexpr(8):
                 d = self.decode_kb(c0, c1, sc, kb)
-                if cutlass.const_expr(overlap):
-                    warpgroup.wait_group(7)
                 for j in cutlass.range_constexpr(4):
                     a_u32[j + 4 * kb] = d[j]
-                if cutlass.const_expr(overlap):
-                    warpgroup.fence()
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
-                    cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
-                    warpgroup.commit_group()
-            if cutlass.const_expr(overlap):
-                if k > 0:
-                    pipe.consumer_release(prev)
-                prev = cs.clone()
-            else:
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(8):
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
-                    cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                pipe.consumer_release(cs)
-            cs.advance()
-        if cutlass.const_expr(overlap):
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(8):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
+                cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+            warpgroup.commit_group()
             warpgroup.wait_group(0)
-            pipe.consumer_release(prev)
+            pipe.consumer_release(cs)
+            cs.advance()
         return cs
 
 
@@ -613,8 +592,8 @@ def run_sm90(cfg: GemmConfig,
     _COMPILED_PY[key](*args)
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #a7bde6a6
-MAINLOOP_SASS_BUDGET = 192   # SASS instructions per K tile per consumer thread (64 weights): 3.0 per weight, the
-                             # overlap's 14 extra wait/arrive included (the plain loop of two warpgroups: 175)
+MAINLOOP_SASS_BUDGET = 180   # SASS instructions per K tile per consumer thread (64 weights): 2.8 per weight (the
+                             # loop of every configuration measures 171-176)
 
 def _nvdisasm() -> str:
     "Path of nvdisasm: on PATH, or from the `nvidia-cuda-nvdisasm` wheel (in the [dev] extra)."
