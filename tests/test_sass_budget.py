@@ -38,3 +38,29 @@ def test_kernel_artifact():
     assert S.kernel_artifact(L.CONFIGS[16], "cubin")[:4] == b"\x7fELF"
     with pytest.raises(ValueError, match="'ptx' or 'cubin'"):
         S.kernel_artifact(L.CONFIGS[16], "sass")
+
+
+@pytest.mark.parametrize("epi", ["BF16", "SWIGLU_NVFP4"])
+@pytest.mark.parametrize("tt", sorted(L.CONFIGS))
+def test_no_register_of_an_hgmma_in_flight_is_touched(tt, epi):
+    # the deleted overlapped loop failed this in every one-warpgroup configuration (73-86 such instructions per trip
+    # pair), with wrong sums where the timing exposed it; the plain loop waits for all 8 HGMMAs inside the tile
+    body = S.mainloop_sass(L.CONFIGS[tt]._replace(epilogue=getattr(L.Epilogue, epi)))
+    assert S.wgmma_hazards(body) == []
+
+
+def test_wgmma_hazards_finds_what_it_should():
+    mma = ["HGMMA.64x16x16.F32.BF16 R24, R40, gdesc[UR12], R24, gsb0", "HGMMA.64x16x16.F32.BF16 R24, R44, gdesc[UR12], R24, gsb0"]
+    ok = ["LDS.128 R40, [R2+0x10]", "WARPGROUP.ARRIVE", *mma, "WARPGROUP.DEPBAR.LE gsb0, 0x0", "FADD R50, R24, R30", "BRA `(.L_x_1)"]
+    assert S.wgmma_hazards(ok) == []
+    # A fragment rewritten while its HGMMA may still read it: the next trip's load lands before the wait
+    late = ["LDS.128 R40, [R2+0x10]", "WARPGROUP.DEPBAR.LE gsb0, 0x1", *mma, "BRA `(.L_x_1)"]
+    h = S.wgmma_hazards(late)
+    assert len(h) == 1 and "trip 1 [0] LDS.128 R40" in h[0] and "A fragment of HGMMA [2]" in h[0]
+    # leaving one in flight retires the older: a write to the older one's registers after the wait is fine, the younger's not
+    assert S.wgmma_hazards([*mma, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "MOV R41, R3", "@P0 IMAD.WIDE R46, R3, 0x4, R8"]) == \
+        ["trip 0 [4] @P0 IMAD.WIDE R46, R3, 0x4, R8: writes the A fragment of HGMMA [1] in flight",
+         "trip 1 [4] @P0 IMAD.WIDE R46, R3, 0x4, R8: writes the A fragment of HGMMA [1] in flight"]
+    # the accumulator (64x16: 8 registers, R24-R31) may not be read or written in flight; R32 is not its
+    acc = S.wgmma_hazards([mma[0], "FADD R50, R31, R2", "MOV R32, R2", "STG.E [R4], R24", "WARPGROUP.DEPBAR.LE gsb0, 0x0"])
+    assert [s.split(": ")[1] for s in acc] == ["touches the accumulator of HGMMA [0] in flight"] * 4   # 2 per trip

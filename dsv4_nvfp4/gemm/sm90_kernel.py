@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['USE_TVM_FFI', 'MAINLOOP_SASS_BUDGET', 'GroupedGemmSm90', 'compile_sm90', 'have_tvm_ffi', 'run_sm90',
-           'kernel_artifact', 'mainloop_sass', 'sass_opcodes']
+           'kernel_artifact', 'mainloop_sass', 'sass_opcodes', 'wgmma_hazards']
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #ab70ae4b
 import torch
@@ -639,3 +639,37 @@ def sass_opcodes(body: list[str]) -> dict[str, int]:
     import collections, re
     c = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", s).split()[0].split(".")[0] for s in body)
     return dict(c.most_common())
+
+def wgmma_hazards(body: list[str], trips: int = 2) -> list[str]:
+    """Instructions of a K loop's SASS (`mainloop_sass`) that touch a register an HGMMA still in flight reads: a write
+    to its A fragment (4 registers from its second operand) or any access to its accumulator (its first operand, N/2
+    registers for 64xNx16 F32), before the `WARPGROUP.DEPBAR.LE gsb0, n` that retires it (the n youngest stay in
+    flight). The loop runs `trips` times, so what a trip leaves in flight meets the next trip's instructions. The
+    hardware reads an HGMMA's register operands while it executes, not when it issues; ptxas before CUDA 13.3
+    reused such registers (CUDA 13.3's release notes; the overlapped loop's wrong sums, notebook prose above)."""
+    import re
+    R = lambda tok: {int(m) for m in re.findall(r"\bR(\d+)\b", tok)}
+    out, pending = [], []                      # pending: (index, A registers, accumulator registers), oldest first
+    for trip in range(trips):
+        for i, s in enumerate(body):
+            ins = re.sub(r"^@!?U?P\w+\s+", "", s)
+            op, _, rest = ins.partition(" ")
+            args = [a.strip() for a in rest.split(",")] if rest else []
+            if op.startswith("WARPGROUP.DEPBAR"):
+                n = int(args[-1], 16)
+                pending = pending[max(0, len(pending) - n):]
+                continue
+            if op.startswith("HGMMA"):
+                n_acc = int(re.match(r"HGMMA\.64x(\d+)x", op).group(1)) // 2
+                a0, d0 = min(R(args[1])), min(R(args[0]))
+                pending.append((i, set(range(a0, a0 + 4)), set(range(d0, d0 + n_acc))))
+                continue
+            stores = op.startswith(("ST", "BRA", "SYNCS", "BAR", "WARPGROUP", "RED", "EXIT", "NOP", "YIELD", "RET"))
+            first = R(args[0]) if args and not stores else set()
+            wide = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+            dst = set(range(min(first), min(first) + wide)) if first and not args[0].startswith("[") else set()
+            reads = set().union(*(R(a) for a in (args if stores or not dst else args[1:])))
+            for j, a, acc in pending:
+                if dst & a: out.append(f"trip {trip} [{i}] {s}: writes the A fragment of HGMMA [{j}] in flight")
+                if (dst | reads) & acc: out.append(f"trip {trip} [{i}] {s}: touches the accumulator of HGMMA [{j}] in flight")
+    return out
