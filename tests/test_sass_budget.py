@@ -43,7 +43,7 @@ def test_kernel_artifact():
 @pytest.mark.parametrize("epi", ["BF16", "SWIGLU_NVFP4"])
 @pytest.mark.parametrize("tt", sorted(L.CONFIGS))
 def test_no_register_of_an_hgmma_in_flight_is_touched(tt, epi):
-    # the deleted overlapped loop failed this in every one-warpgroup configuration (73-86 such instructions per trip
+    # the deleted overlapped loop failed this in every one-warpgroup configuration (56-86 such instructions per trip
     # pair), with wrong sums where the timing exposed it; the plain loop waits for all 8 HGMMAs inside the tile
     body = S.mainloop_sass(L.CONFIGS[tt]._replace(epilogue=getattr(L.Epilogue, epi)))
     assert S.wgmma_hazards(body) == []
