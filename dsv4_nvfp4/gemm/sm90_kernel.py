@@ -203,8 +203,8 @@ class _Consumer:
     def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT):
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
-        # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage. (An overlapped
-        # form for one warpgroup, decoding the next tile's blocks under this tile's WGMMAs, gave wrong sums: see above.)
+        # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage: no fragment
+        # register is written while a WGMMA may still read it (`wgmma_hazards`; why the loop does not overlap: above)
         for k in cutlass.range(KT, unroll=1):
             pipe.consumer_wait(cs)
             bi = cs.index
@@ -634,25 +634,30 @@ def mainloop_sass(cfg: GemmConfig, arch: str = "sm_90a") -> list[str]:
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", s)) and labels.get(m.group(1), i + 1) <= i]
     return min((l for l in loops if any("GMMA" in s for s in l)), key=len)
 
+def _unpredicated(s: str) -> str:
+    "A SASS instruction without its guard predicate: `@!P0 SYNCS.ARRIVE.TRANS64 ...` -> `SYNCS.ARRIVE.TRANS64 ...`."
+    import re
+    return re.sub(r"^@!?U?P\w+\s+", "", s)
+
 def sass_opcodes(body: list[str]) -> dict[str, int]:
     "Instruction counts by opcode (predicate and modifiers dropped: `@!P0 SYNCS.ARRIVE.TRANS64` -> SYNCS), most frequent first."
-    import collections, re
-    c = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", s).split()[0].split(".")[0] for s in body)
+    import collections
+    c = collections.Counter(_unpredicated(s).split()[0].split(".")[0] for s in body)
     return dict(c.most_common())
 
 def wgmma_hazards(body: list[str], trips: int = 2) -> list[str]:
-    """Instructions of a K loop's SASS (`mainloop_sass`) that touch a register an HGMMA still in flight reads: a write
-    to its A fragment (4 registers from its second operand) or any access to its accumulator (its first operand, N/2
-    registers for 64xNx16 F32), before the `WARPGROUP.DEPBAR.LE gsb0, n` that retires it (the n youngest stay in
-    flight). The loop runs `trips` times, so what a trip leaves in flight meets the next trip's instructions. The
-    hardware reads an HGMMA's register operands while it executes, not when it issues; ptxas before CUDA 13.3
-    reused such registers (CUDA 13.3's release notes; the overlapped loop's wrong sums, notebook prose above)."""
+    """The instructions of a K loop's SASS (`mainloop_sass`'s list, `trips` times in a row, so that what one trip leaves
+    in flight meets the next trip) that touch a register of an HGMMA still in flight: a write to its A fragment (4
+    registers from its second operand) or any read or write of its accumulator (its first operand, N/2 registers for
+    64xNx16 F32) before the `WARPGROUP.DEPBAR.LE gsb0, n` that retires it (the n youngest stay in flight). Returns one
+    line per (instruction, HGMMA) pair, `[]` for a safe loop; register-A WGMMAs may read their operands until that
+    wait, so any line is a race."""
     import re
     R = lambda tok: {int(m) for m in re.findall(r"\bR(\d+)\b", tok)}
     out, pending = [], []                      # pending: (index, A registers, accumulator registers), oldest first
     for trip in range(trips):
         for i, s in enumerate(body):
-            ins = re.sub(r"^@!?U?P\w+\s+", "", s)
+            ins = _unpredicated(s)
             op, _, rest = ins.partition(" ")
             args = [a.strip() for a in rest.split(",")] if rest else []
             if op.startswith("WARPGROUP.DEPBAR"):
