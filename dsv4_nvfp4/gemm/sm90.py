@@ -205,7 +205,7 @@ class GemmConfig(NamedTuple):
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
 # tokens). Stages: as deep as shared memory allows at 2-3 CTAs per SM. tok_tile 8 (WGMMA n8) halves the activation
 # box per stage for decode batches; against 16 on an H100: Pro EP48 K=7168 T=1 78.3 -> 73.0 us, Flash L2 T=1
-# 25.2 -> 23.0, Flash L1 T=1, 8, 32 0.4-0.8% faster.
+# 25.2 -> 23.0, Flash L1 T=1, 8, 32 0.4-0.8% faster (measured with the overlapped K loop, since deleted: notebook 04b).
 CONFIGS = {8: GemmConfig(8, 1, 8), 16: GemmConfig(16, 1, 8), 32: GemmConfig(32, 1, 8), 64: GemmConfig(64, 2, 5), 128: GemmConfig(128, 2, 4)}
 
 def smem_bytes(cfg: GemmConfig) -> int:
