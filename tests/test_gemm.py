@@ -504,9 +504,9 @@ def test_sm90_decode_program():
     # catch a wrong term, and the all-ones / single-bit words pin every column)
     w = torch.cat([torch.randint(0, 2 ** 32, (4096,), generator=gen(7), dtype=torch.int64),
                    torch.tensor([0, 0xFFFFFFFF] + [1 << b for b in range(32)], dtype=torch.int64)])
-    o = S90._decode_words(w)
+    o = S90.decode_words(w)
     assert int((o & ~S90.BF16_CODE_MASK).abs().sum()) == 0          # every register holds code bits only
-    assert torch.equal(S90._encode_words(o), w)
+    assert torch.equal(S90.encode_words(o), w)
     # four rotations is the least: with three, the four registers' mask bits would have to tile the word, and no
     # three rotations of the mask are disjoint from it and each other with a fourth filling the rest
     M = {p for p in range(32) if S90.BF16_CODE_MASK >> p & 1}

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsv4_nvfp4.formats import e2m1_decode, e4m3_value_from_bits
+from dsv4_nvfp4.gemm import sm90 as S90
 from dsv4_nvfp4.gemm import w4a8 as W
 from dsv4_nvfp4.quant import (NVFP4Experts, mxfp4_experts_to_nvfp4, quantize_experts, ref_quantize_mxfp4)
 
@@ -91,3 +92,72 @@ def test_reference_gemm_matches_a_direct_sum():
         e = 0 if r < 5 else 2
         wr = w8[e].double() * torch.exp2(c[e].double())[:, None] * float(we.global_scale[e])
         assert torch.allclose(y[r], wr @ x[r], rtol=1e-12, atol=0)
+
+
+# ---- the W4A8 register decode: slabs, fragment coordinates, the bit program and its CPU model
+
+def _experts(codes, scale_bytes, gs=None):
+    "NVFP4Experts from codes uint8 (E, N, K) 0..15 and E4M3 scale bytes uint8 (E, N, K/16)."
+    E = codes.shape[0]
+    data = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return NVFP4Experts(data, scale_bytes.view(torch.float8_e4m3fn), torch.ones(E) if gs is None else gs, codes.shape)
+
+
+def test_fp8_fragment_covers_the_slab_once_and_each_register_sits_in_one_block():
+    row, col = W._frag_coords_fp8()
+    idx = (row * 128 + col).flatten()
+    assert torch.equal(idx.sort().values, torch.arange(64 * 128))
+    assert ((col // 16).amin(-1) == (col // 16).amax(-1)).all()          # a register's 4 bytes: one 16-block, one scale
+    assert (row.amin(-1) == row.amax(-1)).all() and ((col[..., 1:] - col[..., :-1]) == 1).all()   # one row, consecutive K
+    # thread t, register r: rows 16 w + l/4 (+8 for odd r), the PTX ISA's m64nNk32 A layout for 8-bit types
+    assert row[37, 2, 1, 0] == 16 * 1 + 5 // 4 + 8 and col[37, 2, 1, 0] == 64 + 4 * (5 % 4) and col[37, 2, 3, 0] == 64 + 16 + 4
+
+
+def test_w4a8_decode_program_inverts():
+    g = torch.Generator().manual_seed(3)
+    T = torch.randint(0, 2 ** 32, (1000, 2), generator=g, dtype=torch.int64) & W.W4A8_CODE_MASK
+    w = S90.encode_words(T, W.W4A8_CODE_MASK, W.W4A8_DECODE_ROTATIONS)
+    assert torch.equal(S90.decode_words(w, W.W4A8_CODE_MASK, W.W4A8_DECODE_ROTATIONS), T)
+    assert not torch.equal(S90.decode_words(w, W.W4A8_CODE_MASK, ((0,), (2, 12))), T)   # another program reads other codes
+
+
+@pytest.mark.parametrize("kind", ["heavy", "mxfp4"])
+def test_w4a8_decode_model_is_w4a8_weights_byte_for_byte(kind):
+    from dsv4_nvfp4.moe import _heavy
+    g = torch.Generator().manual_seed(11)
+    span = (-4, 2) if kind == "heavy" else (-2, 2)                      # MXFP4 carried to NVFP4: 18 binades per tensor
+    w = torch.stack([_heavy((128, 512), g, 512 ** -0.5, "cpu") for _ in range(2)]) * torch.logspace(*span, 128).view(1, 128, 1)
+    w[0, 3] = 0; w[1, 5, 16:48] = 0                                     # an all-zero row and two all-zero blocks
+    ex = quantize_experts(w) if kind == "heavy" else mxfp4_experts_to_nvfp4([ref_quantize_mxfp4(w[e]) for e in range(2)])[0]
+    w8, c, rep = W.w4a8_weights(ex)
+    tiled, c2 = W.tile_weights_w4a8(ex)
+    assert tiled.shape == (2 * 2 * 4 * 18, 256) and tiled.dtype == torch.uint8
+    assert torch.equal(c2, c) and (c.min() < -9 or kind == "mxfp4")     # rows whose 2^(6-c) would overflow f16 as a factor
+    got = W.emulate_decode_w4a8(tiled, c2, 2, 128, 512)
+    assert torch.equal(got.view(torch.uint8), w8.view(torch.uint8))
+    assert (rep["rounded"] > 0) == (kind == "heavy")
+
+
+def test_w4a8_dead_blocks_are_cleared_not_misread():
+    # block 0: scale 448 but every code zero; block 1: nonzero codes under a zero scale; block 2..: ordinary
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (1, 64, 128), generator=g, dtype=torch.uint8)
+    sb = torch.full((1, 64, 8), 0x30, dtype=torch.uint8)                # E4M3 1.0
+    codes[0, 0, :16] = 0; sb[0, 0, 0] = 0x7E                             # 448 over zeros
+    sb[0, 1, 1] = 0                                                      # zero scale over nonzero codes
+    sb[0, 2, :] = 0x01; codes[0, 2] = 1                                  # the smallest scale (2^-9) and codes 0.5: c = -18
+    ex = _experts(codes, sb)
+    w8, c, _ = W.w4a8_weights(ex)
+    tiled, c2 = W.tile_weights_w4a8(ex)
+    got = W.emulate_decode_w4a8(tiled, c2, 1, 64, 128)
+    assert torch.equal(got.view(torch.uint8), w8.view(torch.uint8)) and c[0, 2] == -18
+    assert (got.float()[0, 1, 16:32] == 0).all() and torch.isfinite(got.float()).all()
+
+
+def test_tile_weights_w4a8_refuses():
+    codes = torch.zeros(1, 64, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="N % 64"): W.tile_weights_w4a8(_experts(codes[:, :32], torch.full((1, 32, 8), 0x30, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="K % 128"): W.tile_weights_w4a8(_experts(codes[..., :64], torch.full((1, 64, 4), 0x30, dtype=torch.uint8)))
+    for bad in (0x7F, 0xB0):                                             # NaN, -1.0
+        sb = torch.full((1, 64, 8), 0x30, dtype=torch.uint8); sb[0, 7, 3] = bad
+        with pytest.raises(ValueError, match="finite and >= 0"): W.tile_weights_w4a8(_experts(codes, sb))

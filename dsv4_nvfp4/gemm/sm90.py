@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -21,9 +22,9 @@ from ..quantize_cuda import dequantize_nvfp4_cuda
 # %% auto #0
 __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYTES', 'SLAB_BYTES', 'SLAB_WIDTH', 'SLAB_ROWS',
            'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
-           'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'CONFIGS', 'scale_codes', 'tile_weights_sm90',
-           'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'Sm90Weights', 'pick_config',
-           'Sm90Plan', 'Sm90Backend']
+           'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'CONFIGS', 'encode_words', 'decode_words',
+           'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes',
+           'device_smem', 'Sm90Weights', 'pick_config', 'Sm90Plan', 'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -62,12 +63,15 @@ def _rotl(x, s: int):
     "Rotate 32-bit words (held in int64 tensors or Python ints) left by s."
     return x if s % 32 == 0 else ((x << s) | (x >> (32 - s))) & 0xFFFFFFFF
 
-def _encoder() -> list[tuple[int, int, int]]:
-    """(j, d, mask) terms with word = XOR over the terms of rotl(T_j, d) & mask, where T_j is fragment register j as
-    the decode must produce it (bits in BF16_CODE_MASK only): the inverse, over GF(2), of the decode program."""
-    pos = [p for p in range(32) if BF16_CODE_MASK >> p & 1]
+@functools.cache
+def _encoder(mask: int = BF16_CODE_MASK, rotations: tuple = DECODE_ROTATIONS) -> list[tuple[int, int, int]]:
+    """(j, d, m) terms with word = XOR over the terms of rotl(T_j, d) & m, where T_j is register j as the decode
+    program (`mask`, `rotations`: register j = mask & XOR over s in rotations[j] of rotl(w, s)) must produce it: the
+    inverse, over GF(2), of the program. StopIteration where the program is not invertible."""
+    pos = [p for p in range(32) if mask >> p & 1]
+    if len(pos) * len(rotations) != 32: raise ValueError(f"_encoder: {len(rotations)} registers x {len(pos)} mask bits != 32")
     rows = []                                         # target bit (j, p) = XOR of word bits p - s, s in rotations j
-    for rot in DECODE_ROTATIONS:
+    for rot in rotations:
         for p in pos:
             rows.append(0)
             for s in rot: rows[-1] ^= 1 << ((p - s) % 32)
@@ -86,21 +90,19 @@ def _encoder() -> list[tuple[int, int, int]]:
                 terms[key] = terms.get(key, 0) | 1 << b
     return sorted((j, d, m) for (j, d), m in terms.items())
 
-_ENCODER = _encoder()
-
-def _encode_words(T: torch.Tensor) -> torch.Tensor:
-    "The code words (int64 (...)) whose decode is the fragment registers `T` (int64 (..., 4), bits in BF16_CODE_MASK)."
+def encode_words(T: torch.Tensor, mask: int = BF16_CODE_MASK, rotations: tuple = DECODE_ROTATIONS) -> torch.Tensor:
+    "The code words (int64 (...)) whose decode is the registers `T` (int64 (..., len(rotations)), bits in `mask` only)."
     w = torch.zeros_like(T[..., 0])
-    for j, d, m in _ENCODER: w ^= _rotl(T[..., j], d) & m
+    for j, d, m in _encoder(mask, rotations): w ^= _rotl(T[..., j], d) & m
     return w
 
-def _decode_words(w: torch.Tensor) -> torch.Tensor:
-    "The decode program on int64 words `w` (...): the four fragment registers (..., 4) as the kernel computes them."
+def decode_words(w: torch.Tensor, mask: int = BF16_CODE_MASK, rotations: tuple = DECODE_ROTATIONS) -> torch.Tensor:
+    "The decode program on int64 words `w` (...): the registers (..., len(rotations)) as the kernel computes them."
     outs = []
-    for rot in DECODE_ROTATIONS:
+    for rot in rotations:
         x = _rotl(w, rot[0])
         for s in rot[1:]: x = x ^ _rotl(w, s)
-        outs.append(x & BF16_CODE_MASK)
+        outs.append(x & mask)
     return torch.stack(outs, -1)
 
 def scale_codes(sf: torch.Tensor) -> torch.Tensor:
@@ -120,7 +122,7 @@ def _tile_chunk(w_fp4: torch.Tensor, w_sf: torch.Tensor) -> torch.Tensor:
     g = codes[:, :, :, row.to(w_fp4.device), col.to(w_fp4.device)].to(torch.int64)   # (E, MT, KT, 128 t, 8 kb, 8 v)
     pat = ((g & 7) << 6) | ((g >> 3) << 15)                          # each code's bf16 bits (value x 2^-126)
     T = pat[..., 0::2] | (pat[..., 1::2] << 16)                      # (..., 4): fragment register j as decoded
-    w = _encode_words(T)
+    w = encode_words(T)
     b = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)   # little-endian bytes
     b = b.view(E, MT, KT, 128, 2, 16).permute(0, 1, 2, 4, 3, 5)      # K blocks 0-3 of every thread, then 4-7
     sc = scale_codes(w_sf).view(E, MT, 64, KT, 8).permute(0, 1, 3, 2, 4)
@@ -157,7 +159,7 @@ def emulate_decode_sm90(tiled: torch.Tensor, E: int, Np: int, Kt: int) -> torch.
         sv = sw[..., t // 4, kb // 2]                                # (E, MT, KT, 128)
         s2 = ((sv & 0x00FF00FF) << 4) + 0x70007000 if kb % 2 == 0 else ((sv >> 4) & 0x0FF00FF0) + 0x70007000
         S = [bf16(s2 & 0xFFFF), bf16(s2 >> 16)]                      # {r0's scale, r1's scale} of this K block
-        o = _decode_words(cw[..., kb])                               # (E, MT, KT, 128, 4)
+        o = decode_words(cw[..., kb])                               # (E, MT, KT, 128, 4)
         for j in range(4):
             for half in range(2):
                 v = 2 * j + half

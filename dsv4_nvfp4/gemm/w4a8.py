@@ -9,12 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import E4M3_MAX, check_float
+from ..formats import E4M3_MAX, check_float, e2m1_decode
+from .sm90 import SLAB_BYTES, decode_words, encode_words
 from .reference import grouped_rows, unscaled
 from ..quant import NVFP4Experts
 
 # %% auto #0
-__all__ = ['e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'w4a8_weights', 'ref_grouped_gemm_w4a8']
+__all__ = ['W4A8_CODE_MASK', 'W4A8_DECODE_ROTATIONS', 'e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'w4a8_weights',
+           'tile_weights_w4a8', 'emulate_decode_w4a8', 'ref_grouped_gemm_w4a8']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -74,6 +76,10 @@ def ref_quantize_fp8_act(x: torch.Tensor,       # (R, K) float32 / bf16 / fp16
     return FP8Activations(q.view(R, K).to(torch.float8_e4m3fn), s.contiguous(), block)
 
 # %% ../../nbs/04e_w4a8.ipynb #933f4a15
+def _row_exponents(rowmax: torch.Tensor) -> torch.Tensor:
+    "c int32 per row: the least power of two with rowmax * 2^-c <= 448 (0 for an all-zero row)."
+    return torch.where(rowmax > 0, torch.ceil(torch.log2(rowmax.double() / E4M3_MAX)), torch.zeros_like(rowmax, dtype=torch.float64)).to(torch.int32)
+
 def w4a8_weights(experts: NVFP4Experts) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """NVFP4 expert weights as the W4A8 mainloop feeds them to FP8 WGMMA: `w8 = e4m3(e2m1 * s * 2^-c)` with one
     power of two `2^-c` per weight row (c int32 (E, N), chosen so the row's largest product is at most 448), so the
@@ -81,8 +87,7 @@ def w4a8_weights(experts: NVFP4Experts) -> tuple[torch.Tensor, torch.Tensor, dic
     the product stays at or above E4M3's 2^-9 granularity, which holds for MXFP4 weights carried to NVFP4. Returns
     (w8 float8_e4m3fn (E, N, K), c, report: weights, rounded, flushed to zero, largest relative change)."""
     v = unscaled(experts, experts.shape[-1])                      # (E, N, K) the exact products e2m1 * s
-    rowmax = v.abs().amax(-1)
-    c = torch.where(rowmax > 0, torch.ceil(torch.log2(rowmax / E4M3_MAX)), torch.zeros_like(rowmax)).to(torch.int32)
+    c = _row_exponents(v.abs().amax(-1))
     scaled = v * torch.exp2(-c.double())[..., None]
     w8 = scaled.float().to(torch.float8_e4m3fn)                    # exact float32 (<= 5 significant bits), one RNE
     back = w8.double()
@@ -92,6 +97,93 @@ def w4a8_weights(experts: NVFP4Experts) -> tuple[torch.Tensor, torch.Tensor, dic
     rep = dict(weights=int(live.sum()), rounded=int((changed & (back != 0)).sum()), flushed=int((changed & (back == 0)).sum()),
                max_rel_change=float(rel.max()) if live.any() else 0.0)
     return w8, c, rep
+
+# %% ../../nbs/04e_w4a8.ipynb #ffb12068
+W4A8_CODE_MASK = 0x9C9C9C9C              # a code's E4M3 bits in each byte: sign -> bit 7, magnitude e1 e0 m -> bits 4 3 2
+W4A8_DECODE_ROTATIONS = ((0,), (2, 4))   # word (q, h) -> registers 2h (row g) and 2h+1 (row g+8) of k32 block q
+
+def _frag_coords_fp8():
+    """(row, col) inside a 64x128 slab of byte b of A register r of thread t in k32 block q, for FP8 WGMMA with A in
+    registers (m64nNk32): (128, 4, 4, 4) each, indexed [t, q, r, b]."""
+    t = torch.arange(128).view(128, 1, 1, 1); q = torch.arange(4).view(1, 4, 1, 1)
+    r = torch.arange(4).view(1, 1, 4, 1); b = torch.arange(4).view(1, 1, 1, 4)
+    warp, lane = t // 32, t % 32
+    row = 16 * warp + lane // 4 + 8 * (r % 2)
+    col = 32 * q + 16 * (r // 2) + 4 * (lane % 4) + b
+    return row.expand(128, 4, 4, 4), col.expand(128, 4, 4, 4)
+
+def _tile_chunk_w4a8(codes: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    "The W4A8 slab rows of a few experts: codes uint8 (E, Np, Kt) 0..15, sf uint8 (E, Np, Kt/16) E4M3 bytes, dead blocks cleared."
+    E, Np, Kt = codes.shape
+    MT, KT = Np // 64, Kt // 128
+    cv = codes.view(E, MT, 64, KT, 128).permute(0, 1, 3, 2, 4)       # (E, MT, KT, 64, 128)
+    row, col = _frag_coords_fp8()
+    g = cv[:, :, :, row.to(codes.device), col.to(codes.device)].to(torch.int64)   # (E, MT, KT, 128 t, 4 q, 4 r, 4 b)
+    byte = ((g & 8) << 4) | ((g & 7) << 2)                            # e2m1_as_e4m3, bit for bit
+    reg = byte[..., 0] | byte[..., 1] << 8 | byte[..., 2] << 16 | byte[..., 3] << 24   # (..., 4 q, 4 r)
+    w = encode_words(reg.view(*reg.shape[:-1], 2, 2), W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS)   # (..., 4 q, 2 h)
+    w = w.reshape(E, MT, KT, 128, 2, 4).permute(0, 1, 2, 4, 3, 5)    # 16-byte chunk 0: q 0-1, chunk 1: q 2-3
+    b = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)   # little-endian bytes
+    sc = sf.view(E, MT, 64, KT, 8).permute(0, 1, 3, 2, 4)            # (E, MT, KT, 64 rows, 8 blocks)
+    qd = torch.arange(32, device=codes.device)
+    r0 = 16 * (qd // 8) + qd % 8                                     # the quad's first row
+    sc = torch.stack([sc[:, :, :, r0], sc[:, :, :, r0 + 8]], -1)     # (E, MT, KT, 32 quads, 8 blocks, 2 rows)
+    return torch.cat([b.reshape(E, MT, KT, 4096), sc.reshape(E, MT, KT, 512)], -1).reshape(-1, 256)
+
+def tile_weights_w4a8(experts: NVFP4Experts,  # (E, N, K): N % 64 == 0 and the padded K % 128 == 0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut NVFP4 expert weights into the W4A8 mainloop's slabs (the layout above): slab (e, m, k) at rows
+    18 ((e N/64 + m) K/128 + k) of a uint8 (E N/64 K/128 18, 256) tensor, and the row exponents c int32 (E, N) of
+    `w4a8_weights` (the epilogue multiplies by 2^c gs_w[e]). Blocks with a zero scale or no nonzero code are cleared
+    (codes to their signed zeros, scale to zero: the same weights, zeros of the same sign). ValueError for other shapes and for negative or non-finite block scales. On the
+    weights' device, a few experts at a time."""
+    E, N, half = experts.data.shape
+    Kt = 2 * half
+    if N % 64 or Kt % 128: raise ValueError(f"tile_weights_w4a8: need N % 64 == 0 and K % 128 == 0, got N={N}, K={Kt}")
+    s = experts.scale.float()
+    if not torch.isfinite(s).all() or (s < 0).any(): raise ValueError("tile_weights_w4a8: block scales must be finite and >= 0")
+    per = max(1, (1 << 27) // (N * Kt))                             # experts per chunk: <= 2^27 weights
+    tiles, cs = [], []
+    for e in range(0, E, per):
+        d = experts.data[e:e + per]
+        codes = torch.stack([d & 0xF, d >> 4], -1).view(d.shape[0], N, Kt // 16, 16)
+        sf = experts.scale[e:e + per].view(torch.uint8)
+        mag = e2m1_decode(codes).abs().amax(-1)                      # the block's largest |e2m1|
+        dead = (sf == 0) | (mag == 0)
+        codes = torch.where(dead[..., None], codes & 8, codes).view(d.shape[0], N, Kt)   # signs kept: -0 stays -0
+        sf = sf.masked_fill(dead, 0)
+        cs.append(_row_exponents((mag * experts.scale[e:e + per].float()).amax(-1)))
+        tiles.append(_tile_chunk_w4a8(codes, sf))
+    return torch.cat(tiles).contiguous(), torch.cat(cs)
+
+def emulate_decode_w4a8(tiled: torch.Tensor,  # uint8 slabs of tile_weights_w4a8
+                        c: torch.Tensor,      # int32 (E, Np) its row exponents
+                        E: int, Np: int, Kt: int,
+                       ) -> torch.Tensor:     # float8_e4m3fn (E, Np, Kt)
+    """A CPU model of the W4A8 register decode, instruction by instruction: the E4M3 weight every A register feeds
+    to the FP8 WGMMA (the bit program, cvt e4m3x2 -> f16x2, s_eff by an exponent add, an f16 multiply, cvt back with
+    RNE), placed at its (row, K) in float8_e4m3fn (E, Np, Kt): `w4a8_weights`' w8 is what it must equal."""
+    MT, KT = Np // 64, Kt // 128
+    b = tiled.view(E, MT, KT, SLAB_BYTES).to(torch.int64)
+    word = lambda x: x[..., 0::4] | x[..., 1::4] << 8 | x[..., 2::4] << 16 | x[..., 3::4] << 24
+    cw = word(b[..., :4096]).view(E, MT, KT, 2, 128, 4).permute(0, 1, 2, 4, 3, 5).reshape(E, MT, KT, 128, 4, 2)
+    reg = decode_words(cw, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS).reshape(E, MT, KT, 128, 4, 4)   # (t, q, r)
+    wb = torch.stack([(reg >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+    w16 = wb.view(torch.float8_e4m3fn).to(torch.float16)             # cvt.rn.f16x2.e4m3x2: exact
+    sb = b[..., 4096:].to(torch.uint8).view(E, MT, KT, 32, 8, 2)      # (quad, block, row g / g+8)
+    bits = sb.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    qd = torch.arange(32)
+    crow = torch.stack([c.view(E, MT, 64)[:, :, 16 * (qd // 8) + qd % 8], c.view(E, MT, 64)[:, :, 16 * (qd // 8) + qd % 8 + 8]], -1)
+    bits = bits + ((6 - crow.to(torch.int32)) << 10)[:, :, None, :, None, :]       # the exponent add
+    if (bits >= 0x7C00).any(): raise AssertionError("emulate_decode_w4a8: an s_eff left f16's finite range")
+    seff = bits.to(torch.int16).view(torch.float16)                  # (E, MT, KT, 32, 8, 2)
+    t = torch.arange(128); q = torch.arange(4).view(4, 1); r = torch.arange(4).view(1, 4)
+    S = seff[:, :, :, (t // 4).view(128, 1, 1), 2 * q + r // 2, r % 2]   # (E, MT, KT, 128, 4, 4): each register's s_eff
+    w8 = (w16 * S[..., None]).to(torch.float8_e4m3fn)                # exact f16 product, one RNE
+    out = torch.empty(E, MT, KT, 64, 128, dtype=torch.float8_e4m3fn)
+    row, col = _frag_coords_fp8()
+    out.view(torch.uint8)[:, :, :, row, col] = w8.view(torch.uint8)
+    return out.permute(0, 1, 3, 2, 4).reshape(E, Np, Kt)
 
 # %% ../../nbs/04e_w4a8.ipynb #cecc7e73
 def ref_grouped_gemm_w4a8(a: FP8Activations,           # (R, K) FP8 rows, expert-major
