@@ -161,3 +161,11 @@ def test_tile_weights_w4a8_refuses():
     for bad in (0x7F, 0xB0):                                             # NaN, -1.0
         sb = torch.full((1, 64, 8), 0x30, dtype=torch.uint8); sb[0, 7, 3] = bad
         with pytest.raises(ValueError, match="finite and >= 0"): W.tile_weights_w4a8(_experts(codes, sb))
+
+
+def test_emulate_decode_w4a8_refuses_mismatched_inputs():
+    codes = torch.randint(0, 16, (1, 64, 128), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    tiled, c = W.tile_weights_w4a8(_experts(codes, torch.full((1, 64, 8), 0x7E, dtype=torch.uint8)))   # scale 448: c = 3
+    with pytest.raises(ValueError, match="not those of"): W.emulate_decode_w4a8(tiled, c, 1, 128, 128)
+    with pytest.raises(ValueError, match="not those of"): W.emulate_decode_w4a8(tiled, c[:, :32], 1, 64, 128)
+    with pytest.raises(ValueError, match="finite range"): W.emulate_decode_w4a8(tiled, c - 30, 1, 64, 128)   # 2^(6-c) too large

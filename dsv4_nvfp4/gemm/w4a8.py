@@ -164,6 +164,8 @@ def emulate_decode_w4a8(tiled: torch.Tensor,  # uint8 slabs of tile_weights_w4a8
     to the FP8 WGMMA (the bit program, cvt e4m3x2 -> f16x2, s_eff by an exponent add, an f16 multiply, cvt back with
     RNE), placed at its (row, K) in float8_e4m3fn (E, Np, Kt): `w4a8_weights`' w8 is what it must equal."""
     MT, KT = Np // 64, Kt // 128
+    if Np % 64 or Kt % 128 or tiled.numel() != E * MT * KT * SLAB_BYTES or tuple(c.shape) != (E, Np):
+        raise ValueError(f"emulate_decode_w4a8: slabs {tuple(tiled.shape)} and c {tuple(c.shape)} are not those of (E, N, K) = ({E}, {Np}, {Kt})")
     b = tiled.view(E, MT, KT, SLAB_BYTES).to(torch.int64)
     word = lambda x: x[..., 0::4] | x[..., 1::4] << 8 | x[..., 2::4] << 16 | x[..., 3::4] << 24
     cw = word(b[..., :4096]).view(E, MT, KT, 2, 128, 4).permute(0, 1, 2, 4, 3, 5).reshape(E, MT, KT, 128, 4, 2)
@@ -175,7 +177,7 @@ def emulate_decode_w4a8(tiled: torch.Tensor,  # uint8 slabs of tile_weights_w4a8
     qd = torch.arange(32)
     crow = torch.stack([c.view(E, MT, 64)[:, :, 16 * (qd // 8) + qd % 8], c.view(E, MT, 64)[:, :, 16 * (qd // 8) + qd % 8 + 8]], -1)
     bits = bits + ((6 - crow.to(torch.int32)) << 10)[:, :, None, :, None, :]       # the exponent add
-    if (bits >= 0x7C00).any(): raise AssertionError("emulate_decode_w4a8: an s_eff left f16's finite range")
+    if (bits >= 0x7C00).any(): raise ValueError("emulate_decode_w4a8: an s_eff leaves f16's finite range: c is not these weights' row exponents")
     seff = bits.to(torch.int16).view(torch.float16)                  # (E, MT, KT, 32, 8, 2)
     t = torch.arange(128); q = torch.arange(4).view(4, 1); r = torch.arange(4).view(1, 4)
     S = seff[:, :, :, (t // 4).view(128, 1, 1), 2 * q + r // 2, r % 2]   # (E, MT, KT, 128, 4, 4): each register's s_eff
