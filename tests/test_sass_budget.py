@@ -64,3 +64,32 @@ def test_wgmma_hazards_finds_what_it_should():
     # the accumulator (64x16: 8 registers, R24-R31) may not be read or written in flight; R32 is not its
     acc = S.wgmma_hazards([mma[0], "FADD R50, R31, R2", "MOV R32, R2", "STG.E [R4], R24", "WARPGROUP.DEPBAR.LE gsb0, 0x0"])
     assert [s.split(": ")[1] for s in acc] == ["touches the accumulator of HGMMA [0] in flight"] * 4   # 2 per trip
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_slab_fragment_coordinates_are_cutedsls_a_fragment(fp8):
+    # the tilings (sm90._frag_coords for bf16 k16, w4a8._frag_coords_fp8 for E4M3 k32) place each code where the
+    # WGMMA A fragment CuTeDSL builds expects it: (row, K) of every register value of every thread, in register order
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import warpgroup
+    from dsv4_nvfp4.gemm import w4a8 as W
+    dt = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16
+    row, col = W._frag_coords_fp8() if fp8 else L._frag_coords()
+    mine = [[(int(r), int(c)) for r, c in zip(row[t].flatten(), col[t].flatten())] for t in range(128)]
+    got = []
+
+    @cute.jit
+    def coords():
+        mma = sm90_utils.make_trivial_tiled_mma(dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                                                cutlass.Float32, (1, 1, 1), tiler_mn=(64, 8), a_source=warpgroup.OperandSource.RMEM)
+        idA = cute.make_identity_tensor((64, 128))
+        for t in cutlass.range_constexpr(128):
+            tA = mma.get_slice(t).partition_A(idA)
+            vals = []
+            for i in cutlass.range_constexpr(cute.size(tA)):
+                vals.append(tuple(int(x) for x in tA[i]))
+            got.append(vals)
+    cute.compile(coords, options="--gpu-arch=sm_90a")                    # traced here: the coordinates are static
+    assert got == mine
