@@ -169,3 +169,19 @@ def test_emulate_decode_w4a8_refuses_mismatched_inputs():
     with pytest.raises(ValueError, match="not those of"): W.emulate_decode_w4a8(tiled, c, 1, 128, 128)
     with pytest.raises(ValueError, match="not those of"): W.emulate_decode_w4a8(tiled, c[:, :32], 1, 64, 128)
     with pytest.raises(ValueError, match="finite range"): W.emulate_decode_w4a8(tiled, c - 30, 1, 64, 128)   # 2^(6-c) too large
+
+
+def test_w4a8_negative_zero_scale_is_a_dead_block():
+    # a -0 scale byte (0x80) passes the >= 0 check; left as is, its s_eff (-0 bits plus the exponent add) would be a
+    # negative power of two and turn the block's codes into nonzero weights: the tiling clears it like a +0 scale
+    codes = torch.randint(1, 8, (1, 64, 128), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
+    sb = torch.full((1, 64, 8), 0x30, dtype=torch.uint8); sb[0, 4, 2] = 0x80
+    ex = _experts(codes, sb)
+    w8, c, _ = W.w4a8_weights(ex)
+    tiled, c2 = W.tile_weights_w4a8(ex)
+    got = W.emulate_decode_w4a8(tiled, c2, 1, 64, 128)
+    assert (got.float()[0, 4, 32:48] == 0).all() and torch.equal(got.float(), w8.float())
+
+
+def test_w4a8_encoder_refuses_a_program_that_does_not_invert():
+    with pytest.raises(ValueError, match="not invertible"): S90.encode_words(torch.zeros(1, 2, dtype=torch.int64), W.W4A8_CODE_MASK, ((0,), (0, 2)))

@@ -67,7 +67,7 @@ def _rotl(x, s: int):
 def _encoder(mask: int = BF16_CODE_MASK, rotations: tuple = DECODE_ROTATIONS) -> list[tuple[int, int, int]]:
     """(j, d, m) terms with word = XOR over the terms of rotl(T_j, d) & m, where T_j is register j as the decode
     program (`mask`, `rotations`: register j = mask & XOR over s in rotations[j] of rotl(w, s)) must produce it: the
-    inverse, over GF(2), of the program. StopIteration where the program is not invertible."""
+    inverse, over GF(2), of the program. ValueError where the program is not invertible."""
     pos = [p for p in range(32) if mask >> p & 1]
     if len(pos) * len(rotations) != 32: raise ValueError(f"_encoder: {len(rotations)} registers x {len(pos)} mask bits != 32")
     rows = []                                         # target bit (j, p) = XOR of word bits p - s, s in rotations j
@@ -77,7 +77,8 @@ def _encoder(mask: int = BF16_CODE_MASK, rotations: tuple = DECODE_ROTATIONS) ->
             for s in rot: rows[-1] ^= 1 << ((p - s) % 32)
     inv = [1 << i for i in range(32)]                 # Gauss-Jordan on [rows | I]: row b becomes word bit b
     for b in range(32):
-        piv = next(i for i in range(b, 32) if rows[i] >> b & 1)   # StopIteration: the program is not invertible
+        piv = next((i for i in range(b, 32) if rows[i] >> b & 1), None)
+        if piv is None: raise ValueError(f"_encoder: the decode program {rotations} over mask {mask:#x} is not invertible")
         rows[b], rows[piv], inv[b], inv[piv] = rows[piv], rows[b], inv[piv], inv[b]
         for i in range(32):
             if i != b and rows[i] >> b & 1: rows[i] ^= rows[b]; inv[i] ^= inv[b]
@@ -159,7 +160,7 @@ def emulate_decode_sm90(tiled: torch.Tensor, E: int, Np: int, Kt: int) -> torch.
         sv = sw[..., t // 4, kb // 2]                                # (E, MT, KT, 128)
         s2 = ((sv & 0x00FF00FF) << 4) + 0x70007000 if kb % 2 == 0 else ((sv >> 4) & 0x0FF00FF0) + 0x70007000
         S = [bf16(s2 & 0xFFFF), bf16(s2 >> 16)]                      # {r0's scale, r1's scale} of this K block
-        o = decode_words(cw[..., kb])                               # (E, MT, KT, 128, 4)
+        o = decode_words(cw[..., kb])                                # (E, MT, KT, 128, 4)
         for j in range(4):
             for half in range(2):
                 v = 2 * j + half

@@ -78,7 +78,8 @@ def ref_quantize_fp8_act(x: torch.Tensor,       # (R, K) float32 / bf16 / fp16
 # %% ../../nbs/04e_w4a8.ipynb #933f4a15
 def _row_exponents(rowmax: torch.Tensor) -> torch.Tensor:
     "c int32 per row: the least power of two with rowmax * 2^-c <= 448 (0 for an all-zero row)."
-    return torch.where(rowmax > 0, torch.ceil(torch.log2(rowmax.double() / E4M3_MAX)), torch.zeros_like(rowmax, dtype=torch.float64)).to(torch.int32)
+    c = torch.ceil(torch.log2(rowmax.double() / E4M3_MAX))
+    return torch.where(rowmax > 0, c, torch.zeros_like(c)).to(torch.int32)
 
 def w4a8_weights(experts: NVFP4Experts) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """NVFP4 expert weights as the W4A8 mainloop feeds them to FP8 WGMMA: `w8 = e4m3(e2m1 * s * 2^-c)` with one
@@ -134,9 +135,9 @@ def tile_weights_w4a8(experts: NVFP4Experts,  # (E, N, K): N % 64 == 0 and the p
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut NVFP4 expert weights into the W4A8 mainloop's slabs (the layout above): slab (e, m, k) at rows
     18 ((e N/64 + m) K/128 + k) of a uint8 (E N/64 K/128 18, 256) tensor, and the row exponents c int32 (E, N) of
-    `w4a8_weights` (the epilogue multiplies by 2^c gs_w[e]). Blocks with a zero scale or no nonzero code are cleared
-    (codes to their signed zeros, scale to zero: the same weights, zeros of the same sign). ValueError for other shapes and for negative or non-finite block scales. On the
-    weights' device, a few experts at a time."""
+    `w4a8_weights` (the epilogue multiplies by 2^c gs_w[e]). Blocks with a zero scale (+0 or -0) or no nonzero code
+    are cleared: codes to their signed zeros, scale byte to +0 (the same weights, zeros of the same sign). ValueError
+    for other shapes and for negative or non-finite block scales. On the weights' device, a few experts at a time."""
     E, N, half = experts.data.shape
     Kt = 2 * half
     if N % 64 or Kt % 128: raise ValueError(f"tile_weights_w4a8: need N % 64 == 0 and K % 128 == 0, got N={N}, K={Kt}")
@@ -147,12 +148,12 @@ def tile_weights_w4a8(experts: NVFP4Experts,  # (E, N, K): N % 64 == 0 and the p
     for e in range(0, E, per):
         d = experts.data[e:e + per]
         codes = torch.stack([d & 0xF, d >> 4], -1).view(d.shape[0], N, Kt // 16, 16)
-        sf = experts.scale[e:e + per].view(torch.uint8)
+        se = s[e:e + per]
         mag = e2m1_decode(codes).abs().amax(-1)                      # the block's largest |e2m1|
-        dead = (sf == 0) | (mag == 0)
+        dead = (se == 0) | (mag == 0)                                # a -0 scale byte (0x80) is dead too
         codes = torch.where(dead[..., None], codes & 8, codes).view(d.shape[0], N, Kt)   # signs kept: -0 stays -0
-        sf = sf.masked_fill(dead, 0)
-        cs.append(_row_exponents((mag * experts.scale[e:e + per].float()).amax(-1)))
+        sf = experts.scale[e:e + per].view(torch.uint8).masked_fill(dead, 0)
+        cs.append(_row_exponents((mag * se).amax(-1)))
         tiles.append(_tile_chunk_w4a8(codes, sf))
     return torch.cat(tiles).contiguous(), torch.cat(cs)
 
@@ -165,7 +166,8 @@ def emulate_decode_w4a8(tiled: torch.Tensor,  # uint8 slabs of tile_weights_w4a8
     RNE), placed at its (row, K) in float8_e4m3fn (E, Np, Kt): `w4a8_weights`' w8 is what it must equal."""
     MT, KT = Np // 64, Kt // 128
     if Np % 64 or Kt % 128 or tiled.numel() != E * MT * KT * SLAB_BYTES or tuple(c.shape) != (E, Np):
-        raise ValueError(f"emulate_decode_w4a8: slabs {tuple(tiled.shape)} and c {tuple(c.shape)} are not those of (E, N, K) = ({E}, {Np}, {Kt})")
+        raise ValueError(f"emulate_decode_w4a8: slabs {tuple(tiled.shape)} and c {tuple(c.shape)} are not those of "
+                         f"(E, N, K) = ({E}, {Np}, {Kt})")
     b = tiled.view(E, MT, KT, SLAB_BYTES).to(torch.int64)
     word = lambda x: x[..., 0::4] | x[..., 1::4] << 8 | x[..., 2::4] << 16 | x[..., 3::4] << 24
     cw = word(b[..., :4096]).view(E, MT, KT, 2, 128, 4).permute(0, 1, 2, 4, 3, 5).reshape(E, MT, KT, 128, 4, 2)
@@ -175,9 +177,11 @@ def emulate_decode_w4a8(tiled: torch.Tensor,  # uint8 slabs of tile_weights_w4a8
     sb = b[..., 4096:].to(torch.uint8).view(E, MT, KT, 32, 8, 2)      # (quad, block, row g / g+8)
     bits = sb.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
     qd = torch.arange(32)
-    crow = torch.stack([c.view(E, MT, 64)[:, :, 16 * (qd // 8) + qd % 8], c.view(E, MT, 64)[:, :, 16 * (qd // 8) + qd % 8 + 8]], -1)
+    r0, cv = 16 * (qd // 8) + qd % 8, c.view(E, MT, 64)                # each quad's first row
+    crow = torch.stack([cv[:, :, r0], cv[:, :, r0 + 8]], -1)          # (E, MT, 32, 2): the quad's rows g, g + 8
     bits = bits + ((6 - crow.to(torch.int32)) << 10)[:, :, None, :, None, :]       # the exponent add
-    if (bits >= 0x7C00).any(): raise ValueError("emulate_decode_w4a8: an s_eff leaves f16's finite range: c is not these weights' row exponents")
+    if (bits >= 0x7C00).any():
+        raise ValueError("emulate_decode_w4a8: an s_eff leaves f16's finite range: c is not these weights' row exponents")
     seff = bits.to(torch.int16).view(torch.float16)                  # (E, MT, KT, 32, 8, 2)
     t = torch.arange(128); q = torch.arange(4).view(4, 1); r = torch.arange(4).view(1, 4)
     S = seff[:, :, :, (t // 4).view(128, 1, 1), 2 * q + r // 2, r % 2]   # (E, MT, KT, 128, 4, 4): each register's s_eff
