@@ -1,8 +1,9 @@
 """CPU: the sm_90a grouped GEMM's K loop, compiled here (CuTeDSL, no GPU) and disassembled (nvdisasm from the [dev]
 extra's nvidia-cuda-nvdisasm), stays within its instruction budget, and its decode is what notebook 04b describes: per K
-tile and consumer thread, one HMUL2 per fragment register (32), four rotations per code word (32 SHF), eight HGMMA, and
-no byte permutes (the old per-scale spread), and one wait per tile in every configuration (decode the tile, 8 WGMMAs, one
-commit group, wait: the overlapped one-warpgroup loop that waited per K block was deleted, it gave wrong sums)."""
+tile and consumer thread, one HMUL2 per fragment register (32), four rotations per code word (32 SHF), eight HGMMA,
+no byte permutes (the old per-scale spread), each B descriptor one 64-bit add to the stage's first, and one wait per
+tile in every configuration (decode the tile, 8 WGMMAs, one commit group, wait: the overlapped one-warpgroup loop that
+waited per K block was deleted, it gave wrong sums)."""
 import pytest
 
 pytest.importorskip("cutlass")
@@ -24,6 +25,8 @@ def test_mainloop_sass_budget(tt):
     waits = [s for s in body if s.startswith("WARPGROUP.DEPBAR")]
     assert len(waits) == 1 and waits[0].endswith("gsb0, 0x0"), waits      # decode the tile, 8 WGMMAs, wait for all
     assert ops["WARPGROUP"] == 2, ops                                       # that wait and one fence
+    # the B descriptors: the stage's first plus a 64-bit add per K block, not re-packed from halves per HGMMA (2 UMOV each)
+    assert sum(s.startswith("UIADD3.64") for s in body) == 7 and ops.get("UMOV", 0) <= 2, ops
 
 
 def test_mainloop_sass_finds_the_loop():

@@ -17,6 +17,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.tcgen05 import int_to_smem_descriptor, smem_descriptor_to_int   # plain 64-bit casts, not sm100-only
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -205,9 +206,13 @@ class _Consumer:
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
         # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage: no fragment
         # register is written while a WGMMA may still read it (`wgmma_hazards`; why the loop does not overlap: above)
+        # The B descriptors of the stage's 8 K blocks: one 64-bit add each to the stage's first (offsets in 16-byte
+        # units, static, from the view's layout); CuTeDSL's own slicing re-packs {lo, hi} per WGMMA, 3 uniform ops each
+        koff = [cute.crd2idx((0, 0, kb, 0), tCrB.layout) for kb in range(8)]
         for k in cutlass.range(KT, unroll=1):
             pipe.consumer_wait(cs)
             bi = cs.index
+            d0 = smem_descriptor_to_int(tCrB[None, None, 0, bi].iterator)
             c0, c1, sc = self.load_codes(sW, cw, bi, t)
             for kb in cutlass.range_constexpr(8):
                 d = self.decode_kb(c0, c1, sc, kb)
@@ -216,7 +221,8 @@ class _Consumer:
             warpgroup.fence()
             for kb in cutlass.range_constexpr(8):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
-                cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], tCrB[None, None, kb, bi], acc_frag)
+                b_kb = cute.make_tensor(int_to_smem_descriptor(d0 + cutlass.Int64(koff[kb])), tCrB[None, None, kb, 0].layout)
+                cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], b_kb, acc_frag)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             pipe.consumer_release(cs)
@@ -592,8 +598,8 @@ def run_sm90(cfg: GemmConfig,
     _COMPILED_PY[key](*args)
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #a7bde6a6
-MAINLOOP_SASS_BUDGET = 180   # SASS instructions per K tile per consumer thread (64 weights): 2.8 per weight (the
-                             # loop of every configuration measures 171-176)
+MAINLOOP_SASS_BUDGET = 165   # SASS instructions per K tile per consumer thread (64 weights): 2.6 per weight (the
+                             # loop of every configuration measures 156-161)
 
 def _nvdisasm() -> str:
     "Path of nvdisasm: on PATH, or from the `nvidia-cuda-nvdisasm` wheel (in the [dev] extra)."
