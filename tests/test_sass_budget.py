@@ -96,3 +96,24 @@ def test_slab_fragment_coordinates_are_cutedsls_a_fragment(fp8):
             got.append(vals)
     cute.compile(coords, options="--gpu-arch=sm_90a")                    # traced here: the coordinates are static
     assert got == mine
+
+
+@pytest.mark.parametrize("tt", sorted(L.CONFIGS))
+def test_w4a8_mainloop_compiles_to_fp8_wgmma(tt):
+    # the W4A8 loop (GemmConfig.fp8): per K tile and thread, 16 A registers of 4 E4M3 bytes from 8 code words: two
+    # F2FP up, two HMUL2 and two F2FP down per register, one F2FP per scale pair; four k32 FP8 WGMMAs; no hazard
+    cfg = L.CONFIGS[tt]._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS)
+    body = S.mainloop_sass(cfg)
+    ops = S.sass_opcodes(body)
+    assert ops.get("QGMMA") == 4 and "HGMMA" not in ops, ops
+    assert all(f"QGMMA.64x{tt}x32.F32.E4M3.E4M3" in s for s in body if "GMMA" in s)
+    assert ops.get("HMUL2") == 32 and ops.get("F2FP") == 16 * 4 + 8, ops
+    assert sum(ops.values()) <= 190, ops                                   # measured 180-185
+    assert S.wgmma_hazards(body) == []
+
+
+def test_w4a8_config_needs_the_per_row_epilogue():
+    ok, why = S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True), 4, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
+    assert not ok and "BF16_ROW_GS" in why
+    assert S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS), 4,
+                                           smem_limit=L.HOPPER_SMEM_PER_BLOCK)[0]

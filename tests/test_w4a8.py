@@ -185,3 +185,12 @@ def test_w4a8_negative_zero_scale_is_a_dead_block():
 
 def test_w4a8_encoder_refuses_a_program_that_does_not_invert():
     with pytest.raises(ValueError, match="not invertible"): S90.encode_words(torch.zeros(1, 2, dtype=torch.int64), W.W4A8_CODE_MASK, ((0,), (0, 2)))
+
+
+def test_w4a8_row_scales():
+    c = torch.tensor([[-18, 0, 3], [1, -2, 0]], dtype=torch.int32)
+    t = W.w4a8_row_scales(c, 64)
+    assert t.shape == (2, 64) and t.dtype == torch.float32
+    assert torch.equal(t[:, :3], torch.exp2(c.float())) and (t[:, 3:] == 1).all()
+    assert torch.equal((t.view(torch.int32) >> 23) - 127, torch.cat([c, torch.zeros(2, 61, dtype=torch.int32)], 1))   # what the kernel reads back
+    with pytest.raises(ValueError, match="multiple of 64"): W.w4a8_row_scales(c, 32)

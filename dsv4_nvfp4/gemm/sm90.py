@@ -22,9 +22,10 @@ from ..quantize_cuda import dequantize_nvfp4_cuda
 # %% auto #0
 __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYTES', 'SLAB_BYTES', 'SLAB_WIDTH', 'SLAB_ROWS',
            'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
-           'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'CONFIGS', 'encode_words', 'decode_words',
-           'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes',
-           'device_smem', 'Sm90Weights', 'pick_config', 'Sm90Plan', 'Sm90Backend']
+           'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'W4A8_CODE_MASK', 'W4A8_DECODE_ROTATIONS',
+           'CONFIGS', 'encode_words', 'decode_words', 'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90',
+           'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'Sm90Weights', 'pick_config', 'Sm90Plan',
+           'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -58,6 +59,10 @@ BF16_CODE_MASK = 0x81C081C0   # a code's bf16 bits, both halves: sign -> bit 15,
 # four masks per word: the least any dense placement allows (three rotations would need four disjoint translates of
 # the mask's bits to tile the word, and none do); the encoder below solves for the word over GF(2).
 DECODE_ROTATIONS = ((0,), (12,), (2, 6), (2, 8))
+# The W4A8 mainloop's program (gemm.w4a8, notebook 04e): word (q, h) -> A registers 2h (row g) and 2h + 1 (row g + 8) of
+# k32 block q, four E4M3 bytes each: a code's sign -> bit 7, magnitude e1 e0 m -> bits 4 3 2 of its byte (e2m1 * 2^-6)
+W4A8_CODE_MASK = 0x9C9C9C9C
+W4A8_DECODE_ROTATIONS = ((0,), (2, 4))
 
 def _rotl(x, s: int):
     "Rotate 32-bit words (held in int64 tensors or Python ints) left by s."
@@ -203,6 +208,7 @@ class GemmConfig(NamedTuple):
     epilogue: Epilogue = Epilogue.BF16
     swiglu_limit: float = 10.0         # SwiGLU kinds: L (compiled in; math.inf: no clamp)
     dump: bool = False                 # SWIGLU_NVFP4: also store the fp32 h before quantization (the bit-exactness test)
+    fp8: bool = False                  # W4A8: gemm.w4a8's slabs decoded to E4M3, E4M3 activations, FP8 WGMMA (k32)
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
@@ -216,7 +222,7 @@ def smem_bytes(cfg: GemmConfig) -> int:
     exchange, the staged offsets, barriers and alignment (`SMEM_RESERVED`)."""
     tt = cfg.tok_tile
     xchg = 4 * cfg.wgs * 4 * tt if cfg.epilogue.fp4_out else 0
-    return cfg.stages * (SLAB_BYTES * cfg.wgs + tt * K_TILE * 2) + xchg + 4 * MAX_EXPERTS + SMEM_RESERVED
+    return cfg.stages * (SLAB_BYTES * cfg.wgs + tt * K_TILE * (1 if cfg.fp8 else 2)) + xchg + 4 * MAX_EXPERTS + SMEM_RESERVED
 
 _DEVICE_SMEM = {}
 

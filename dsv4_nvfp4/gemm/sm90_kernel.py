@@ -56,11 +56,33 @@ def _dec_asm(n: int, r: int) -> str:
     half = "mov.b32 s, {l, l};" if r == 0 else "mov.b32 s, {h, h};"
     return "{ .reg .b32 m, s; .reg .b16 l, h; " + x + f" mov.b32 {{l, h}}, ${n + 1}; " + half + " mul.rn.bf16x2 $0, m, s; }"
 
-_DEC = {(len(rot), r): _dec_asm(len(rot), r) for rot in DECODE_ROTATIONS for r in range(2)}   # (rotations, half)
+_DEC = {(len(rot), r): _dec_asm(len(rot), r) for rot in DECODE_ROTATIONS for r in range(2)}
+_ROT_ANY = "shf.l.wrap.b32 $0, $1, $1, {s};"   # (rotations, half)
 # scale word i of a quad = codes [r0 (2i), r0 (2i+1), r1 (2i), r1 (2i+1)] -> bf16x2 {S_r0, S_r1} of K block 2i (bytes
 # 0, 2) or 2i + 1 (bytes 1, 3): each byte to bits 4-11 of its half, plus 0x7000
 _SCL = ["{ .reg .b32 x; and.b32 x, $1, 0x00FF00FF; mad.lo.u32 $0, x, 16, 0x70007000; }",
         "{ .reg .b32 x; and.b32 x, $1, 0xFF00FF00; shr.b32 x, x, 4; add.u32 $0, x, 0x70007000; }"]
+# --- W4A8 (gemm.w4a8's slabs): code word (q, h) -> A registers 2h (row g) and 2h + 1 (row g + 8) of k32 block q, four
+# E4M3 bytes e2m1 * 2^-6 each (W4A8_CODE_MASK & w, & (rotl(w, 2) ^ rotl(w, 4))), times the block's s_eff (f16, its
+# row's half of the pair) in f16 (exact) and rounded once to E4M3 (RNE): emulate_decode_w4a8, instruction by instruction
+_F8_ROTS = sorted({s for r in W4A8_DECODE_ROTATIONS for s in r} - {0})
+_F8_RIDX = [tuple(0 if s == 0 else 1 + _F8_ROTS.index(s) for s in r) for r in W4A8_DECODE_ROTATIONS]
+
+def _f8_dec_asm(n: int, r: int) -> str:
+    "PTX of one W4A8 A register from n rotated words ($1..$n) and an s_eff pair ($n+1): mask, times half r, to E4M3."
+    x = f"and.b32 m, $1, {hex(W4A8_CODE_MASK)};" if n == 1 else \
+        "xor.b32 m, $1, $2; " + "".join(f"xor.b32 m, m, ${i}; " for i in range(3, n + 1)) + f"and.b32 m, m, {hex(W4A8_CODE_MASK)};"
+    half = "mov.b32 s, {l, l};" if r == 0 else "mov.b32 s, {h, h};"
+    return ("{ .reg .b32 m, s, fl, fh; .reg .b16 l, h, bl, bh, ol, oh; " + x + f" mov.b32 {{l, h}}, ${n + 1}; " + half +
+            " mov.b32 {bl, bh}, m; cvt.rn.f16x2.e4m3x2 fl, bl; cvt.rn.f16x2.e4m3x2 fh, bh; mul.rn.f16x2 fl, fl, s;"
+            " mul.rn.f16x2 fh, fh, s; cvt.rn.satfinite.e4m3x2.f16x2 ol, fl; cvt.rn.satfinite.e4m3x2.f16x2 oh, fh;"
+            " mov.b32 $0, {ol, oh}; }")
+
+_F8_DEC = {(len(rot), r): _f8_dec_asm(len(rot), r) for r, rot in enumerate(W4A8_DECODE_ROTATIONS)}
+# scale word q of a quad = E4M3 bytes [g (2q), g+8 (2q), g (2q+1), g+8 (2q+1)] -> the f16x2 s_eff pair {row g, row g+8}
+# of 16-block 2q + h: cvt (exact), then (6 - c) << 10 added to each half's bits ($2: the thread's two rows' addend)
+_F8_SCL = ["{ .reg .b16 l, h; .reg .b32 x; mov.b32 {l, h}, $1; cvt.rn.f16x2.e4m3x2 x, l; add.u32 $0, x, $2; }",
+           "{ .reg .b16 l, h; .reg .b32 x; mov.b32 {l, h}, $1; cvt.rn.f16x2.e4m3x2 x, h; add.u32 $0, x, $2; }"]
 # --- SWIGLU_NVFP4: the NVFP4 quantizer of ref_quantize_nvfp4, one IEEE-rounded operation per step ---------------------
 # block scale byte from the block amax (bits) and the global scale (bits): s = e4m3_rne(min(amax / (6 gs), 448));
 # satfinite saturates to 448 exactly like the reference's clamp-then-cast; a NaN amax gives the NaN byte 0x7f
@@ -187,6 +209,17 @@ class _Consumer:
         return [_asm(_DEC[(len(_RIDX[j]), j % 2)], *[rot[i] for i in _RIDX[j]], s2) for j in range(4)]
 
     @cute.jit
+    def decode_q_fp8(self, c0, c1, sc, q, add):
+        "W4A8: the 4 A registers (4 E4M3 bytes each) of k32 block q (0-3) from this thread's code and scale words."
+        regs = []
+        for h in cutlass.range_constexpr(2):
+            w_ = c0[2 * q + h] if q < 2 else c1[2 * (q - 2) + h]
+            s2 = _asm(_F8_SCL[h], sc[q], add)                     # {s_eff row g, s_eff row g + 8} of 16-block 2q + h
+            rot = [w_] + [_asm(_ROT_ANY.format(s=s), w_) for s in _F8_ROTS]
+            regs += [_asm(_F8_DEC[(len(_F8_RIDX[i]), i)], *[rot[j] for j in _F8_RIDX[i]], s2) for i in range(2)]
+        return regs
+
+    @cute.jit
     def load_codes(self, sW, cw, idx, t):
         "This thread's code words (K blocks 0-3, 4-7) and scale words of the slab in ring stage idx: three 16-byte LDS."
         base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, idx].iterator, dtype=cutlass.Uint32),
@@ -201,25 +234,29 @@ class _Consumer:
         return c0, c1, sc
 
     @cute.jit
-    def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT):
+    def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, add):
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
         # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage: no fragment
         # register is written while a WGMMA may still read it (`wgmma_hazards`; why the loop does not overlap: above)
         # The B descriptors of the stage's 8 K blocks: one 64-bit add each to the stage's first (offsets in 16-byte
         # units, static, from the view's layout); CuTeDSL's own slicing re-packs {lo, hi} per WGMMA, 3 uniform ops each
-        koff = [cute.crd2idx((0, 0, kb, 0), tCrB.layout) for kb in range(8)]
+        nk = 4 if self.fp8 else 8                                   # WGMMAs per K tile: k32 (FP8) or k16 (bf16)
+        koff = [cute.crd2idx((0, 0, kb, 0), tCrB.layout) for kb in range(nk)]
         for k in cutlass.range(KT, unroll=1):
             pipe.consumer_wait(cs)
             bi = cs.index
             d0 = smem_descriptor_to_int(tCrB[None, None, 0, bi].iterator)
             c0, c1, sc = self.load_codes(sW, cw, bi, t)
-            for kb in cutlass.range_constexpr(8):
-                d = self.decode_kb(c0, c1, sc, kb)
+            for kb in cutlass.range_constexpr(nk):
+                if cutlass.const_expr(self.fp8):
+                    d = self.decode_q_fp8(c0, c1, sc, kb, add)
+                else:
+                    d = self.decode_kb(c0, c1, sc, kb)
                 for j in cutlass.range_constexpr(4):
                     a_u32[j + 4 * kb] = d[j]
             warpgroup.fence()
-            for kb in cutlass.range_constexpr(8):
+            for kb in cutlass.range_constexpr(nk):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
                 b_kb = cute.make_tensor(int_to_smem_descriptor(d0 + cutlass.Int64(koff[kb])), tCrB[None, None, kb, 0].layout)
                 cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], b_kb, acc_frag)
@@ -238,6 +275,8 @@ class _EpilogueStore:
     def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump):
         "Scale the accumulator by 2^7 gs_w[e] gs_a and store it as bf16 into C (masked to the expert's rows and N)."
         g = mGw[e] * cutlass.Float32(DECODE_SCALE)          # DECODE_SCALE: a Python constant, an exact power of two
+        if cutlass.const_expr(self.fp8):
+            g = mGw[e]                                      # W4A8: the weights are e2m1 s 2^-c; 2^c per row below
         row0 = rb + ti * self.tt
         rend = rb + cnt
         n0 = mt * self.m_tile
@@ -255,6 +294,8 @@ class _EpilogueStore:
                 ga = mGa[0, 0]
                 if cutlass.const_expr(self.per_row):
                     ga = mGa[row, l]
+                if cutlass.const_expr(self.fp8):
+                    ga = ga * mSfC[e, n]                    # W4A8: the row's 2^c
                 mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
 
     @cute.jit
@@ -347,6 +388,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.fp4_out = cfg.epilogue.fp4_out
         self.dump = cfg.dump and cfg.epilogue.fp4_out
         self.limit = cfg.swiglu_limit
+        self.fp8 = cfg.fp8                          # W4A8: E4M3 weights (decoded) x E4M3 activations, k32 WGMMA
+        self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
 
@@ -365,15 +408,17 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if k is not None and (k <= 0 or k % 16):
             return False, f"K must be a positive multiple of 16 (NVFP4 blocks), got {k}"
         if cfg.dump and not cfg.epilogue.fp4_out: return False, "dump is a debug output of the SWIGLU_NVFP4 epilogue only"
+        if cfg.fp8 and cfg.epilogue is not Epilogue.BF16_ROW_GS:
+            return False, f"W4A8 (fp8) runs with the BF16_ROW_GS epilogue (one activation scale per row), got {cfg.epilogue.name}"
         limit = smem_limit if smem_limit is not None else device_smem()[0]
         if smem_bytes(cfg) > limit:
             return False, f"config needs {smem_bytes(cfg)} B of shared memory, the device allows {limit}"
         return True, ""
 
     def make_mma(self):
-        "The tiled WGMMA: bf16 x bf16 -> fp32, A (decoded weights) from registers, B (tokens) from shared memory, K-major."
+        "The tiled WGMMA: bf16 x bf16 (or E4M3 x E4M3) -> fp32, A (decoded weights) from registers, B (tokens) from shared memory, K-major."
         return sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (self.wgs, 1, 1), tiler_mn=(WG_ROWS, self.tt), a_source=warpgroup.OperandSource.RMEM)
 
     @cute.jit
@@ -389,12 +434,12 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             mC = add_l(mC)
         self.tiled_mma = self.make_mma()
         b_layout = sm90_utils.make_smem_layout_b(                                  # (tt, 128, stages), 128B swizzle
-            LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), cutlass.BFloat16, self.stages)
+            LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), self.ab_dtype, self.stages)
         w_layout = cute.make_layout((SLAB_ROWS, SLAB_WIDTH), stride=(SLAB_WIDTH, 1))   # (18, 256) bytes: one slab
         tma_w, tW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, w_layout, (SLAB_ROWS, SLAB_WIDTH))
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                 cute.slice_(b_layout, (None, None, 0)), (tt, kt_))
-        self.tx_bytes = SLAB_BYTES * self.wgs + tt * kt_ * 2                       # bytes per stage
+        self.tx_bytes = SLAB_BYTES * self.wgs + tt * kt_ * self.ab_dtype.width // 8   # bytes per stage
         self.b_layout = b_layout
         x_words = 4
         if cutlass.const_expr(self.fp4_out):
@@ -406,7 +451,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]            # full/empty mbarrier per stage
             offs: cute.struct.MemRange[cutlass.Int32, MAX_EXPERTS]                # staged expert_offsets
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SLAB_BYTES * self.wgs * self.stages], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)], 1024]
             # NOTE: 128 bytes no variant reads (the removed in-kernel activation decode's ring). Kept so that every
             # configuration's shared-memory layout, and so its PTX, is the one all the recorded measurements ran.
             reserved: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 128], 1024]
@@ -494,7 +539,13 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
-                cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT)
+                add = cutlass.Uint32(0)
+                if cutlass.const_expr(self.fp8):                   # W4A8: (6 - c) << 10 for this thread's rows g, g + 8
+                    ng = mt * self.m_tile + WG_ROWS * cw + 16 * (t // 32) + (t % 32) // 4
+                    cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: 2^c (E, Np)
+                    cg8 = ((_f32_bits(mSfC[e, ng + 8]) >> 23) & 0xFF).to(cutlass.Int32) - 127
+                    add = (((6 - cg) << 10) | ((6 - cg8) << 26)).to(cutlass.Uint32)
+                cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, add)
                 self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump)
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
@@ -510,13 +561,13 @@ def _fake_args(tvm_ffi: bool, cfg: GemmConfig):
     epi = cfg.epilogue
     ac = t3 if epi.wo_a else t2
     return (t2(cutlass.Uint8),                                     # mW (slab rows, 256)
-            ac(cutlass.BFloat16),                                  # mA (rows, K) bf16, or wo_a's (T, K, G)
+            ac(cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16),   # mA (rows, K) bf16 (W4A8: E4M3), or wo_a's (T, K, G)
             t2(cutlass.Int32) if epi.fp4_out else ac(cutlass.BFloat16),  # mC (rows, N), wo_a's (T, N, G), or code words (rows, N/16)
             t1(cutlass.Int32),                                     # mOff (E,)
             t1(cutlass.Float32),                                   # mGw (E,)
             t2(cutlass.Float32, 4),                                # mGa (1, 1), (rows, L), (rows, 2) or (E, 1)
             cutlass.Int32(1),                                      # n_ctas
-            t2(cutlass.Uint8) if epi.fp4_out else None,            # mSfC (rows, N/32) e4m3 bytes
+            t2(cutlass.Uint8) if epi.fp4_out else t2(cutlass.Float32, 4) if cfg.fp8 else None,   # mSfC (rows, N/32) e4m3 bytes; W4A8: 2^c (E, Np) fp32
             t1(cutlass.Float32) if epi.fp4_out else None,          # mGc (E,) static global scale of h per expert
             t1(cutlass.Float32) if epi.fp4_out else None,          # mGr (rows,) out: the global scale of each row of h
             t2(cutlass.Float32) if epi.fp4_out and cfg.dump else None,  # mDump (rows, N/2) fp32 h

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import E4M3_MAX, check_float, e2m1_decode
-from .sm90 import SLAB_BYTES, decode_words, encode_words
+from .sm90 import SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, decode_words, encode_words
 from .reference import grouped_rows, unscaled
 from ..quant import NVFP4Experts
 
 # %% auto #0
-__all__ = ['W4A8_CODE_MASK', 'W4A8_DECODE_ROTATIONS', 'e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'w4a8_weights',
-           'tile_weights_w4a8', 'emulate_decode_w4a8', 'ref_grouped_gemm_w4a8']
+__all__ = ['e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8',
+           'w4a8_row_scales', 'ref_grouped_gemm_w4a8']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -100,9 +100,6 @@ def w4a8_weights(experts: NVFP4Experts) -> tuple[torch.Tensor, torch.Tensor, dic
     return w8, c, rep
 
 # %% ../../nbs/04e_w4a8.ipynb #ffb12068
-W4A8_CODE_MASK = 0x9C9C9C9C              # a code's E4M3 bits in each byte: sign -> bit 7, magnitude e1 e0 m -> bits 4 3 2
-W4A8_DECODE_ROTATIONS = ((0,), (2, 4))   # word (q, h) -> registers 2h (row g) and 2h+1 (row g+8) of k32 block q
-
 def _frag_coords_fp8():
     """(row, col) inside a 64x128 slab of byte b of A register r of thread t in k32 block q, for FP8 WGMMA with A in
     registers (m64nNk32): (128, 4, 4, 4) each, indexed [t, q, r, b]."""
@@ -190,6 +187,19 @@ def emulate_decode_w4a8(tiled: torch.Tensor,  # uint8 slabs of tile_weights_w4a8
     row, col = _frag_coords_fp8()
     out.view(torch.uint8)[:, :, :, row, col] = w8.view(torch.uint8)
     return out.permute(0, 1, 3, 2, 4).reshape(E, Np, Kt)
+
+def w4a8_row_scales(c: torch.Tensor,            # int32 (E, N) row exponents from tile_weights_w4a8
+                    n_pad: int | None = None,   # rows of the slabs (N padded); None: N
+                   ) -> torch.Tensor:           # fp32 (E, n_pad)
+    """The W4A8 kernel's row table: 2^c per weight row in fp32 (exact), padded rows 1.0 (c = 0). The epilogue multiplies
+    each output column by it; the mainloop reads each row's c back from its exponent bits."""
+    E, N = c.shape
+    n_pad = N if n_pad is None else n_pad
+    if n_pad < N or n_pad % 64: raise ValueError(f"w4a8_row_scales: n_pad must be a multiple of 64 and >= N = {N}, got {n_pad}")
+    if c.min() < -126 or c.max() > 127: raise ValueError("w4a8_row_scales: row exponents outside fp32's normal range")
+    out = torch.ones(E, n_pad, dtype=torch.float32, device=c.device)
+    out[:, :N] = torch.exp2(c.float())
+    return out
 
 # %% ../../nbs/04e_w4a8.ipynb #cecc7e73
 def ref_grouped_gemm_w4a8(a: FP8Activations,           # (R, K) FP8 rows, expert-major
