@@ -117,32 +117,3 @@ def test_w4a8_config_needs_the_per_row_epilogue():
     assert not ok and "BF16_ROW_GS" in why
     assert S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS), 4,
                                            smem_limit=L.HOPPER_SMEM_PER_BLOCK)[0]
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_slab_fragment_coordinates_are_cutedsls_a_fragment(fp8):
-    # the tilings (sm90._frag_coords for bf16 k16, w4a8._frag_coords_fp8 for E4M3 k32) place each code where the
-    # WGMMA A fragment CuTeDSL builds expects it: (row, K) of every register value of every thread, in register order
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass.cute.nvgpu import warpgroup
-    from dsv4_nvfp4.gemm import w4a8 as W
-    dt = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16
-    row, col = W._frag_coords_fp8() if fp8 else L._frag_coords()
-    mine = [[(int(r), int(c)) for r, c in zip(row[t].flatten(), col[t].flatten())] for t in range(128)]
-    got = []
-
-    @cute.jit
-    def coords():
-        mma = sm90_utils.make_trivial_tiled_mma(dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-                                                cutlass.Float32, (1, 1, 1), tiler_mn=(64, 8), a_source=warpgroup.OperandSource.RMEM)
-        idA = cute.make_identity_tensor((64, 128))
-        for t in cutlass.range_constexpr(128):
-            tA = mma.get_slice(t).partition_A(idA)
-            vals = []
-            for i in cutlass.range_constexpr(cute.size(tA)):
-                vals.append(tuple(int(x) for x in tA[i]))
-            got.append(vals)
-    cute.compile(coords, options="--gpu-arch=sm_90a")                    # traced here: the coordinates are static
-    assert got == mine
