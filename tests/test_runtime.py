@@ -58,6 +58,7 @@ EXPECTED_KERNELS = {
     "ep_plan.cu": {"ep_plan", "ep_pack_nvfp4", "ep_recv_sort"},
     "nvfp4_rmsnorm_quantize.cu": {f"nvfp4_{k}_{dt}" for k in ("rmsnorm_quantize", "mhc_rmsnorm_quantize")
                                   for dt in _DT3},
+    "fp8_quantize.cu": {f"fp8_quantize_rows_{dt}" for dt in _DT3},
 }
 assert len(EXPECTED_KERNELS["nvfp4_quantize.cu"]) == 14  # 2 + 4 kinds x 3 dtypes
 
@@ -593,6 +594,9 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     seen |= set(run(lambda: QC.gather_dequant_nvfp4(q, idx, bad_count=torch.zeros(1, dtype=torch.int32))))
     seen |= set(run(lambda: QC.dequant_rows_nvfp4(q, 3, 100)))
     w = torch.rand(256) + 0.5
+    from dsv4_nvfp4.gemm import w4a8 as W8
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        seen |= set(run(lambda: W8.quantize_fp8_act_cuda(x.to(dt))))
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         seen |= set(run(lambda: NM.rmsnorm_quantize_nvfp4(x.to(dt), w, 1e-6)))
         seen |= set(run(lambda: NM.rmsnorm_quantize_nvfp4(x.to(dt), w, 1e-6, global_scale=torch.tensor(0.01),

@@ -35,3 +35,29 @@ def test_w4a8_gemm_against_float64(tt):
     torch.cuda.synchronize()
     want = W.ref_grouped_gemm_w4a8(a, w8, c, ex.global_scale, offs)
     assert_gemm_close(out.cpu(), want, f"W4A8 tok_tile {tt}")
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_activation_kernel_is_the_reference_bit_for_bit(dt):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(67, 4096, generator=g) * torch.logspace(-6, 4, 67).view(67, 1)).to(dt)
+    x[3, 100] = float("nan"); x[8, 9] = float("-inf"); x[12] = 0; x[20, 5] = -0.0
+    got, want = W.quantize_fp8_act_cuda(x.cuda()), W.ref_quantize_fp8_act(x)
+    assert got.data.dtype == torch.float8_e4m3fn and got.scale.shape == (67, 1) and got.block == 0
+    gb, wb = got.data.view(torch.uint8).cpu(), want.data.view(torch.uint8)
+    nan = lambda b: (b & 0x7F) == 0x7F
+    assert torch.equal(nan(gb), nan(wb)) and torch.equal(gb[~nan(gb)], wb[~nan(wb)])
+    gs = got.scale.cpu()
+    assert torch.equal(torch.isnan(gs), torch.isnan(want.scale)) and torch.equal(gs.nan_to_num(), want.scale.nan_to_num())
+    assert torch.isnan(gs[[3, 8]]).all() and gs[12] == 1
+
+
+def test_fp8_activation_kernel_out_buffers_and_bad_input():
+    x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+    d = torch.empty(5, 256, dtype=torch.float8_e4m3fn, device="cuda"); s = torch.empty(5, 1, device="cuda")
+    q = W.quantize_fp8_act_cuda(x, out_data=d, out_scale=s)
+    assert q.data.data_ptr() == d.data_ptr() and q.scale.data_ptr() == s.data_ptr()
+    with pytest.raises(ValueError, match="multiple of 16"): W.quantize_fp8_act_cuda(x[:, :250].contiguous())
+    with pytest.raises((TypeError, ValueError)): W.quantize_fp8_act_cuda(x.int())
+    with pytest.raises((TypeError, ValueError)): W.quantize_fp8_act_cuda(x.view(5, 2, 128))
+    with pytest.raises((TypeError, ValueError)): W.quantize_fp8_act_cuda(x, out_scale=torch.empty(5, device="cuda"))

@@ -9,14 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import runtime as rt
 from ..formats import E4M3_MAX, check_float, e2m1_decode
 from .sm90 import SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, decode_words, encode_words
 from .reference import grouped_rows, unscaled
 from ..quant import NVFP4Experts
 
+FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_act (one scale per row)
+
 # %% auto #0
-__all__ = ['e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8',
-           'w4a8_row_scales', 'ref_grouped_gemm_w4a8']
+__all__ = ['FP8_CU', 'e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'quantize_fp8_act_cuda', 'w4a8_weights',
+           'tile_weights_w4a8', 'emulate_decode_w4a8', 'w4a8_row_scales', 'ref_grouped_gemm_w4a8']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -74,6 +77,30 @@ def ref_quantize_fp8_act(x: torch.Tensor,       # (R, K) float32 / bf16 / fp16
         if s is None: raise ValueError(f"ref_quantize_fp8_act: a given scale must be () or ({R}, {xb.shape[1]})")
     q = (xb / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX)            # NaN stays NaN; the clamp is the saturation
     return FP8Activations(q.view(R, K).to(torch.float8_e4m3fn), s.contiguous(), block)
+
+# %% ../../nbs/04e_w4a8.ipynb #23a76b67
+def quantize_fp8_act_cuda(x: torch.Tensor,                        # (R, K) bf16 / fp16 / fp32 CUDA, contiguous, K % 16 == 0
+                          *,
+                          out_data: torch.Tensor | None = None,   # float8_e4m3fn (R, K)
+                          out_scale: torch.Tensor | None = None,  # float32 (R, 1)
+                         ) -> FP8Activations:
+    """The CUDA kernel (kernels_cu/fp8_quantize.cu) of `ref_quantize_fp8_act(x)` with one computed scale per row, bit
+    for bit: E4M3 values and fp32 scales (R, 1); a row holding NaN or Inf gets scale NaN and NaN values. One CTA per
+    row, no host sync; with both `out_*=` given it allocates nothing (CUDA-graph safe). TypeError / ValueError for a
+    tensor that is not a contiguous 2-D CUDA float tensor with K % 16 == 0, or for wrong out buffers."""
+    what = "quantize_fp8_act_cuda"
+    rt.check_tensor(x, what, "x", tuple(rt.DTYPE_SUFFIX), dim=2)
+    R, K = x.shape
+    rt.check_k16(K, what)
+    data = rt.out_tensor(out_data, what, "out_data", (R, K), (torch.float8_e4m3fn,), x.device)
+    scale = rt.out_tensor(out_scale, what, "out_scale", (R, 1), (torch.float32,), x.device, align=4)
+    if R * K:
+        with torch.cuda.device(x.device):
+            rt.launch_1d(FP8_CU, f"fp8_quantize_rows_{rt.DTYPE_SUFFIX[x.dtype]}", R, 256,
+                         [rt.ptr(x), rt.i64(K), rt.ptr(data), rt.ptr(scale)])
+    elif R:
+        scale.fill_(1.0)                                          # the reference: amax of nothing is 0 -> scale 1
+    return FP8Activations(data, scale, 0)
 
 # %% ../../nbs/04e_w4a8.ipynb #933f4a15
 def _row_exponents(rowmax: torch.Tensor) -> torch.Tensor:
