@@ -98,11 +98,12 @@ def test_slab_fragment_coordinates_are_cutedsls_a_fragment(fp8):
     assert got == mine
 
 
+@pytest.mark.parametrize("epi", ["BF16_ROW_GS", "SWIGLU_BF16"])
 @pytest.mark.parametrize("tt", sorted(L.CONFIGS))
-def test_w4a8_mainloop_compiles_to_fp8_wgmma(tt):
+def test_w4a8_mainloop_compiles_to_fp8_wgmma(tt, epi):
     # the W4A8 loop (GemmConfig.fp8): per K tile and thread, 16 A registers of 4 E4M3 bytes from 8 code words: two
     # F2FP up, two HMUL2 and two F2FP down per register, one F2FP per scale pair; four k32 FP8 WGMMAs; no hazard
-    cfg = L.CONFIGS[tt]._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS)
+    cfg = L.CONFIGS[tt]._replace(fp8=True, epilogue=getattr(L.Epilogue, epi))
     body = S.mainloop_sass(cfg)
     ops = S.sass_opcodes(body)
     assert ops.get("QGMMA") == 4 and "HGMMA" not in ops, ops
@@ -114,6 +115,6 @@ def test_w4a8_mainloop_compiles_to_fp8_wgmma(tt):
 
 def test_w4a8_config_needs_the_per_row_epilogue():
     ok, why = S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True), 4, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
-    assert not ok and "BF16_ROW_GS" in why
+    assert not ok and "BF16_ROW_GS and SWIGLU_BF16" in why
     assert S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS), 4,
                                            smem_limit=L.HOPPER_SMEM_PER_BLOCK)[0]

@@ -61,3 +61,34 @@ def test_fp8_activation_kernel_out_buffers_and_bad_input():
     with pytest.raises((TypeError, ValueError)): W.quantize_fp8_act_cuda(x.int())
     with pytest.raises((TypeError, ValueError)): W.quantize_fp8_act_cuda(x.view(5, 2, 128))
     with pytest.raises((TypeError, ValueError)): W.quantize_fp8_act_cuda(x, out_scale=torch.empty(5, device="cuda"))
+
+
+@pytest.mark.parametrize("tt", sorted(S90.CONFIGS))
+def test_w4a8_fused_l1_swiglu_against_float64(tt):
+    # the SWIGLU_BF16 epilogue under W4A8: gate and up rows (interleaved by 8) each carry their own 2^c
+    from dsv4_nvfp4 import swiglu as SW
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
+    from dsv4_nvfp4.routing import random_topk, route_topk
+    g = torch.Generator().manual_seed(100 + tt)
+    E, H, I, T = 8, 1024, 512, 40
+    w13 = SW.interleave_experts(Q.quantize_experts(torch.randn(E, I, H, generator=g)),
+                                Q.quantize_experts(torch.randn(E, I, H, generator=g) * 2), unify=True)
+    w8, c, _ = W.w4a8_weights(w13)
+    tiled, c2 = W.tile_weights_w4a8(w13)
+    ids = random_topk(T, E, 3, generator=g); ids[ids == 1] = 0
+    rt = route_topk(ids, E)
+    R = rt.perm.numel()
+    a = W.ref_quantize_fp8_act(torch.randn(T, H, generator=g)[rt.token] * 0.05)
+    p = torch.rand(R, generator=g) + 0.5
+    cfg = S90.CONFIGS[tt]._replace(fp8=True, epilogue=S90.Epilogue.SWIGLU_BF16)
+    out = torch.full((R, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+    S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, rt.expert_offsets.cuda(), w13.global_scale.cuda(),
+                  torch.stack([a.scale[:, 0], p], 1).cuda(), sf_c=W.w4a8_row_scales(c2).cuda())
+    torch.cuda.synchronize()
+    gate, up = SW.deinterleave_l1(W.ref_grouped_gemm_w4a8(a, w8, c, w13.global_scale, rt.expert_offsets), dim=-1)
+    want = SW.ref_swiglu(gate, up, 10.0) * p.double()[:, None]
+    got = out.cpu().double()
+    d = (got - want).abs()
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+    fro, within = (d.norm() / want.norm()).item(), (d <= ulp).double().mean().item()
+    assert torch.isfinite(got).all() and fro <= 3e-3 and within >= 0.99, f"tile {tt}: Frobenius {fro:.2e}, within {within:.4f}"

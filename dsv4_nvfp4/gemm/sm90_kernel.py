@@ -284,7 +284,7 @@ class _EpilogueStore:
             self.store_swiglu_nvfp4(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, t, cw, xbuf, mSfC, mGc, mGr, mDump)
             return
         if cutlass.const_expr(self.swiglu):
-            self.store_swiglu(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N)
+            self.store_swiglu(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, mSfC)
             return
         for i in cutlass.range_constexpr(cute.size(acc_frag)):
             m_, c_ = tCc[i]                     # (weight row, token) of accumulator element i
@@ -299,28 +299,34 @@ class _EpilogueStore:
                 mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
 
     @cute.jit
-    def swiglu_value(self, acc_frag, i, s, p):
-        "h = silu(min(s g, L)) * clamp(s u, -L, L) * p for gate element i (up: i + 2); NaN when s g or s u is not finite."
+    def swiglu_value(self, acc_frag, i, s, p, su):
+        "h = silu(min(s g, L)) * clamp(su u, -L, L) * p for gate element i (up: i + 2); NaN when s g or su u is not finite."
         L = cutlass.Float32(self.limit)
         gv = acc_frag[i] * s
-        uv = acc_frag[i + 2] * s
+        uv = acc_frag[i + 2] * su
         bad = (gv - gv) + (uv - uv)                    # 0 when both are finite, NaN otherwise
         gc = cutlass.min(gv, L)
         uc = cutlass.max(cutlass.min(uv, L), -L)
         return gc / (cutlass.Float32(1.0) + cute.math.exp(-gc)) * uc * p + bad
 
     @cute.jit
-    def store_swiglu(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N):
+    def store_swiglu(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, mSfC):
         """The SwiGLU epilogue: accumulator values i and i + 2 of a thread are rows r and r + 8 of a 16-row group for the
         same token, i.e. gate j and up j under the interleave of 8. h = silu(min(s g, L)) * clamp(s u, -L, L) * p,
-        NaN when s g or s u is not finite, stored at column 8 (n / 16) + n % 16 of the (R, N/2) output."""
+        NaN when s g or s u is not finite, stored at column 8 (n / 16) + n % 16 of the (R, N/2) output. W4A8: the gate
+        and up rows each carry their own 2^c (mSfC[e, n], mSfC[e, n + 8]) in s."""
         for i in cutlass.range_constexpr(cute.size(acc_frag)):
             if cutlass.const_expr((i // 2) % 2 == 0):          # a gate row; element i + 2 is its up row
                 m_, c_ = tCc[i]
                 row = row0 + c_
                 n = n0 + m_
                 if row < rend and n < N:
-                    h = self.swiglu_value(acc_frag, i, g * mGa[row, 0], mGa[row, 1])
+                    s = g * mGa[row, 0]
+                    su = s
+                    if cutlass.const_expr(self.fp8):
+                        su = s * mSfC[e, n + 8]
+                        s = s * mSfC[e, n]
+                    h = self.swiglu_value(acc_frag, i, s, mGa[row, 1], su)
                     mC[row, (n // 16) * 8 + n % 16, 0] = h.to(cutlass.BFloat16)
 
     @cute.jit
@@ -343,7 +349,7 @@ class _EpilogueStore:
             m_, c_ = tCc[i]
             row = row0 + c_
             rr = row if row < rend else rend - 1      # rows past the expert compute on a valid row's scales, unstored
-            a = _asm(_ABS_BITS, _f32_bits(self.swiglu_value(acc_frag, i, g * mGa[rr, 0], mGa[rr, 1])))
+            a = _asm(_ABS_BITS, _f32_bits(self.swiglu_value(acc_frag, i, g * mGa[rr, 0], mGa[rr, 1], g * mGa[rr, 0])))
             for d in cutlass.range_constexpr(3):      # max over the lanes 4, 8, 16 apart (equal lane % 4: one token)
                 a = _asm(_UMAX, a, cute.arch.shuffle_sync_bfly(a, 4 << d))
             if lane < 4:
@@ -356,7 +362,7 @@ class _EpilogueStore:
             rr = row if row < rend else rend - 1
             n = n0 + m_
             hc0 = (n // 16) * 8                       # first of this warp's 8 h columns
-            h = self.swiglu_value(acc_frag, i, g * mGa[rr, 0], mGa[rr, 1])
+            h = self.swiglu_value(acc_frag, i, g * mGa[rr, 0], mGa[rr, 1], g * mGa[rr, 0])
             if cutlass.const_expr(self.dump):         # the very value quantized below
                 if row < rend and n < N:
                     mDump[row, (n // 16) * 8 + n % 16] = h
@@ -408,8 +414,9 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if k is not None and (k <= 0 or k % 16):
             return False, f"K must be a positive multiple of 16 (NVFP4 blocks), got {k}"
         if cfg.dump and not cfg.epilogue.fp4_out: return False, "dump is a debug output of the SWIGLU_NVFP4 epilogue only"
-        if cfg.fp8 and cfg.epilogue is not Epilogue.BF16_ROW_GS:
-            return False, f"W4A8 (fp8) runs with the BF16_ROW_GS epilogue (one activation scale per row), got {cfg.epilogue.name}"
+        if cfg.fp8 and cfg.epilogue not in (Epilogue.BF16_ROW_GS, Epilogue.SWIGLU_BF16):
+            return False, ("W4A8 (fp8) runs with the BF16_ROW_GS and SWIGLU_BF16 epilogues (one activation scale per row), "
+                           f"got {cfg.epilogue.name}")
         limit = smem_limit if smem_limit is not None else device_smem()[0]
         if smem_bytes(cfg) > limit:
             return False, f"config needs {smem_bytes(cfg)} B of shared memory, the device allows {limit}"
