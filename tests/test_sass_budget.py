@@ -118,3 +118,10 @@ def test_w4a8_config_needs_the_per_row_epilogue():
     assert not ok and "BF16_ROW_GS and SWIGLU_BF16" in why
     assert S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS), 4,
                                            smem_limit=L.HOPPER_SMEM_PER_BLOCK)[0]
+
+
+def test_w4a8_kernel_compiles_for_the_thin_launch_path():
+    # the GPU launches through TVM-FFI (E4M3 activations and the fp32 2^c table as DLPack tensors)
+    pytest.importorskip("tvm_ffi")
+    for epi in (L.Epilogue.BF16_ROW_GS, L.Epilogue.SWIGLU_BF16):
+        assert S.compile_sm90(L.CONFIGS[16]._replace(fp8=True, epilogue=epi), tvm_ffi=True) is not None
