@@ -622,12 +622,14 @@ def _compiled(cfg: GemmConfig, dev: torch.device, tvm: bool):
 
 def run_sm90(cfg: GemmConfig,
              w_sm90: torch.Tensor,    # uint8 (slab rows, 256)
-             a3: torch.Tensor,        # bf16 (rows, K), or (T, K, G) for the wo_a kinds
+             a3: torch.Tensor,        # bf16 (rows, K), or (T, K, G) for the wo_a kinds; W4A8: float8_e4m3fn (rows, K)
              out3: torch.Tensor,      # bf16 (rows, N), or (T, N, G) for the wo_a kinds; SWIGLU_NVFP4: int32 (rows, N/16)
              expert_offsets: torch.Tensor,  # int32 (E,)
              gs_w: torch.Tensor,      # fp32 (E,)
-             gs_a2: torch.Tensor,     # fp32 (1, 1), (rows, L), or (rows, 2) (gs_a, p) for the SwiGLU kinds
-             sf_c: torch.Tensor | None = None,    # SWIGLU_NVFP4: uint8 (rows, N/32), h's e4m3 scale bytes
+             gs_a2: torch.Tensor,     # fp32 (1, 1), (rows, L), or (rows, 2) (gs_a, p) for the SwiGLU kinds (W4A8: gs_a = the
+                                      # row's E4M3 activation scale)
+             sf_c: torch.Tensor | None = None,    # SWIGLU_NVFP4: uint8 (rows, N/32), h's e4m3 scale bytes; W4A8 (cfg.fp8):
+                                                  # fp32 (E, Np) the weight rows' 2^c (gemm.w4a8.w4a8_row_scales)
              gs_c: torch.Tensor | None = None,    # SWIGLU_NVFP4: fp32 (E,), h's static global scale per expert
              gs_r: torch.Tensor | None = None,    # SWIGLU_NVFP4: fp32 (rows,) out, gs_c of each row's expert
              dump: torch.Tensor | None = None,    # SWIGLU_NVFP4 with cfg.dump: fp32 (rows, N/2), h before quantization
