@@ -234,7 +234,7 @@ class _Consumer:
         return c0, c1, sc
 
     @cute.jit
-    def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, add):
+    def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add):
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
         # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage: no fragment
@@ -243,6 +243,11 @@ class _Consumer:
         # units, static, from the view's layout); CuTeDSL's own slicing re-packs {lo, hi} per WGMMA, 3 uniform ops each
         nk = 4 if self.fp8 else 8                                   # WGMMAs per K tile: k32 (FP8) or k16 (bf16)
         koff = [cute.crd2idx((0, 0, kb, 0), tCrB.layout) for kb in range(nk)]
+        # W4A8: FP8 WGMMA does not keep a full fp32 sum over long K (its accumulator holds about 14 significant bits, as
+        # DeepSeek-V3's report measured), so each K tile's 4 WGMMAs (128 K) sum into tile_frag from zero and the loop adds
+        # that into acc_frag in fp32 after the wait, the promotion interval DeepSeek-V3 and DeepGEMM use
+        if cutlass.const_expr(self.fp8):
+            acc_frag.fill(0.0)
         for k in cutlass.range(KT, unroll=1):
             pipe.consumer_wait(cs)
             bi = cs.index
@@ -257,11 +262,18 @@ class _Consumer:
                     a_u32[j + 4 * kb] = d[j]
             warpgroup.fence()
             for kb in cutlass.range_constexpr(nk):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
                 b_kb = cute.make_tensor(int_to_smem_descriptor(d0 + cutlass.Int64(koff[kb])), tCrB[None, None, kb, 0].layout)
-                cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], b_kb, acc_frag)
+                if cutlass.const_expr(self.fp8):
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
+                    cute.gemm(tiled_mma, tile_frag, a_frag[None, None, kb], b_kb, tile_frag)
+                else:
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, k > 0 or kb > 0)
+                    cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], b_kb, acc_frag)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
+            if cutlass.const_expr(self.fp8):
+                for i in cutlass.range_constexpr(cute.size(acc_frag)):
+                    acc_frag[i] = acc_frag[i] + tile_frag[i]
             pipe.consumer_release(cs)
             cs.advance()
         return cs
@@ -535,6 +547,9 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             cw = wg - 1                       # consumer warpgroup: rows [64 cw, 64 cw + 64) of the m tile
             thr_mma = tiled_mma.get_slice(ctid)
             acc_frag = thr_mma.make_fragment_C(thr_mma.partition_shape_C((self.m_tile, tt)))
+            tile_frag = acc_frag                  # W4A8: each K tile's WGMMA sum, promoted into acc_frag (mainloop)
+            if cutlass.const_expr(self.fp8):
+                tile_frag = thr_mma.make_fragment_C(thr_mma.partition_shape_C((self.m_tile, tt)))
             a_frag = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
             tCsB = thr_mma.partition_B(sB)
             tCrB = tiled_mma.make_fragment_B(tCsB)
@@ -552,7 +567,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                     cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: 2^c (E, Np)
                     cg8 = ((_f32_bits(mSfC[e, ng + 8]) >> 23) & 0xFF).to(cutlass.Int32) - 127
                     add = (((6 - cg) << 10) | ((6 - cg8) << 26)).to(cutlass.Uint32)
-                cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT, add)
+                cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add)
                 self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump)
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
