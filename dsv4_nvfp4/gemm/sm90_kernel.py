@@ -47,7 +47,8 @@ def _f32_bits(x, *, loc=None, ip=None):
 # each S = s * 2^119. The half is picked by the multiply's operand (HMUL2 ... R.H0_H0 / R.H1_H1 in SASS).
 _ROTS = sorted({s for r in DECODE_ROTATIONS for s in r} - {0})                     # the rotations the decode needs
 _RIDX = [tuple(0 if s == 0 else 1 + _ROTS.index(s) for s in r) for r in DECODE_ROTATIONS]   # register j: indices into [w, rotations]
-_ROT = {s: f"shf.l.wrap.b32 $0, $1, $1, {s};" for s in _ROTS}
+_F8_ROTS = sorted({s for r in W4A8_DECODE_ROTATIONS for s in r} - {0})         # the W4A8 decode's (below)
+_ROT = {s: f"shf.l.wrap.b32 $0, $1, $1, {s};" for s in sorted(set(_ROTS) | set(_F8_ROTS))}
 
 def _dec_asm(n: int, r: int) -> str:
     "PTX of one fragment register from n rotated words ($1..$n) and a scale pair ($n+1): mask their XOR, times half r."
@@ -56,8 +57,7 @@ def _dec_asm(n: int, r: int) -> str:
     half = "mov.b32 s, {l, l};" if r == 0 else "mov.b32 s, {h, h};"
     return "{ .reg .b32 m, s; .reg .b16 l, h; " + x + f" mov.b32 {{l, h}}, ${n + 1}; " + half + " mul.rn.bf16x2 $0, m, s; }"
 
-_DEC = {(len(rot), r): _dec_asm(len(rot), r) for rot in DECODE_ROTATIONS for r in range(2)}
-_ROT_ANY = "shf.l.wrap.b32 $0, $1, $1, {s};"   # (rotations, half)
+_DEC = {(len(rot), r): _dec_asm(len(rot), r) for rot in DECODE_ROTATIONS for r in range(2)}   # (rotations, half)
 # scale word i of a quad = codes [r0 (2i), r0 (2i+1), r1 (2i), r1 (2i+1)] -> bf16x2 {S_r0, S_r1} of K block 2i (bytes
 # 0, 2) or 2i + 1 (bytes 1, 3): each byte to bits 4-11 of its half, plus 0x7000
 _SCL = ["{ .reg .b32 x; and.b32 x, $1, 0x00FF00FF; mad.lo.u32 $0, x, 16, 0x70007000; }",
@@ -65,7 +65,6 @@ _SCL = ["{ .reg .b32 x; and.b32 x, $1, 0x00FF00FF; mad.lo.u32 $0, x, 16, 0x70007
 # --- W4A8 (gemm.w4a8's slabs): code word (q, h) -> A registers 2h (row g) and 2h + 1 (row g + 8) of k32 block q, four
 # E4M3 bytes e2m1 * 2^-6 each (W4A8_CODE_MASK & w, & (rotl(w, 2) ^ rotl(w, 4))), times the block's s_eff (f16, its
 # row's half of the pair) in f16 (exact) and rounded once to E4M3 (RNE): emulate_decode_w4a8, instruction by instruction
-_F8_ROTS = sorted({s for r in W4A8_DECODE_ROTATIONS for s in r} - {0})
 _F8_RIDX = [tuple(0 if s == 0 else 1 + _F8_ROTS.index(s) for s in r) for r in W4A8_DECODE_ROTATIONS]
 
 def _f8_dec_asm(n: int, r: int) -> str:
@@ -215,7 +214,7 @@ class _Consumer:
         for h in cutlass.range_constexpr(2):
             w_ = c0[2 * q + h] if q < 2 else c1[2 * (q - 2) + h]
             s2 = _asm(_F8_SCL[h], sc[q], add)                     # {s_eff row g, s_eff row g + 8} of 16-block 2q + h
-            rot = [w_] + [_asm(_ROT_ANY.format(s=s), w_) for s in _F8_ROTS]
+            rot = [w_] + [_asm(_ROT[s], w_) for s in _F8_ROTS]
             regs += [_asm(_F8_DEC[(len(_F8_RIDX[i]), i)], *[rot[j] for j in _F8_RIDX[i]], s2) for i in range(2)]
         return regs
 
