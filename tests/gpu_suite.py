@@ -1,5 +1,5 @@
 """Run the GPU suites (`pytest -m gpu` per test file, `nbdev_test --flags gpu` per notebook) split over the visible
-GPUs: a greedy queue, longest job first, each job pinned to its GPU(s) with CUDA_VISIBLE_DEVICES and its own log.
+GPUs: a greedy queue, multi-GPU jobs first, then longest first, each job pinned to its GPU(s) with CUDA_VISIBLE_DEVICES and its own log.
 
     python tests/gpu_suite.py OUT PHASE [--guard SECONDS]
 
@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 NVRTC = [("pytest_kernels", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider -n {ngpu} tests/test_kernels_gpu.py", "all", 300),
          ("pytest_kv_route", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_kv_gpu.py tests/test_moe_route_gpu.py", 1, 90)]
 NVRTC_NBS = ["03_runtime", "03a_quantize_cuda", "03b_norm_quantize", "06_kv_compress", "07_dequant_gather", "index"]
-CUTE = [("pytest_ep_2gpu", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_ep_gpu.py", 2, 150),
-        ("pytest_gemm", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_gemm_gpu.py tests/test_w4a8_gpu.py", 1, 200),
-        ("pytest_mlp", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 200),
-        ("pytest_moe", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py", 1, 300),
-        ("pytest_compile", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_compile_gpu.py tests/test_cli.py", 1, 150)]
+CUTE = [("pytest_ep_2gpu", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_ep_gpu.py", 2, 130),
+        ("pytest_gemm", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_gemm_gpu.py tests/test_w4a8_gpu.py", 1, 220),
+        ("pytest_mlp", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 190),
+        ("pytest_moe", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py", 1, 340),
+        ("pytest_compile", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_compile_gpu.py tests/test_cli.py", 1, 320)]
 
 
 def notebooks(phase):
@@ -35,8 +35,8 @@ def jobs(phase, ngpu):
     if phase in ("cute", "all"):
         out += CUTE + [(f"nb_{n}", f"nbdev_test --path nbs/{n}.ipynb --flags gpu", 1, 150) for n in notebooks("cute")]
         skip = "|".join(notebooks("nvrtc") + notebooks("cute"))          # every other notebook, on one GPU, 6 at a time
-        out.append(("nb_rest", f"nbdev_test --flags gpu --n_workers 6 --skip_file_re '^({skip})\\.ipynb$'", 1, 200))
-    return sorted(out, key=lambda j: -j[3] * j[2])
+        out.append(("nb_rest", f"nbdev_test --flags gpu --n_workers 6 --skip_file_re '^({skip})\\.ipynb$'", 1, 300))
+    return sorted(out, key=lambda j: (-j[2], -j[3]))   # multi-GPU jobs first (they need several GPUs free at once), then longest
 
 
 def failures(out, names, per_job=40):
