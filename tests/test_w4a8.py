@@ -194,3 +194,31 @@ def test_w4a8_row_scales():
     assert torch.equal(t[:, :3], torch.exp2(c.float())) and (t[:, 3:] == 1).all()
     assert torch.equal((t.view(torch.int32) >> 23) - 127, torch.cat([c, torch.zeros(2, 61, dtype=torch.int32)], 1))   # what the kernel reads back
     with pytest.raises(ValueError, match="multiple of 64"): W.w4a8_row_scales(c, 32)
+
+
+def _accumulation_case(seed=8, E=3, N=256, K=512, rows=(5, 0, 21)):
+    # the GPU test's kind of operands: weight rows over 4 decades, tokens over 4
+    g = torch.Generator().manual_seed(seed)
+    ex = quantize_experts(torch.randn(E, N, K, generator=g) * torch.logspace(-3, 1, N).view(1, N, 1))
+    w8, c, _ = W.w4a8_weights(ex)
+    offs = torch.tensor(rows).cumsum(0).to(torch.int32)
+    a = W.ref_quantize_fp8_act(torch.randn(int(offs[-1]), K, generator=g) * torch.logspace(-2, 2, int(offs[-1])).view(-1, 1))
+    return a, w8, c, ex.global_scale, offs
+
+
+def test_w4a8_error_bound_holds_for_a_12_bit_tensor_core_and_catches_bugs():
+    a, w8, c, gs, offs = _accumulation_case()
+    want = W.ref_grouped_gemm_w4a8(a, w8, c, gs, offs)
+    mag = W.ref_w4a8_magnitude(a, w8, c, gs, offs)
+    bound = W.w4a8_error_bound(want, mag)
+    assert bool((mag >= want.abs() - 1e-12 * mag).all())                        # |sum| <= sum of |terms|
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+    m12, m16 = (W.fp8_wgmma_model(a, w8, c, gs, offs, bits) for bits in (12, 16))
+    assert bool(((m12 - want).abs() <= bound).all()) and bool(((m16 - want).abs() <= bound).all())
+    within = lambda m: ((m - want).abs() <= ulp).double().mean().item()
+    assert within(m12) < 0.95 < 0.99 < within(m16)                               # the 1-ulp count tells the widths apart
+    dropped = w8.clone(); dropped[..., 128:256] = 0                              # one K tile lost
+    assert ((W.fp8_wgmma_model(a, dropped, c, gs, offs, 16) - want).abs() > bound).double().mean() > 0.5
+    wrong = w8.clone().view(torch.uint8); wrong[2, 100, 300] ^= 0x20             # one weight of expert 2, row 100, changed
+    bad = (W.fp8_wgmma_model(a, wrong.view(torch.float8_e4m3fn), c, gs, offs, 16) - want).abs() > bound
+    assert bad[5:, 100].any() and not bad[:, :100].any() and not bad[:5].any()   # seen in its column, nowhere else

@@ -1,19 +1,32 @@
 """GPU tests of the sm_90a W4A8 grouped GEMM (GroupedGemmSm90 with GemmConfig.fp8: gemm.w4a8's slabs decoded in
 registers to E4M3, E4M3 activations with one fp32 scale per row, FP8 WGMMA) against the float64 reference of the same
-quantized operands (`ref_grouped_gemm_w4a8`). Tolerance: the GEMM issue's (relative Frobenius <= 2e-3, >= 99% of the
-outputs within one bf16 ulp): the products are exact; the kernel sums each 128-K tile on the FP8 tensor cores and
-promotes that sum into fp32, and the bf16 output rounds."""
+quantized operands (`ref_grouped_gemm_w4a8`). The products are exact; the FP8 tensor core sums each 128-K tile with a
+truncating accumulator of about 14-16 bits (not fp32), which the kernel then adds into fp32. So every output must lie
+within `w4a8_error_bound` (half a bf16 ulp plus 2^-12 of the terms' magnitude: 04e derives it and shows it catches a
+dropped K tile or one wrong weight) and the relative Frobenius error within the GEMM issue's 2e-3; the share within
+one bf16 ulp, the bf16 loop's criterion, is printed for the record."""
 import pytest
 import torch
 
 from dsv4_nvfp4 import quant as Q
 from dsv4_nvfp4.gemm import sm90 as S90
 from dsv4_nvfp4.gemm import w4a8 as W
-from _gpu_helpers import assert_gemm_close, hopper
+from _gpu_helpers import hopper
 
 pytestmark = pytest.mark.gpu
 if torch.cuda.is_available() and not hopper():
     pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="the sm_90a kernel needs a Hopper GPU")]
+
+
+def assert_w4a8_close(got, want, bound, what, fro_max):
+    "Every output within `bound`, the relative Frobenius error within fro_max; the 1-ulp share printed (pytest -rA)."
+    assert bool(torch.isfinite(got).all()), what
+    d = (got - want).abs()
+    fro = (d.norm() / want.norm()).item()
+    within = (d <= torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)).double().mean().item()
+    worst = (d / bound).max().item()
+    print(f"{what}: Frobenius {fro:.2e}, within 1 bf16 ulp {100 * within:.2f}%, worst output {worst:.2f} of the bound")
+    assert worst <= 1 and fro <= fro_max, f"{what}: worst output {worst:.2f} of the bound, Frobenius {fro:.2e}"
 
 
 @pytest.mark.parametrize("tt", sorted(S90.CONFIGS))
@@ -35,10 +48,8 @@ def test_w4a8_gemm_against_float64(tt):
                   sf_c=W.w4a8_row_scales(c2).cuda())
     torch.cuda.synchronize()
     want = W.ref_grouped_gemm_w4a8(a, w8, c, ex.global_scale, offs)
-    d = (out.cpu().double() - want).abs()                                 # printed for the record (pytest -rA shows it)
-    print(f"W4A8 tok_tile {tt}: Frobenius {(d.norm() / want.norm()).item():.2e}, within 1 ulp "
-          f"{(d <= torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)).double().mean().item():.4f}")
-    assert_gemm_close(out.cpu(), want, f"W4A8 tok_tile {tt}")
+    bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c, ex.global_scale, offs))
+    assert_w4a8_close(out.cpu().double(), want, bound, f"W4A8 tok_tile {tt}", 2e-3)
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32])
@@ -89,11 +100,14 @@ def test_w4a8_fused_l1_swiglu_against_float64(tt):
     S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, rt.expert_offsets.cuda(), w13.global_scale.cuda(),
                   torch.stack([a.scale[:, 0], p], 1).cuda(), sf_c=W.w4a8_row_scales(c2).cuda())
     torch.cuda.synchronize()
-    gate, up = SW.deinterleave_l1(W.ref_grouped_gemm_w4a8(a, w8, c, w13.global_scale, rt.expert_offsets), dim=-1)
+    ops = (a, w8, c, w13.global_scale, rt.expert_offsets)
+    gate, up = SW.deinterleave_l1(W.ref_grouped_gemm_w4a8(*ops), dim=-1)
+    mg, mu = SW.deinterleave_l1(W.ref_w4a8_magnitude(*ops), dim=-1)
     want = SW.ref_swiglu(gate, up, 10.0) * p.double()[:, None]
-    got = out.cpu().double()
-    d = (got - want).abs()
-    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
-    fro, within = (d.norm() / want.norm()).item(), (d <= ulp).double().mean().item()
-    print(f"W4A8 fused L1 tok_tile {tt}: Frobenius {fro:.2e}, within 1 ulp {within:.4f}")
-    assert torch.isfinite(got).all() and fro <= 3e-3 and within >= 0.99, f"tile {tt}: Frobenius {fro:.2e}, within {within:.4f}"
+    # the tile-sum allowance carried through h = silu(min(g, L)) clamp(u, +-L) p (|silu'| <= 1.1; the clamps only shrink
+    # it), plus half a bf16 ulp of h
+    dg, du = mg * 2.0 ** -W.W4A8_ACC_BITS, mu * 2.0 ** -W.W4A8_ACC_BITS
+    sg = gate.clamp(max=10.0)
+    bound = want.abs() * 2.0 ** -8 + p.double()[:, None] * (1.1 * up.abs().clamp(max=10.0) * dg
+                                                           + (sg * torch.sigmoid(sg)).abs() * du + 1.1 * dg * du)
+    assert_w4a8_close(out.cpu().double(), want, bound, f"W4A8 fused L1 tok_tile {tt}", 3e-3)

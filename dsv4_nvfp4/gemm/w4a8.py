@@ -18,8 +18,9 @@ from ..quant import NVFP4Experts
 FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_act (one scale per row)
 
 # %% auto #0
-__all__ = ['FP8_CU', 'e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'quantize_fp8_act_cuda', 'w4a8_weights',
-           'tile_weights_w4a8', 'emulate_decode_w4a8', 'w4a8_row_scales', 'ref_grouped_gemm_w4a8']
+__all__ = ['FP8_CU', 'W4A8_ACC_BITS', 'e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'quantize_fp8_act_cuda',
+           'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8', 'w4a8_row_scales', 'ref_grouped_gemm_w4a8',
+           'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -240,3 +241,49 @@ def ref_grouped_gemm_w4a8(a: FP8Activations,           # (R, K) FP8 rows, expert
     two and the activation scales are exact in float64; gs_w is applied after the sum, as the epilogue does)."""
     w = w8.double() * torch.exp2(c.double())[..., None]
     return grouped_rows(a.dequantize(), w, expert_offsets, gs_w)
+
+# %% ../../nbs/04e_w4a8.ipynb #e58147a3
+W4A8_ACC_BITS = 12        # the fraction bits the W4A8 tolerance grants the FP8 tensor core's tile sum (the GPU keeps 14-16)
+
+def ref_w4a8_magnitude(a: FP8Activations, w8: torch.Tensor, c: torch.Tensor, gs_w: torch.Tensor,
+                       expert_offsets: torch.Tensor) -> torch.Tensor:
+    """float64 (R, N) `gs_w[e] sum_k |w8[e, n, k] 2^c[e, n]| |a[r, k]|` for the operands of `ref_grouped_gemm_w4a8`
+    (same arguments): the size of the terms each output sums, which a truncating accumulator's error scales with."""
+    w = w8.double().abs() * torch.exp2(c.double())[..., None]
+    return grouped_rows(a.dequantize().abs(), w, expert_offsets, gs_w.abs())
+
+def w4a8_error_bound(want: torch.Tensor,       # float64 (R, N) ref_grouped_gemm_w4a8
+                     magnitude: torch.Tensor,  # float64 (R, N) ref_w4a8_magnitude of the same operands
+                    ) -> torch.Tensor:         # float64 (R, N): the allowed |bf16 output - want|
+    """The per-output error the W4A8 GEMM may make: half a bf16 ulp of the output (at most 2^-8 of it) plus
+    2^-W4A8_ACC_BITS of the terms' magnitude (the tensor core's truncated tile sums; see the section above)."""
+    return want.abs() * 2.0 ** -8 + magnitude * 2.0 ** -W4A8_ACC_BITS
+
+def fp8_wgmma_model(a: FP8Activations, w8: torch.Tensor, c: torch.Tensor, gs_w: torch.Tensor,
+                    expert_offsets: torch.Tensor,
+                    bits: int = 14,             # fraction bits kept below the largest addend's leading bit
+                    k_tile: int = 128,          # the K the kernel sums on the tensor core before its fp32 FADD
+                   ) -> torch.Tensor:           # float64 (R, N), the bf16-rounded output of the modelled kernel
+    """A CPU model of the W4A8 kernel's accumulation (same arguments as `ref_grouped_gemm_w4a8`): per K = 32
+    instruction the 32 exact products and the running tile sum are aligned to the largest one's exponent and truncated
+    to `bits` fraction bits, then summed; each `k_tile` sum is added to an fp32 accumulator; the epilogue scales and
+    rounds to bf16. A model of undocumented hardware, for choosing tolerances, not a reference."""
+    w = w8.double() * torch.exp2(c.double())[..., None]
+    x = a.dequantize()
+    R, K = x.shape
+    out = torch.zeros(R, w.shape[1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(expert_offsets.cpu().long().tolist()):
+        if end <= start: continue
+        acc = torch.zeros(end - start, w.shape[1], dtype=torch.float32)
+        for t0 in range(0, K, k_tile):
+            tile = torch.zeros(end - start, w.shape[1], dtype=torch.float64)
+            for k0 in range(t0, min(t0 + k_tile, K), 32):
+                terms = torch.cat([x[start:end, None, k0:k0 + 32] * w[e, None, :, k0:k0 + 32], tile[..., None]], -1)
+                top = torch.floor(torch.log2(terms.abs().amax(-1, keepdim=True).clamp_min(1e-300)))
+                q = torch.exp2(top - bits)
+                tile = (torch.trunc(terms / q) * q).sum(-1)
+            acc += tile.float()
+        out[start:end] = (acc * gs_w[e].float()).to(torch.bfloat16).double()
+        start = end
+    return out
