@@ -21,6 +21,7 @@ from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, co
                                 local_groups, permute_rows, ref_dsv4_router, route_buffers, route_permute_fused, route_rows, route_topk,
                                 router_logits, ROUTE_FUSED_MAX_T)
 from .gemm.reference import check_swiglu_limit, deinterleave_l1, ref_swiglu
+from .gemm.w4a8 import ref_quantize_fp8_act
 from .swiglu import calibrate_input_scales, expert_mlp_nvfp4, grouped_gemm_swiglu_nvfp4, interleave_experts, ref_expert_mlp
 
 # %% auto #0
@@ -90,7 +91,9 @@ class DSV4MoE(torch.nn.Module):
     first use); on the CPU the same layer through the GEMM seam's CPU backend (`forward_torch`: on the reference
     backend, `ref_moe` rounded to bf16).
     `act="w4a4"` quantizes x with each expert's static scale `a1_scales` and h with `a2_scales` (the checkpoint's
-    `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate)."""
+    `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate);
+    `"w4a8"` quantizes x and h to E4M3 with one scale per row (DSV4's reference runs its experts this way): on the CPU
+    for now, since the Hopper backend does not plan W4A8 yet (a device forward raises NotImplementedError)."""
 
     def __init__(self, cfg: MoEConfig,
                  w13: NVFP4Experts,                 # (E + 1, 2I, H), the shared expert last
@@ -99,7 +102,7 @@ class DSV4MoE(torch.nn.Module):
                  gate_bias: torch.Tensor | None = None,   # fp32 (E,)
                  tid2eid: torch.Tensor | None = None,     # int (vocab, top_k): hash routing
                  *,
-                 act: str = "w4a16",                # "w4a16" or "w4a4"
+                 act: str = "w4a16",                # "w4a16", "w4a4" or "w4a8"
                  a1_scales: torch.Tensor | None = None,   # W4A4: fp32 (G,) static global scales of x (w1/w3 input_scale)
                  a2_scales: torch.Tensor | None = None,   # W4A4: fp32 (G,) static global scales of h (w2 input_scale)
                  experts=None,                      # an expert-parallel slice: the routed experts held (global ids, increasing)
@@ -113,7 +116,7 @@ class DSV4MoE(torch.nn.Module):
         if tuple(w2.shape) != (G, H, I): raise ValueError(f"DSV4MoE: w2 must be ({held}, H, I) = {(G, H, I)}, got {tuple(w2.shape)}")
         if tuple(gate_weight.shape) != (E, H): raise ValueError(f"DSV4MoE: gate_weight must be (E, H) = {(E, H)}, got {tuple(gate_weight.shape)}")
         if gate_bias is not None and tuple(gate_bias.shape) != (E,): raise ValueError(f"DSV4MoE: gate_bias must be ({E},), got {tuple(gate_bias.shape)}")
-        if act not in ("w4a16", "w4a4"): raise ValueError(f"DSV4MoE: act must be 'w4a16' or 'w4a4', got {act!r}")
+        if act not in ("w4a16", "w4a4", "w4a8"): raise ValueError(f"DSV4MoE: act must be 'w4a16', 'w4a4' or 'w4a8', got {act!r}")
         if act == "w4a4":
             for name, s in (("a1_scales", a1_scales), ("a2_scales", a2_scales)):
                 if s is None or tuple(s.shape) != (G,):
@@ -234,6 +237,9 @@ class DSV4MoE(torch.nn.Module):
     def buffers(self, capacity: int, device) -> tuple:
         """(RouteBuffers, h, h decoded or None, L2 output rows) for up to `capacity` tokens: every buffer one forward
         needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales for W4A4)."""
+        if self.act == "w4a8":
+            raise NotImplementedError("DSV4MoE: act='w4a8' runs on the CPU (the GEMM seam's reference backend) so far: the "
+                                      "Hopper backend does not plan W4A8 yet (its kernel is GemmConfig(fp8=True), notebook 04b)")
         c, dev = self.cfg, torch.device(device)
         R, I = capacity * (c.top_k + 1), c.inter
         e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
@@ -355,7 +361,8 @@ def _ref_route(x, layer, input_ids):
 
 def _ref_rows(x, layer, input_ids=None, routing=None):
     """The reference's routing and permutation on the CPU: (Routing over the layer's groups, fp32 weight of each row,
-    the expert-major rows: bf16, or for W4A4 each quantized with its group's `a1_scales`; None when no row is held)."""
+    the expert-major rows: bf16, for W4A4 each quantized with its group's `a1_scales`, for W4A8 each quantized to
+    E4M3 with its own scale (`quantize_fp8_act`); None when no row is held)."""
     c = layer.cfg
     w, ids = _ref_route(x, layer, input_ids) if routing is None else (routing[0].cpu().float(), routing[1].cpu().long())
     rt, p = route_with_shared(ids, w, c.num_experts, layer.experts, layer.shared)
@@ -364,6 +371,7 @@ def _ref_rows(x, layer, input_ids=None, routing=None):
     if layer.act == "w4a4":
         group = torch.repeat_interleave(torch.arange(layer.num_groups), group_sizes(rt.expert_offsets))
         xr = ref_quantize_nvfp4(xr.float(), layer.a1_scales.cpu()[group])
+    elif layer.act == "w4a8": xr = ref_quantize_fp8_act(xr)
     return rt, p, xr
 
 def ref_moe(x: torch.Tensor,            # (T, H) activations (bf16)
@@ -460,6 +468,7 @@ def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w
         a1 = global_scale_from_amax(xs.float().abs().amax()).expand(E + 1).clone()
         layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, act="w4a4", a1_scales=a1,
                     a2_scales=calibrate_input_scales(h, rt.expert_offsets))
+    elif act != "w4a16": layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, act=act)   # W4A8: no static scales
     layer.bf16_weights = bf
     return layer
 
@@ -564,10 +573,11 @@ def from_dsv4(cls: DSV4MoE, src, layer: int, cfg: MoEConfig = FLASH, act: str = 
     values (an expert's w1 and w3 under one global scale; a tensor the NVFP4 scales cannot hold raises, or with
     `strict=False` is re-rounded), the shared expert's FP8 weights (e4m3, e8m0 per 128 x 128) decoded and re-quantized
     to NVFP4 (the kernels run it as expert E), the router as stored. `layer.load_report` says what was exact and the
-    relative error of everything that was not. W4A16 only: the released files hold no static activation scales."""
-    if act != "w4a16":
+    relative error of everything that was not. W4A16 or W4A8 (per-row activation scales): the released files hold no
+    static activation scales for W4A4."""
+    if act not in ("w4a16", "w4a8"):
         raise ValueError("DSV4MoE.from_dsv4: the released checkpoint has no static activation scales (W4A4's a1/a2): "
-                         "use act='w4a16', or calibrate them as DSV4MoE.synthetic does")
+                         "use act='w4a16' or 'w4a8', or calibrate them as DSV4MoE.synthetic does")
     p, E, H, I = prefix.format(layer=layer), cfg.num_experts, cfg.hidden, cfg.inter
     r = CheckpointReader(src)
     where = r.path.name

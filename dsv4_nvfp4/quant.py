@@ -18,7 +18,7 @@ from .formats import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, check_float, e2m1_encode_
 __all__ = ['GS_MIN', 'BLOCK', 'DEFAULT_BLOCK', 'MX_BLOCK', 'E8M0_BIAS', 'E4M3_POW2', 'global_scale_from_amax', 'NVFP4Tensor',
            'ref_quantize_nvfp4', 'ref_dequantize_nvfp4', 'ref_mxfp4_roundtrip', 'sqnr_db', 'block_report', 'plot_block',
            'explore_block', 'NVFP4Experts', 'stack_experts', 'quantize_experts', 'MXFP4Tensor', 'ref_quantize_mxfp4',
-           'ref_dequantize_mxfp4', 'mxfp4_global_exp', 'mxfp4_to_nvfp4', 'mxfp4_experts_to_nvfp4']
+           'ref_dequantize_mxfp4', 'mxfp4_global_exp', 'mxfp4_to_nvfp4', 'mxfp4_experts_to_nvfp4', 'FP8Activations']
 
 # %% ../nbs/01_quantize.ipynb #d34b16c4
 GS_MIN = 2.0 ** -110  # smallest global scale: keeps 1/(s*gs) finite for every e4m3 scale s >= 2^-9
@@ -422,3 +422,25 @@ def mxfp4_experts_to_nvfp4(experts,          # E MXFP4Tensors (N, K), or one MXF
         raise TypeError("mxfp4_experts_to_nvfp4: expected a non-empty list of MXFP4Tensor (N, K) or one MXFP4Tensor (E, N, K)")
     done = [mxfp4_to_nvfp4(m, strict) for m in experts]
     return stack_experts([d[0] for d in done]), [d[1] for d in done]
+
+# %% ../nbs/01_quantize.ipynb #522db788
+@dataclass
+class FP8Activations:
+    """Activations as FP8 for the W4A8 GEMM: E4M3 values and fp32 scales, `x ~ data * scale` with one scale per row
+    (`block = 0`: shape (R, 1)) or per 1 x `block` slice of a row ((R, K / block)). A row holding NaN or Inf has scale
+    NaN (so does every output that reads it: its row only)."""
+    data: torch.Tensor     # float8_e4m3fn (R, K)
+    scale: torch.Tensor    # float32 (R, 1) or (R, K / block)
+    block: int = 0         # 0: per row (token); else the K-block of each scale
+    @property
+    def shape(self) -> tuple: return tuple(self.data.shape)
+    @property
+    def device(self) -> torch.device: return self.data.device
+    def dequantize(self) -> torch.Tensor:
+        "float64 (R, K): data * scale, exact."
+        s = self.scale.double()
+        s = s.repeat_interleave(self.block, 1)[:, :self.data.shape[1]] if self.block else s
+        return self.data.double() * s
+    def to(self, device) -> "FP8Activations":
+        "The same activations on `device`."
+        return FP8Activations(self.data.to(device), self.scale.to(device), self.block)

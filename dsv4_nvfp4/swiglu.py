@@ -14,7 +14,8 @@ from .gemm import (EpilogueArgs, ExpertWeights, Problem, backend_of, cached_ones
                                   check_operand, check_sms_free, grouped_gemm_nvfp4, out_operand, plan_for)
 from .gemm.reference import (L1_GROUP, check_swiglu_limit, deinterleave_l1, interleave_l1, ref_grouped_gemm_nvfp4,
                                        ref_swiglu, ref_swiglu_out)
-from .quant import GS_MIN, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
+from .gemm.w4a8 import quantize_fp8_act, ref_grouped_gemm_w4a8, ref_quantize_fp8_act, w4a8_weights
+from .quant import GS_MIN, FP8Activations, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
 from .routing import check_offsets
 
 # %% auto #0
@@ -64,8 +65,10 @@ def calibrate_input_scales(h: torch.Tensor,               # (R, I) sample L2 inp
 
 # %% ../nbs/05_swiglu.ipynb #5f7976d9
 def _l2_input(h: torch.Tensor, act: str, expert_offsets: torch.Tensor, a2_scales, what: str):
-    "h (R, I) float64 as the L1 epilogue stores it: bf16 (W4A16) or NVFP4 with a static global scale per expert (W4A4)."
+    """h (R, I) float64 as the L2 reads it: bf16 (W4A16), NVFP4 with a static global scale per expert (W4A4), or
+    (W4A8) the bf16 h the L1 epilogue stores, quantized to E4M3 with one scale per row (`quantize_fp8_act`)."""
     if act == "w4a16": return ref_swiglu_out(h, "swiglu_bf16", expert_offsets)   # the kernel rounds its fp32 h to bf16
+    if act == "w4a8": return ref_quantize_fp8_act(ref_swiglu_out(h, "swiglu_bf16", expert_offsets))
     if a2_scales is None:
         raise ValueError(f"{what}: act='w4a4' needs a2_scales, the static global scale of each expert's L2 input "
                          "(the checkpoint's input_scale of w2, or calibrate_input_scales)")
@@ -76,40 +79,45 @@ def _l2_input(h: torch.Tensor, act: str, expert_offsets: torch.Tensor, a2_scales
 
 def _check_mlp(what: str, act: str, x, w13_shape, w2_shape) -> int:
     "The checks every expert-MLP entry point shares: act, x's kind for it, W13 (E, 2I, H) against W2 (E, H, I). Returns I."
-    if act not in ("w4a16", "w4a4"): raise ValueError(f"{what}: act must be 'w4a16' or 'w4a4', got {act!r}")
+    if act not in ("w4a16", "w4a4", "w4a8"): raise ValueError(f"{what}: act must be 'w4a16', 'w4a4' or 'w4a8', got {act!r}")
     E, I2, H = w13_shape
     if w2_shape[0] != E or w2_shape[1] != H or I2 != 2 * w2_shape[2]:
         raise ValueError(f"{what}: w13 {tuple(w13_shape)} must be (E, 2I, H) for w2 {tuple(w2_shape)} = (E, H, I)")
     I = w2_shape[2]
     if I % 16: raise ValueError(f"{what}: I = {I} must be a multiple of 16 (NVFP4 blocks) and of the interleave {L1_GROUP}")
     if act == "w4a4" and not isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a4' takes NVFP4Tensor activations")
-    if act == "w4a16" and isinstance(x, NVFP4Tensor): raise TypeError(f"{what}: act='w4a16' takes bf16 activations")
+    if act == "w4a16" and isinstance(x, (NVFP4Tensor, FP8Activations)): raise TypeError(f"{what}: act='w4a16' takes bf16 activations")
+    if act == "w4a8" and not isinstance(x, FP8Activations):
+        raise TypeError(f"{what}: act='w4a8' takes FP8Activations (quantize_fp8_act: E4M3 with one scale per row)")
     return I
 
-def ref_expert_mlp(x,                              # bf16 (R, H) (W4A16) or NVFP4Tensor (R, H) (W4A4)
+def ref_expert_mlp(x,                              # bf16 (R, H) (W4A16), NVFP4Tensor (R, H) (W4A4) or FP8Activations (W4A8)
                    w13: NVFP4Experts,              # (E, 2I, H): W1 / W3 interleaved (interleave_experts)
                    w2: NVFP4Experts,               # (E, H, I)
                    expert_offsets: torch.Tensor,   # int32 (E,) cumulative end offsets of the expert-major rows
                    *,
-                   act: str = "w4a16",             # "w4a16" (h in bf16) or "w4a4" (h in NVFP4)
+                   act: str = "w4a16",             # "w4a16" (h in bf16), "w4a4" (h in NVFP4) or "w4a8" (x and h in FP8)
                    swiglu_limit: float | None = 10.0,
                    route_weight: torch.Tensor | None = None,  # fp32 (R,): multiplied into h before W2
                    a2_scales=None,                 # fp32 (E,): static global scales of h, needed for "w4a4"
                    return_h: bool = False,         # also return h in float64 (before the L2-input rounding)
                   ):                               # float64 (R, H) (and h float64 (R, I))
-    "The spec of the fused expert MLP: `y = W2 (swiglu(W13 x) * p)` per expert, in float64 on the NVFP4 weights."
+    """The spec of the fused expert MLP: `y = W2 (swiglu(W13 x) * p)` per expert, in float64 on the NVFP4 weights (W4A8:
+    on their E4M3 form, `w4a8_weights`, which is exact for power-of-two block scales and one rounding otherwise)."""
     what = "ref_expert_mlp"
     if not isinstance(w13, NVFP4Experts) or not isinstance(w2, NVFP4Experts):
         raise TypeError(f"{what}: w13 and w2 must be NVFP4Experts")
     _check_mlp(what, act, x, w13.shape, w2.shape)
-    c = ref_grouped_gemm_nvfp4(x, w13, expert_offsets)                       # (R, 2I) float64, interleaved columns
+    gemm = ((lambda a, w: ref_grouped_gemm_w4a8(a, *w4a8_weights(w)[:2], w.global_scale, expert_offsets)) if act == "w4a8"
+            else (lambda a, w: ref_grouped_gemm_nvfp4(a, w, expert_offsets)))
+    c = gemm(x, w13)                                                         # (R, 2I) float64, interleaved columns
     g, u = deinterleave_l1(c, dim=-1)
     h = ref_swiglu(g, u, swiglu_limit)
     if route_weight is not None:
         if tuple(route_weight.shape) != (c.shape[0],):
             raise ValueError(f"{what}: route_weight must be ({c.shape[0]},), got {tuple(route_weight.shape)}")
         h = h * route_weight.float().double()[:, None]
-    y = ref_grouped_gemm_nvfp4(_l2_input(h, act, expert_offsets, a2_scales, what), w2, expert_offsets)
+    y = gemm(_l2_input(h, act, expert_offsets, a2_scales, what), w2)
     return (y, h) if return_h else y
 
 # %% ../nbs/05_swiglu.ipynb #987a29e1
@@ -208,27 +216,31 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
 @dataclass
 class MLPWorkspace:
     "Every intermediate buffer of `expert_mlp_nvfp4` for R rows: pass it as `workspace=` and the MLP allocates nothing."
-    h: object                                   # bf16 (R, I) (W4A16), or NVFP4Tensor (R, I) with per-row gs (W4A4)
+    h: object                                   # bf16 (R, I) (W4A16, W4A8), or NVFP4Tensor (R, I) with per-row gs (W4A4)
     row_scales: torch.Tensor                    # fp32 (R, 2): L1's per-row (gs_a, p)
     x_dec: torch.Tensor | None = None           # bf16 (R, H): W4A4's L1 input decoded (Hopper's decode pass)
     h_dec: torch.Tensor | None = None           # bf16 (R, I): W4A4's L2 input decoded
+    h_fp8: FP8Activations | None = None         # W4A8's L2 input: h in E4M3 (R, I) with one scale per row (R, 1)
 
 def mlp_workspace(rows: int, w13: ExpertWeights, w2: ExpertWeights, act: str = "w4a16", device=None) -> MLPWorkspace:
     "The buffers `expert_mlp_nvfp4` needs for `rows` routed rows (allocate once, reuse every call, capture in a graph)."
-    if act not in ("w4a16", "w4a4"): raise ValueError(f"mlp_workspace: act must be 'w4a16' or 'w4a4', got {act!r}")
+    if act not in ("w4a16", "w4a4", "w4a8"): raise ValueError(f"mlp_workspace: act must be 'w4a16', 'w4a4' or 'w4a8', got {act!r}")
     dev = torch.device(device) if device is not None else w13.device
     H, I = w13.shape[2], w13.shape[1] // 2
     z = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
     if act == "w4a16": return MLPWorkspace(z(rows, I), z(rows, 2, dt=torch.float32))
+    if act == "w4a8":
+        return MLPWorkspace(z(rows, I), z(rows, 2, dt=torch.float32),
+                            h_fp8=FP8Activations(z(rows, I, dt=torch.float8_e4m3fn), z(rows, 1, dt=torch.float32)))
     h = NVFP4Tensor(z(rows, I // 2, dt=torch.uint8), z(rows, I // 16, dt=torch.float8_e4m3fn), z(rows, dt=torch.float32), (rows, I))
     return MLPWorkspace(h, z(rows, 2, dt=torch.float32), z(rows, H), z(rows, I))
 
-def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16) or NVFP4Tensor (R, H) (W4A4), expert-major rows, on the GPU
+def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16), NVFP4Tensor (R, H) (W4A4) or FP8Activations (W4A8), expert-major rows
                      w13: ExpertWeights,             # (E, 2I, H) interleaved gate/up (interleave_experts -> prepare_weights)
                      w2: ExpertWeights,              # (E, H, I) down projections, prepared for the same backend
                      expert_offsets: torch.Tensor,   # int32 (E,) cumulative end offsets of the rows, on the GPU
                      *,
-                     act: str = "w4a16",             # "w4a16": h in bf16; "w4a4": x and h in NVFP4
+                     act: str = "w4a16",             # "w4a16": h in bf16; "w4a4": x and h in NVFP4; "w4a8": x and h in E4M3
                      swiglu_limit: float | None = 10.0,
                      route_weight: torch.Tensor | None = None,  # fp32 (R,): multiplied into h before W2 (DSV4)
                      a2_scales=None,                 # "w4a4": fp32 (E,) static global scales of h (w2's input_scale)
@@ -248,9 +260,13 @@ def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16) or NV
     if act == "w4a16" and a2_scales is not None: raise ValueError(f"{what}: a2_scales is for act='w4a4' (h in NVFP4)")
     ws = workspace
     if ws is not None and not isinstance(ws, MLPWorkspace): raise TypeError(f"{what}: workspace must be an MLPWorkspace (mlp_workspace)")
-    if act == "w4a16":
+    if act == "w4a8" and a2_scales is not None: raise ValueError(f"{what}: a2_scales is for act='w4a4'; W4A8 scales h per row")
+    if ws is not None and act == "w4a8" and ws.h_fp8 is None: raise ValueError(f"{what}: the workspace is not for act='w4a8' (mlp_workspace(..., act='w4a8'))")
+    if act in ("w4a16", "w4a8"):
         h = grouped_gemm_swiglu_nvfp4(x, w13, expert_offsets, swiglu_limit=swiglu_limit, route_weight=route_weight,
                                       out=ws and ws.h, row_scales=ws and ws.row_scales, check=check)
+        if act == "w4a8":                          # the L1 stores bf16 h; one per-row E4M3 pass feeds the L2
+            h = quantize_fp8_act(h, out_data=ws and ws.h_fp8.data, out_scale=ws and ws.h_fp8.scale)
     else:
         h = grouped_gemm_swiglu_nvfp4(x, w13, expert_offsets, swiglu_limit=swiglu_limit, route_weight=route_weight,
                                       out_dtype="nvfp4", out_scale=a2_scales, out=ws and ws.h, row_scales=ws and ws.row_scales,

@@ -6,7 +6,8 @@
   modules listed before it. Sub-package modules are named by their dotted path (`bench.gemm`, `ep.layer`); a
   package's `__init__` is the package's own name (`gemm`: the GEMM seam). The one declared exception is the sm90
   backend of the seam (gemm.sm90), which imports its CuTeDSL kernel (gemm.sm90_kernel) inside a function, on the first
-  launch: never at module level. The seam's registry (gemm) names its backends as "module:class" strings imported
+  launch: never at module level; likewise the reference backend (gemm.reference) imports the W4A8 reference
+  (gemm.w4a8, which builds on gemm.reference) on its first W4A8 launch. The seam's registry (gemm) names its backends as "module:class" strings imported
   through importlib, which `ast` does not see as imports (and which is allowed: the seam does not depend on them);
 * every dsv4_nvfp4 module a module imports exists;
 * no library module imports the benchmarks: only `bench.*` and the CLI do.
@@ -21,7 +22,8 @@ ORDER = ["formats", "quant", "checkpoint", "layout", "bench.core", "runtime", "q
          "routing", "gemm", "gemm.sm90", "gemm.reference", "gemm.sm90_kernel", "gemm.sm100", "gemm.w4a8", "bench.gemm", "swiglu",
          "bench.mlp", "kv", "gather", "attention", "bench.kv", "moe", "ep.transport", "ep.layer", "ep.capture", "bench.ep", "bench.moe",
          "cli"]
-LAZY = {("gemm.sm90", "gemm.sm90_kernel")}   # a backend imports its kernel on first launch (function level only)
+LAZY = {("gemm.sm90", "gemm.sm90_kernel"),    # a backend imports its kernel on first launch (function level only)
+        ("gemm.reference", "gemm.w4a8")}       # the reference backend's W4A8 path (gemm.w4a8 imports gemm.reference)
 
 
 def module_name(path: Path, root: Path = PKG) -> str:

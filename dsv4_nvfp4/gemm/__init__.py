@@ -15,7 +15,7 @@ from typing import ClassVar, Hashable, NamedTuple
 import torch
 
 from ..checkpoint import ModelOptNVFP4
-from ..quant import MXFP4Tensor, NVFP4Experts, NVFP4Tensor, mxfp4_experts_to_nvfp4, stack_experts
+from ..quant import FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, mxfp4_experts_to_nvfp4, stack_experts
 from ..routing import check_offsets
 from ..runtime import check_tensor, out_tensor
 
@@ -26,7 +26,7 @@ __all__ = ['ACTS', 'EPILOGUES', 'Problem', 'EpilogueArgs', 'ExpertWeights', 'Bac
            'check_offsets_operand', 'grouped_gemm_nvfp4', 'wo_a_nvfp4']
 
 # %% ../../nbs/04_gemm_seam.ipynb #6dd46f77
-ACTS = ("bf16", "nvfp4")                                        # W4A16, W4A4 (a further kind, e.g. W4A8, is one more name)
+ACTS = ("bf16", "nvfp4", "fp8")                                # W4A16, W4A4, W4A8 (FP8Activations, one scale per row)
 EPILOGUES = ("bf16", "wo_a", "swiglu_bf16", "swiglu_nvfp4")   # what the GEMM does with its fp32 accumulator
 
 class Problem(NamedTuple):
@@ -35,7 +35,7 @@ class Problem(NamedTuple):
     experts: int                       # E (G for wo_a)
     n: int                             # weight rows N (2I for the SwiGLU kinds)
     k: int                             # K (a multiple of 16)
-    act: str = "bf16"                  # activations: "bf16" (W4A16) or "nvfp4" (W4A4)
+    act: str = "bf16"                  # activations: "bf16" (W4A16), "nvfp4" (W4A4) or "fp8" (W4A8)
     epilogue: str = "bf16"             # one of EPILOGUES
     per_row: bool = False              # the activation global scale is one per row (else one scalar, or none)
     swiglu_limit: float = math.inf     # the SwiGLU kinds' L (math.inf: no clamp)
@@ -252,8 +252,20 @@ def check_sms_free(sms_free, what: str):
         raise ValueError(f"{what}: sms_free must be an int >= 0, got {sms_free!r}")
 
 def check_activations(a, K: int, what: str, dims: int = 2) -> tuple:
-    """(act, device, gs_a) for activations `a`: "bf16" (W4A16, gs_a None) or "nvfp4" (an NVFP4Tensor, W4A4, gs_a its
-    fp32 global scale). TypeError for another kind or dtype; ValueError for the wrong rank or K, another device."""
+    """(act, device, gs_a) for activations `a`: "bf16" (W4A16, gs_a None), "nvfp4" (an NVFP4Tensor, W4A4, gs_a its
+    fp32 global scale) or "fp8" (an FP8Activations with one scale per row, W4A8, gs_a its (R,) scales). TypeError for
+    another kind or dtype; ValueError for the wrong rank or K, another device, FP8 scales other than one per row. The
+    scales' values are not read (no sync): a NaN scale marks a row that held NaN or Inf, and stays in that row."""
+    if isinstance(a, FP8Activations):
+        if dims != 2: raise ValueError(f"{what}: FP8 activations (W4A8) are for the grouped GEMM's 2-D rows, not {dims}-D")
+        if a.data.dim() != 2: raise ValueError(f"{what}: FP8 activations must be 2-D, got {tuple(a.data.shape)}")
+        if a.data.shape[-1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {a.data.shape[-1]}, weights K = {K}")
+        if a.block != 0 or tuple(a.scale.shape) != (a.data.shape[0], 1):
+            raise ValueError(f"{what}: W4A8 takes one FP8 scale per row (block 0, scale ({a.data.shape[0]}, 1)), got block "
+                             f"{a.block} with scale {tuple(a.scale.shape)}")
+        dev = a.data.device
+        check_operand(a.data, what, "the FP8 activations", (torch.float8_e4m3fn,), dev)
+        return "fp8", dev, check_operand(a.scale, what, "the FP8 activations' scales", (torch.float32,), dev, align=4).view(-1)
     if isinstance(a, NVFP4Tensor):
         if len(a.shape) != dims: raise ValueError(f"{what}: NVFP4 activations must be {dims}-D, got {tuple(a.shape)}")
         if a.shape[-1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {a.shape[-1]}, weights K = {K}")
@@ -263,12 +275,13 @@ def check_activations(a, K: int, what: str, dims: int = 2) -> tuple:
         return "nvfp4", dev, check_operand(a.global_scale, what, "the activations' global_scale", (torch.float32,), dev, align=0)
     if isinstance(a, torch.Tensor):
         if a.dtype != torch.bfloat16:
-            raise TypeError(f"{what}: activations must be bf16 (W4A16) or an NVFP4Tensor (W4A4), got {a.dtype}")
+            raise TypeError(f"{what}: activations must be bf16 (W4A16), an NVFP4Tensor (W4A4) or FP8Activations (W4A8: E4M3 "
+                            f"values with their per-row scales), got {a.dtype}")
         if a.dim() != dims: raise ValueError(f"{what}: activations must be {dims}-D, got {tuple(a.shape)}")
         if a.shape[-1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {a.shape[-1]}, weights K = {K}")
         check_operand(a, what, "activations", (torch.bfloat16,), a.device)
         return "bf16", a.device, None
-    raise TypeError(f"{what}: activations must be a bf16 tensor or an NVFP4Tensor, got {type(a).__name__}")
+    raise TypeError(f"{what}: activations must be a bf16 tensor, an NVFP4Tensor or FP8Activations, got {type(a).__name__}")
 
 def check_offsets_operand(expert_offsets, E: int, R: int, dev, what: str, check: bool = False) -> torch.Tensor:
     "The offsets: int32 (E,) on `dev`; with `check`, their values too (a host sync)."
@@ -279,7 +292,7 @@ def check_offsets_operand(expert_offsets, E: int, R: int, dev, what: str, check:
     return expert_offsets
 
 # %% ../../nbs/04_gemm_seam.ipynb #25589571
-def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16) or NVFP4Tensor (R, K) (W4A4, gs scalar or (R,))
+def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVFP4Tensor (R, K) (W4A4, gs scalar or (R,)) or FP8Activations (W4A8)
                        w: ExpertWeights,              # (E, N, K): prepare_weights(...) for a's device
                        expert_offsets: torch.Tensor,  # int32 (E,) on a's device: cumulative END offsets of the expert-major rows
                        *,

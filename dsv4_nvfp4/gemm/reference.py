@@ -13,7 +13,7 @@ import torch
 
 from ..formats import e2m1_decode, unpack_fp4
 from . import ACTS, EPILOGUES, Backend, EpilogueArgs, ExpertWeights, Problem
-from ..quant import BLOCK, NVFP4Experts, NVFP4Tensor, ref_quantize_nvfp4
+from ..quant import BLOCK, FP8Activations, NVFP4Experts, NVFP4Tensor, ref_quantize_nvfp4
 from ..routing import check_offsets, group_sizes
 
 # %% auto #0
@@ -203,6 +203,8 @@ class ReferenceBackend(Backend):
         if p.k <= 0 or p.k % 16: return False, f"K must be a positive multiple of 16 (NVFP4 blocks), got {p.k}"
         if p.epilogue.startswith("swiglu") and p.n % 32:
             return False, f"W13 has {p.n} rows; 2I with I a multiple of 16 (NVFP4 blocks of the L2 input) is needed"
+        if p.act == "fp8" and p.epilogue not in ("bf16", "swiglu_bf16"):
+            return False, f"W4A8 (FP8 activations) has the bf16 and swiglu_bf16 epilogues (the kernel's), not {p.epilogue!r}"
         return True, ""
     def plan(self, p: Problem, config=None) -> Problem:
         if config is not None: raise ValueError(f"the reference backend has no configurations, got config={config!r}")
@@ -211,9 +213,16 @@ class ReferenceBackend(Backend):
         wx = w.experts()
         put = lambda c: out.copy_(c if out.dtype == torch.float64 else _f64_to_bf16(c))
         if plan.epilogue == "wo_a": return put(ref_wo_a_nvfp4(a, wx))
+        if plan.act == "fp8":                     # W4A8: the weights as E4M3 times 2^c (gemm.w4a8), once per weights object
+            from dsv4_nvfp4.gemm.w4a8 import ref_grouped_gemm_w4a8, w4a8_weights
+            if "_w4a8" not in w.__dict__: w.__dict__["_w4a8"] = w4a8_weights(wx)[:2]
+            w8, ce = w.__dict__["_w4a8"]
+            if plan.epilogue == "bf16": return put(ref_grouped_gemm_w4a8(a, w8, ce, w.w_gs, offsets))
+            a = FP8Activations(a.data, epi.row_scales[:, :1].float().contiguous())   # the SwiGLU kinds read gs_a from row_scales
         if plan.epilogue == "bf16": return put(ref_grouped_gemm_nvfp4(a, wx, offsets))
         rs = epi.row_scales.double().cpu()                                   # (R, 2): (gs_a, p), as the kernel reads them
-        if isinstance(a, NVFP4Tensor): c = ref_grouped_gemm_nvfp4(NVFP4Tensor(a.data, a.scale, epi.row_scales[:, 0].float(), a.shape), wx, offsets)
+        if plan.act == "fp8": c = ref_grouped_gemm_w4a8(a, w8, ce, w.w_gs, offsets)
+        elif isinstance(a, NVFP4Tensor): c = ref_grouped_gemm_nvfp4(NVFP4Tensor(a.data, a.scale, epi.row_scales[:, 0].float(), a.shape), wx, offsets)
         else: c = ref_grouped_gemm_nvfp4(a, wx, offsets) * rs[:, :1]
         g, u = deinterleave_l1(c, dim=-1)
         h = ref_swiglu(g, u, None if math.isinf(plan.swiglu_limit) else plan.swiglu_limit) * rs[:, 1:]

@@ -5,20 +5,18 @@
 # %% ../../nbs/04e_w4a8.ipynb #33292f2e
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .. import runtime as rt
 from ..formats import E4M3_MAX, check_float, e2m1_decode
 from .sm90 import SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, decode_words, encode_words
 from .reference import grouped_rows, unscaled
-from ..quant import NVFP4Experts
+from ..quant import FP8Activations, NVFP4Experts
 
 FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_act (one scale per row)
 
 # %% auto #0
-__all__ = ['FP8_CU', 'W4A8_ACC_BITS', 'e2m1_as_e4m3', 'FP8Activations', 'ref_quantize_fp8_act', 'quantize_fp8_act_cuda',
+__all__ = ['FP8_CU', 'W4A8_ACC_BITS', 'e2m1_as_e4m3', 'ref_quantize_fp8_act', 'quantize_fp8_act_cuda', 'quantize_fp8_act',
            'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8', 'w4a8_row_scales', 'ref_grouped_gemm_w4a8',
            'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model']
 
@@ -31,19 +29,6 @@ def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
     return (((codes & 8) << 4) | ((codes & 7) << 2)).view(torch.float8_e4m3fn)
 
 # %% ../../nbs/04e_w4a8.ipynb #1e2e4a10
-@dataclass
-class FP8Activations:
-    """Activations as FP8 for the W4A8 GEMM: E4M3 values and fp32 scales, `x ~ data * scale` with one scale per row
-    (`block = 0`: shape (R, 1)) or per 1 x `block` slice of a row ((R, K / block))."""
-    data: torch.Tensor     # float8_e4m3fn (R, K)
-    scale: torch.Tensor    # float32 (R, 1) or (R, K / block)
-    block: int = 0         # 0: per row (token); else the K-block of each scale
-    def dequantize(self) -> torch.Tensor:
-        "float64 (R, K): data * scale, exact."
-        s = self.scale.double()
-        s = s.repeat_interleave(self.block, 1)[:, :self.data.shape[1]] if self.block else s
-        return self.data.double() * s
-
 def _fp8_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     "The scale that maps amax to E4M3's largest value (a power of two at or above it with `pow2`); 1 for amax 0; NaN for a non-finite amax."
     s = amax / E4M3_MAX
@@ -101,6 +86,28 @@ def quantize_fp8_act_cuda(x: torch.Tensor,                        # (R, K) bf16 
                          [rt.ptr(x), rt.i64(K), rt.ptr(data), rt.ptr(scale)])
     elif R:
         scale.fill_(1.0)                                          # the reference: amax of nothing is 0 -> scale 1
+    return FP8Activations(data, scale, 0)
+
+# %% ../../nbs/04e_w4a8.ipynb #70549988
+def quantize_fp8_act(x: torch.Tensor,                        # (R, K) bf16 / fp16 / fp32, K % 16 == 0
+                     *,
+                     out_data: torch.Tensor | None = None,   # float8_e4m3fn (R, K) on x's device
+                     out_scale: torch.Tensor | None = None,  # float32 (R, 1) on x's device
+                    ) -> FP8Activations:
+    """W4A8's activations on any device, one computed scale per row: the CUDA kernel on a GPU, `ref_quantize_fp8_act`
+    on the CPU (the two are bit-identical, `tests/test_w4a8_gpu.py`). With `out_*=` the result is written there (on
+    the GPU nothing is allocated). Raises as `quantize_fp8_act_cuda` does, on either device."""
+    if isinstance(x, torch.Tensor) and x.device.type == rt.launch_device_type():
+        return quantize_fp8_act_cuda(x, out_data=out_data, out_scale=out_scale)
+    what = "quantize_fp8_act"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2: raise TypeError(f"{what}: x must be a 2-D tensor, got {type(x).__name__}")
+    rt.check_k16(x.shape[1], what)
+    q = ref_quantize_fp8_act(x)
+    if out_data is None and out_scale is None: return q
+    R, K = x.shape
+    data = rt.out_tensor(out_data, what, "out_data", (R, K), (torch.float8_e4m3fn,), x.device, cuda=False)
+    scale = rt.out_tensor(out_scale, what, "out_scale", (R, 1), (torch.float32,), x.device, align=4, cuda=False)
+    data.copy_(q.data); scale.copy_(q.scale)
     return FP8Activations(data, scale, 0)
 
 # %% ../../nbs/04e_w4a8.ipynb #933f4a15
