@@ -15,13 +15,13 @@ from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, deq
                                    read_safetensors)
 from .gemm import backend_for, get_backend, grouped_gemm_nvfp4, prepare_weights
 from .runtime import define_op, op_object, register_op_object
-from .quant import (GS_MIN, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
+from .quant import (GS_MIN, FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_nvfp4, stack_experts)
 from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, group_sizes,
                                 local_groups, permute_rows, ref_dsv4_router, route_buffers, route_permute_fused, route_rows, route_topk,
                                 router_logits, ROUTE_FUSED_MAX_T)
 from .gemm.reference import check_swiglu_limit, deinterleave_l1, ref_swiglu
-from .gemm.w4a8 import ref_quantize_fp8_act
+from .gemm.w4a8 import quantize_fp8_act, ref_quantize_fp8_act
 from .swiglu import calibrate_input_scales, expert_mlp_nvfp4, grouped_gemm_swiglu_nvfp4, interleave_experts, ref_expert_mlp
 
 # %% auto #0
@@ -92,8 +92,8 @@ class DSV4MoE(torch.nn.Module):
     backend, `ref_moe` rounded to bf16).
     `act="w4a4"` quantizes x with each expert's static scale `a1_scales` and h with `a2_scales` (the checkpoint's
     `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate);
-    `"w4a8"` quantizes x and h to E4M3 with one scale per row (DSV4's reference runs its experts this way): on the CPU
-    for now, since the Hopper backend does not plan W4A8 yet (a device forward raises NotImplementedError)."""
+    `"w4a8"` quantizes x and h to E4M3 with one scale per row (DSV4's reference runs its experts this way; on Hopper
+    the `sm90_w4a8` backend, x quantized after the permute and h after the L1, one small pass each)."""
 
     def __init__(self, cfg: MoEConfig,
                  w13: NVFP4Experts,                 # (E + 1, 2I, H), the shared expert last
@@ -210,6 +210,8 @@ class DSV4MoE(torch.nn.Module):
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
         b = get_backend(self.backend) if self.backend is not None else backend_for(dev)
+        if self.backend is None and self.act == "w4a8" and get_backend("sm90_w4a8").supports(dev):
+            b = get_backend("sm90_w4a8")                  # W4A8 has its own weight layout on Hopper
         key = (dev, b.name)
         if key not in self._prepared:
             self._prepared[key] = (prepare_weights(self.w13, device=dev, backend=b.name), prepare_weights(self.w2, device=dev, backend=b.name))
@@ -237,13 +239,13 @@ class DSV4MoE(torch.nn.Module):
     def buffers(self, capacity: int, device) -> tuple:
         """(RouteBuffers, h, h decoded or None, L2 output rows) for up to `capacity` tokens: every buffer one forward
         needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales for W4A4)."""
-        if self.act == "w4a8":
-            raise NotImplementedError("DSV4MoE: act='w4a8' runs on the CPU (the GEMM seam's reference backend) so far: the "
-                                      "Hopper backend does not plan W4A8 yet (its kernel is GemmConfig(fp8=True), notebook 04b)")
         c, dev = self.cfg, torch.device(device)
         R, I = capacity * (c.top_k + 1), c.inter
         e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
         if self.act == "w4a16": h, h_dec = e(R, I), None
+        elif self.act == "w4a8":                       # h in bf16 from the L1; x and h in E4M3 with one scale per row
+            f8 = lambda n: FP8Activations(e(R, n, dt=torch.float8_e4m3fn), e(R, 1, dt=torch.float32))
+            h, h_dec = e(R, I), (f8(c.hidden), f8(I))
         else:
             h = NVFP4Tensor(e(R, I // 2, dt=torch.uint8), e(R, I // 16, dt=torch.float8_e4m3fn), e(R, dt=torch.float32), (R, I))
             h_dec = e(R, I)                                                        # Hopper's decode pass of h into L2
@@ -320,6 +322,13 @@ class DSV4MoE(torch.nn.Module):
         kw = dict(swiglu_limit=c.swiglu_limit, row_scales=row_scales, scales_given=True, sms_free=sms_free)
         if self.act == "w4a16":
             h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out=h[:R], **kw)
+        elif self.act == "w4a8":                          # x -> E4M3 per row, its scale into the L1's (gs_a, p); h likewise
+            x8, h8 = h_dec
+            xq = quantize_fp8_act(xr, out_data=x8.data[:R], out_scale=x8.scale[:R])
+            row_scales[:, 0].copy_(xq.scale[:, 0])
+            h = grouped_gemm_swiglu_nvfp4(xq, w13p, offs, out=h[:R], **kw)
+            hq = quantize_fp8_act(h, out_data=h8.data[:R], out_scale=h8.scale[:R])
+            return grouped_gemm_nvfp4(hq, w2p, offs, out=rows_out[:R], sms_free=sms_free)
         else:
             h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out_dtype="nvfp4", out_scale=self.a2_scales,
                                           out=NVFP4Tensor(h.data[:R], h.scale[:R], h.global_scale[:R], (R, c.inter)), **kw)

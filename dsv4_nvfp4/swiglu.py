@@ -171,7 +171,7 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
     carries the scale per row). Rows are expert-major; a non-finite gate or up gives NaN in that element of h (for
     NVFP4, a NaN block scale). No host sync unless `check`. With `out=`, `row_scales=` (and `workspace=` for W4A4 on
     Hopper) nothing is allocated: CUDA-graph safe. With `scales_given=True` the epilogue reads `row_scales` as given
-    (bf16 activations, no `route_weight`): one launch. Raises TypeError / ValueError, before any launch, for bad
+    (bf16 activations, or FP8 ones whose scales the caller wrote into `row_scales[:, 0]`; no `route_weight`): one launch. Raises TypeError / ValueError, before any launch, for bad
     operands (as `grouped_gemm_nvfp4`), a bad limit, `out_dtype` or `out_scale`."""
     what = "grouped_gemm_swiglu_nvfp4"
     L = check_swiglu_limit(swiglu_limit)
@@ -194,8 +194,8 @@ def grouped_gemm_swiglu_nvfp4(a,                             # bf16 (R, H) (W4A1
         if out_scale is not None or dump is not None: raise ValueError(f"{what}: out_scale and dump are for out_dtype='nvfp4'")
         out = out_operand(out, what, "out", (R, I), (torch.bfloat16,), dev)
     if scales_given:
-        if row_scales is None or gs is not None or route_weight is not None:
-            raise ValueError(f"{what}: scales_given=True takes bf16 activations and row_scales (R, 2), no route_weight")
+        if row_scales is None or (gs is not None and act != "fp8") or route_weight is not None:
+            raise ValueError(f"{what}: scales_given=True takes bf16 or FP8 activations and row_scales (R, 2), no route_weight")
         row_scales = out_operand(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)
     else:
         row_scales = out_operand(row_scales, what, "row_scales", (R, 2), (torch.float32,), dev)

@@ -10,7 +10,7 @@ DEV = torch.device("cuda")
 CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
 
 
-@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_layer_against_float64_reference(act, T):
     layer = M.DSV4MoE.synthetic(CFG, seed=T, act=act, device=DEV).to(DEV)
@@ -36,7 +36,7 @@ def test_layer_hash_routing_and_nan_token():
     assert torch.equal(yn[keep], y.cpu()[keep])
 
 
-@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
 def test_captured_layer_replays_new_inputs_and_routing_like_eager(act):
     layer = M.DSV4MoE.synthetic(CFG, seed=11, act=act, device=DEV).to(DEV)
     cap = layer.capture(max_tokens=32)
@@ -48,7 +48,7 @@ def test_captured_layer_replays_new_inputs_and_routing_like_eager(act):
         cap(torch.zeros(33, CFG.hidden, dtype=torch.bfloat16, device=DEV))
 
 
-@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
 def test_flash_layer_accuracy(act, capsys):
     "The DSV4-Flash shape (256 + 1 experts): vs ref_moe <= 5e-3; cosine vs the unquantized layer reported (W4A16 >= 0.99)."
     layer = M.DSV4MoE.flash(seed=0, act=act, device=DEV).to(DEV)
@@ -66,7 +66,7 @@ def test_flash_layer_accuracy(act, capsys):
     assert torch.equal(layer(x.to(DEV)).cpu(), y), "run-to-run bit-identical"
 
 
-@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
 def test_nan_token_is_confined(act):
     layer = M.DSV4MoE.synthetic(CFG, seed=6, act=act, device=DEV).to(DEV)
     x = torch.randn(70, CFG.hidden, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEV)
@@ -102,7 +102,7 @@ def test_bad_input():
         cap(torch.zeros(5, CFG.hidden, dtype=torch.bfloat16, device=DEV))
 
 
-@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
 def test_decode_launch_and_capture_equal_the_unfused_forward(act, monkeypatch):
     "Up to ROUTE_FUSED_MAX_T tokens the logits, route and permute are one launch: the same output bits, eager and captured."
     layer = M.DSV4MoE.synthetic(CFG, seed=12, act=act, device=DEV).to(DEV)
@@ -116,7 +116,7 @@ def test_decode_launch_and_capture_equal_the_unfused_forward(act, monkeypatch):
     for x, y in zip(xs, fused): assert torch.equal(layer(x), y)
 
 
-@pytest.mark.parametrize("act", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
 @pytest.mark.parametrize("T", [1, 37])
 def test_slices_compute_the_layers_own_rows(act, T):
     "Expert-parallel slices: the same routing, the held slots' rows bit-identical to the whole layer's, each share vs its reference."

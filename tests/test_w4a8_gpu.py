@@ -111,3 +111,46 @@ def test_w4a8_fused_l1_swiglu_against_float64(tt):
     bound = want.abs() * 2.0 ** -8 + p.double()[:, None] * (1.1 * up.abs().clamp(max=10.0) * dg
                                                            + (sg * torch.sigmoid(sg)).abs() * du + 1.1 * dg * du)
     assert_w4a8_close(out.cpu().double(), want, bound, f"W4A8 fused L1 tok_tile {tt}", 3e-3)
+
+
+@pytest.mark.parametrize("N", [64, 192])
+def test_w4a8_backend_through_the_seam(N):
+    "prepare_weights(backend='sm90_w4a8') and grouped_gemm_nvfp4 on FP8 rows: N padded to 128 inside, empty experts."
+    from dsv4_nvfp4.gemm import grouped_gemm_nvfp4, prepare_weights
+    g = torch.Generator().manual_seed(N)
+    E, K = 4, 384
+    ex = Q.quantize_experts(torch.randn(E, N, K, generator=g) * torch.logspace(-2, 1, N).view(1, N, 1))
+    w = prepare_weights(ex, device="cuda", backend="sm90_w4a8")
+    offs = torch.tensor([5, 5, 75, 78], dtype=torch.int32)
+    a = W.quantize_fp8_act((torch.randn(78, K, generator=g) * 2).to(torch.bfloat16).cuda())
+    out = grouped_gemm_nvfp4(a, w, offs.cuda(), check=True)
+    torch.cuda.synchronize()
+    ac = Q.FP8Activations(a.data.cpu(), a.scale.cpu())
+    w8, c, _ = W.w4a8_weights(ex)
+    want = W.ref_grouped_gemm_w4a8(ac, w8, c, ex.global_scale, offs)
+    bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(ac, w8, c, ex.global_scale, offs))
+    assert_w4a8_close(out.cpu().double(), want, bound, f"sm90_w4a8 N={N}", 2e-3)
+
+
+def test_expert_mlp_w4a8_on_the_gpu():
+    "act='w4a8' end to end on Hopper (x and h in E4M3 per row) against ref_expert_mlp: within 5e-3; a NaN row stays in its row."
+    from dsv4_nvfp4 import swiglu as SW
+    from dsv4_nvfp4.gemm import prepare_weights
+    from dsv4_nvfp4.routing import random_topk, route_topk
+    g = torch.Generator().manual_seed(3)
+    E, H, I, T = 6, 2048, 1024, 24
+    w13 = SW.interleave_experts(Q.quantize_experts(torch.randn(E, I, H, generator=g)),
+                                Q.quantize_experts(torch.randn(E, I, H, generator=g) * 2), unify=True)
+    w2 = Q.quantize_experts(torch.randn(E, H, I, generator=g))
+    w13p, w2p = (prepare_weights(w, device="cuda", backend="sm90_w4a8") for w in (w13, w2))
+    rt = route_topk(random_topk(T, E, 3, generator=g), E)
+    x = (torch.randn(T, H, generator=g)[rt.token] * 0.05).to(torch.bfloat16)
+    p = torch.rand(rt.perm.numel(), generator=g) + 0.5
+    run = lambda xx: SW.expert_mlp_nvfp4(W.quantize_fp8_act(xx.cuda()), w13p, w2p, rt.expert_offsets.cuda(), act="w4a8",
+                                         route_weight=p.cuda(), check=True).cpu()
+    y = run(x)
+    want = SW.ref_expert_mlp(W.ref_quantize_fp8_act(x), w13, w2, rt.expert_offsets, act="w4a8", route_weight=p)
+    assert torch.isfinite(y).all() and ((y.double() - want).norm() / want.norm()).item() <= 5e-3
+    xn = x.clone(); xn[4, 7] = float("nan")
+    yn = run(xn)
+    assert yn[4].isnan().all() and torch.equal(yn[torch.arange(yn.shape[0]) != 4], y[torch.arange(y.shape[0]) != 4])

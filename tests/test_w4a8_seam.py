@@ -72,10 +72,27 @@ def test_seam_refuses_what_w4a8_does_not_do():
     assert check_activations(a, 64, "t")[0] == "fp8" and torch.equal(check_activations(a, 64, "t")[2], a.scale.view(-1))
 
 
-def test_sm90_backend_refuses_w4a8_until_its_plan_takes_it():
-    from dsv4_nvfp4.gemm.sm90 import Sm90Backend
-    ok, why = Sm90Backend().can_implement(Problem(64, 4, 256, 512, "fp8", "bf16", True))
-    assert not ok and "GemmConfig(fp8=True)" in why
+def test_w4a8_is_its_own_backend_on_hopper():
+    from dsv4_nvfp4.gemm import backend_names, get_backend
+    ok, why = get_backend("sm90").can_implement(Problem(64, 4, 256, 512, "fp8", "bf16", True))
+    assert not ok and "sm90_w4a8" in why                                   # the bf16 loop's backend names the W4A8 one
+    b = get_backend("sm90_w4a8")
+    assert "sm90_w4a8" in backend_names() and not b.supports("cpu")
+    for p, word in ((Problem(64, 4, 256, 512, "bf16"), "FP8 rows"), (Problem(64, 4, 256, 512, "nvfp4"), "FP8 rows"),
+                    (Problem(64, 4, 256, 512, "fp8", "wo_a"), "epilogues"), (Problem(64, 4, 256, 512, "fp8", "swiglu_nvfp4"), "epilogues")):
+        ok, why = b.can_implement(p)
+        assert not ok and word in why, (p, why)
+    pl = b.plan(Problem(4096, 8, 512, 1024, "fp8", "bf16", True))                   # the plan: W4A8, the row-scale epilogue
+    assert pl.cfg.fp8 and pl.cfg.epilogue.name == "BF16_ROW_GS"
+    pl = b.plan(Problem(4096, 8, 512, 1024, "fp8", "swiglu_bf16", False, 7.0))
+    assert pl.cfg.fp8 and pl.cfg.epilogue.name == "SWIGLU_BF16" and pl.cfg.swiglu_limit == 7.0
+    # its layout on the CPU: N padded to 128, the slabs decode to w4a8_weights byte for byte, the padding to zeros
+    ex = quantize_experts(torch.randn(2, 64, 200, generator=gen(9)))
+    w = b.prepare(ex, None)
+    assert type(w).__name__ == "Sm90W4A8Weights" and w.shape == (2, 64, 200) and tuple(w.w_rows.shape) == (2, 128)
+    dec = W.emulate_decode_w4a8(w.w_w4a8, torch.log2(w.w_rows).int(), 2, 128, 256)
+    assert torch.equal(dec[:, :64, :200].view(torch.uint8), W.w4a8_weights(ex)[0].view(torch.uint8))
+    assert dec[:, 64:].float().abs().sum() == 0 and dec[..., 200:].float().abs().sum() == 0
 
 
 def _mlp_case(seed=20, E=5, H=96, I=48, T=9, k=2):
@@ -147,7 +164,9 @@ def test_moe_layer_w4a8_on_the_cpu():
     c16 = cos(ref_moe(x, DSV4MoE.synthetic(cfg, seed=3)))
     c4 = cos(ref_moe(x, DSV4MoE.synthetic(cfg, seed=3, act="w4a4", calib_tokens=16)))
     assert c4 < cos(want) <= c16 + 1e-4
-    with pytest.raises(NotImplementedError, match="CPU"):            # every device path allocates its buffers here
-        lay.buffers(4, "cpu")
+    wide = DSV4MoE.synthetic(MoEConfig(hidden=1024, inter=64, num_experts=4, top_k=2), seed=1, act="w4a8", keep_bf16=False)
+    _, h, (x8, h8), _ = wide.buffers(4, "cpu")                      # the device path's buffers: bf16 h, E4M3 x and h
+    assert h.dtype == torch.bfloat16 and x8.data.dtype == torch.float8_e4m3fn and x8.data.shape == (12, 1024)
+    assert h8.data.shape == (12, 64) and h8.scale.shape == (12, 1)
     with pytest.raises(ValueError, match="are for act='w4a4'"):
         DSV4MoE(cfg, lay.w13, lay.w2, lay.gate_weight, lay.gate_bias, act="w4a8", a1_scales=torch.ones(7))

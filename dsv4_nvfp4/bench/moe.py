@@ -15,7 +15,7 @@ from ..routing import (ROUTE_FUSED_MAX_T, combine_tokens, dsv4_router_torch, per
 from ..swiglu import grouped_gemm_swiglu_nvfp4
 
 # %% auto #0
-__all__ = ['MOE_PROBLEMS', 'TorchMoE', 'bench_moe', 'moe_table', 'moe_goals', 'plot_moe']
+__all__ = ['MOE_PROBLEMS', 'W4A8_MIN_T', 'TorchMoE', 'bench_moe', 'moe_table', 'moe_goals', 'plot_moe']
 
 # %% ../../nbs/08e_bench_moe.ipynb #2aedd6ea
 MOE_PROBLEMS = ([("Flash", MoEConfig(4096, 2048, 256, 6, 1.5), T) for T in (1, 8, 32, 128, 512, 2048, 8192)] +
@@ -50,6 +50,8 @@ class TorchMoE:
         for j in range(1, y.shape[1]): acc += y[:, j].float()
         return acc.to(torch.bfloat16)
 
+W4A8_MIN_T = 512     # bench moe times the W4A8 layer (sm90_w4a8, FP8 tensor cores) from this many tokens: prefill
+
 def _bench_moe_problem(timer, name, cfg, T, layers):
     dev = torch.device("cuda")
     row = dict(problem=name, tokens=T, E=cfg.num_experts, H=cfg.hidden, I=cfg.inter)
@@ -61,15 +63,17 @@ def _bench_moe_problem(timer, name, cfg, T, layers):
         layer4 = DSV4MoE(cfg, layer.w13, layer.w2, layer.gate_weight, layer.gate_bias, act="w4a4",   # the same weights
                          a1_scales=torch.full((E1,), 3.0 / 2688), a2_scales=torch.full((E1,), 1e-3)).to(dev)
         layer4._prepared = layer._prepared
-        layers[name] = (layer, layer4)
+        layer8 = DSV4MoE(cfg, layer.w13, layer.w2, layer.gate_weight, layer.gate_bias, act="w4a8").to(dev)  # own layout
+        layers[name] = (layer, layer4, layer8)
         m0 = torch.cuda.memory_allocated(dev)
         held = sum(w.nbytes for w in layer.prepared(dev))                # the backend's layout of w13 and w2, on the GPU
         grown = torch.cuda.memory_allocated(dev) - m0                    # what preparing put on the device, measured
         nv = sum(t.numel() * t.element_size() for w in (layer.w13, layer.w2) for t in (w.data, w.scale, w.global_scale))
         layers[name + " bytes"] = dict(prepared=held, allocated=grown, nvfp4=nv, backend=layer.prepared(dev)[0].backend)
-    layer, layer4 = layers[name]
+    layer, layer4, layer8 = layers[name]
     row["held"] = layers[name + " bytes"]
-    for act, lay in (("w4a16", layer), ("w4a4", layer4)):
+    for act, lay in (("w4a16", layer), ("w4a4", layer4), ("w4a8", layer8)):
+        if act == "w4a8" and T < W4A8_MIN_T: row["w4a8_us"] = None; continue   # W4A8 is the prefill path
         cap = lay.capture(T)
         row[f"{act}_us"] = timer(lambda: cap(x))[1]                  # replays of the captured layer (x copied in)
         del cap
@@ -114,14 +118,15 @@ def bench_moe(problems=None, log=print) -> dict:
         gemm = r["t_l1"] + r["t_l2"]
         r["outside_pct"] = 100 * max(0.0, r["w4a16_us"] - gemm) / r["w4a16_us"]
         res["rows"].append(r)
-        log(f"  {name:9s} T={T:5d} w4a16 {r['w4a16_us']:9.1f} us  w4a4 {r['w4a4_us']:9.1f}  bf16 {r['bf16_us']:9.1f}  fp8 {r['fp8_us']:9.1f}")
+        w8 = "" if r["w4a8_us"] is None else f"  w4a8 {r['w4a8_us']:9.1f}"
+        log(f"  {name:9s} T={T:5d} w4a16 {r['w4a16_us']:9.1f} us  w4a4 {r['w4a4_us']:9.1f}{w8}  bf16 {r['bf16_us']:9.1f}  fp8 {r['fp8_us']:9.1f}")
     return res
 
 def moe_table(res: dict) -> str:
     "The layer benchmark and our breakdown as Markdown (rendered from the measured rows)."
     i = res["info"]
     text = table(res["rows"], [("problem", "problem"), ("tokens", "tokens"), ("ours W4A16", fmt("w4a16_us")),
-                               ("ours W4A4", fmt("w4a4_us")), ("torch bf16", fmt("bf16_us")), ("torch fp8", fmt("fp8_us")),
+                               ("ours W4A4", fmt("w4a4_us")), ("ours W4A8", fmt("w4a8_us", none="")), ("torch bf16", fmt("bf16_us")), ("torch fp8", fmt("fp8_us")),
                                ("x bf16", fmt("x_bf16", ".2f")), ("x fp8", fmt("x_fp8", ".2f")), ("router", fmt("t_router")),
                                ("permute", fmt("t_permute", none="(in router)")), ("L1", fmt("t_l1")), ("L2", fmt("t_l2")),
                                ("combine", fmt("t_combine")), ("outside the GEMMs", fmt("outside_pct", ".0f", "%"))],

@@ -114,6 +114,7 @@ class Backend:
 # %% ../../nbs/04_gemm_seam.ipynb #31cd9d0a
 _REGISTRY = {"sm100": "dsv4_nvfp4.gemm.sm100:Sm100Backend",      # name -> a Backend, or "module:class" imported on use
              "sm90": "dsv4_nvfp4.gemm.sm90:Sm90Backend",
+             "sm90_w4a8": "dsv4_nvfp4.gemm.w4a8:Sm90W4A8Backend",   # never the device's first choice: named (act="w4a8")
              "reference": "dsv4_nvfp4.gemm.reference:ReferenceBackend"}
 _LOADED = {}
 

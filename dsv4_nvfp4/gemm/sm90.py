@@ -305,8 +305,8 @@ class Sm90Backend(Backend):
     def can_implement(self, p: Problem) -> tuple[bool, str]:
         if p.act not in ACTS: return False, f"activations must be one of {ACTS}, got {p.act!r}"
         if p.act == "fp8":
-            return False, ("W4A8 (FP8 activations) is not wired into this backend's plan yet: its kernel runs as "
-                           "GemmConfig(fp8=True) on gemm.w4a8's slabs (notebook 04b), which prepare() does not build")
+            return False, ("W4A8 (FP8 rows) has its own weight layout and backend on Hopper: "
+                           "prepare_weights(..., backend='sm90_w4a8')")
         if (p.epilogue, p.per_row) not in _KIND:
             return False, f"epilogue {p.epilogue!r}" + (" with a per-row activation scale" if p.per_row else "") + " is not a kernel variant"
         if p.epilogue.startswith("swiglu") and p.n % 32:

@@ -5,20 +5,26 @@
 # %% ../../nbs/04e_w4a8.ipynb #33292f2e
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
+import torch.nn.functional as F
 
 from .. import runtime as rt
-from ..formats import E4M3_MAX, check_float, e2m1_decode
-from .sm90 import SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, decode_words, encode_words
+from ..formats import E4M3_MAX, check_float, e2m1_decode, round_up
+from . import Backend, EpilogueArgs, ExpertWeights, Problem
+from .sm90 import (CONFIGS, K_TILE, N_PAD, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, Epilogue, GemmConfig,
+                                  Sm90Plan, decode_words, encode_words, pick_config)
 from .reference import grouped_rows, unscaled
-from ..quant import FP8Activations, NVFP4Experts
+from ..quant import BLOCK, FP8Activations, NVFP4Experts
 
 FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_act (one scale per row)
 
 # %% auto #0
 __all__ = ['FP8_CU', 'W4A8_ACC_BITS', 'e2m1_as_e4m3', 'ref_quantize_fp8_act', 'quantize_fp8_act_cuda', 'quantize_fp8_act',
            'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8', 'w4a8_row_scales', 'ref_grouped_gemm_w4a8',
-           'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model']
+           'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model', 'Sm90W4A8Weights', 'Sm90W4A8Backend']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -294,3 +300,55 @@ def fp8_wgmma_model(a: FP8Activations, w8: torch.Tensor, c: torch.Tensor, gs_w: 
         out[start:end] = (acc * gs_w[e].float()).to(torch.bfloat16).double()
         start = end
     return out
+
+# %% ../../nbs/04e_w4a8.ipynb #d015812d
+@dataclass(eq=False, repr=False)
+class Sm90W4A8Weights(ExpertWeights):
+    """The sm90_w4a8 backend's weights: the W4A8 slabs of `tile_weights_w4a8` (N padded to 128, K to 128) and the
+    weight rows' `2^c` (`w4a8_row_scales`), with the global scales."""
+    backend: ClassVar[str] = "sm90_w4a8"
+    w_w4a8: torch.Tensor = None          # uint8 (E * Np/64 * Kt/128 * 18, 256)
+    w_rows: torch.Tensor = None          # fp32 (E, Np): 2^c per weight row, padded rows 1
+
+_W4A8_KIND = {"bf16": "BF16_ROW_GS", "swiglu_bf16": "SWIGLU_BF16"}
+
+class Sm90W4A8Backend(Backend):
+    """Hopper (sm_90a) W4A8: the weights decoded in registers to E4M3 and multiplied with E4M3 rows on the FP8 tensor
+    cores (`GroupedGemmSm90` with `GemmConfig.fp8`), each 128-K tile promoted into fp32; the plain (per-row scale) and
+    fused SwiGLU bf16 epilogues."""
+    weights_type = Sm90W4A8Weights
+
+    def supports(self, device) -> bool:
+        device = torch.device(device)
+        return device.type == rt.launch_device_type() and torch.cuda.get_device_capability(device)[0] == 9
+    def prepare(self, experts: NVFP4Experts, a_gs) -> Sm90W4A8Weights:
+        E, N, K = experts.shape
+        kt, np_ = round_up(K, K_TILE), round_up(N, N_PAD)
+        data = F.pad(experts.data, (0, kt // 2 - experts.data.shape[-1], 0, np_ - N))
+        sf = F.pad(experts.scale.view(torch.uint8), (0, kt // BLOCK - experts.scale.shape[-1], 0, np_ - N)).view(torch.float8_e4m3fn)
+        tiled, c = tile_weights_w4a8(NVFP4Experts(data, sf, experts.global_scale, (E, np_, kt)))
+        return Sm90W4A8Weights((E, N, K), experts.global_scale.float().contiguous(), a_gs, tiled, w4a8_row_scales(c))
+    def can_implement(self, p: Problem) -> tuple[bool, str]:
+        if p.act != "fp8": return False, f"the sm90_w4a8 backend takes FP8 rows (FP8Activations), not {p.act!r} activations"
+        if p.epilogue not in _W4A8_KIND:
+            return False, f"the W4A8 kernel has the bf16 and swiglu_bf16 epilogues, not {p.epilogue!r}"
+        if p.epilogue == "swiglu_bf16" and p.n % 32:
+            return False, f"W13 has {p.n} rows; 2I with I a multiple of 16 (NVFP4 blocks of the L2 input) is needed"
+        if p.dump: return False, "dump is a debug output of the swiglu_nvfp4 epilogue only"
+        from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
+        return GroupedGemmSm90.can_implement(CONFIGS[16]._replace(fp8=True), p.experts, p.k)
+    def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
+        from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
+        cfg = pick_config(p.rows, p.experts, p.k) if config is None else config
+        swiglu = p.epilogue == "swiglu_bf16"
+        cfg = cfg._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]],
+                           **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
+        ok, why = GroupedGemmSm90.can_implement(cfg, p.experts, p.k)
+        if not ok: raise ValueError(why)
+        return Sm90Plan(cfg, p.sms_free)
+    def run(self, plan: Sm90Plan, a, w: Sm90W4A8Weights, offsets, out, epi: EpilogueArgs, workspace=None):
+        from dsv4_nvfp4.gemm.sm90_kernel import run_sm90
+        cfg, free = plan
+        scales = epi.row_scales if cfg.epilogue.swiglu else epi.gs_a.reshape(-1, 1)   # (R, 2) (gs_a, p), or (R, 1)
+        run_sm90(cfg, w.w_w4a8, a.data, out, offsets, w.w_gs, scales, sf_c=w.w_rows, sms_free=free)
+        return out
