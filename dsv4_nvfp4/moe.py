@@ -210,8 +210,11 @@ class DSV4MoE(torch.nn.Module):
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
         b = get_backend(self.backend) if self.backend is not None else backend_for(dev)
-        if self.backend is None and self.act == "w4a8" and get_backend("sm90_w4a8").supports(dev):
-            b = get_backend("sm90_w4a8")                  # W4A8 has its own weight layout on Hopper
+        if self.backend is None and self.act == "w4a8":
+            if get_backend("sm90_w4a8").supports(dev): b = get_backend("sm90_w4a8")   # W4A8's own weight layout on Hopper
+            elif b.name != "reference":
+                raise NotImplementedError(f"DSV4MoE: act='w4a8' runs on Hopper (the sm90_w4a8 backend) and on the CPU, not on "
+                                          f"{dev} ({b.name}); use act='w4a16' or 'w4a4' there")
         key = (dev, b.name)
         if key not in self._prepared:
             self._prepared[key] = (prepare_weights(self.w13, device=dev, backend=b.name), prepare_weights(self.w2, device=dev, backend=b.name))
@@ -314,8 +317,9 @@ class DSV4MoE(torch.nn.Module):
                     sms_free: int = 0,             # SMs the GEMMs leave free for a kernel beside them
                    ) -> torch.Tensor:              # bf16 (R, H): a view of `bufs`' output rows
         """The fused L1 (SwiGLU, routing weight, for W4A4 h's NVFP4 quantization) and the L2 over expert-major rows, with
-        the inputs already checked (`expert_rows` is the checked entry): two launches, no sync, no allocation; the
-        result is a view of `bufs`' output rows that the next call overwrites."""
+        the inputs already checked (`expert_rows` is the checked entry): two launches (W4A8: four, x and h quantized
+        per row, each row's E4M3 scale written into `row_scales[:, 0]`), no sync, no allocation; the result is a view of
+        `bufs`' output rows that the next call overwrites."""
         c, (_, h, h_dec, rows_out) = self.cfg, bufs
         w13p, w2p = self.prepared(xr.device)
         R = xr.shape[0]
@@ -337,6 +341,7 @@ class DSV4MoE(torch.nn.Module):
 
     def expert_rows(self, xr: torch.Tensor,       # bf16 (R, H) expert-major rows (W4A4: code x block scale, as the permute stores them)
                     row_scales: torch.Tensor,     # fp32 (R, 2): per row (gs_a, routing weight); gs_a is W4A4's a1 of the row's group
+                                                  # (W4A8 overwrites column 0 with each row's E4M3 scale)
                     offsets: torch.Tensor,        # int32 (G,) cumulative end offsets over this layer's groups
                     bufs: tuple | None = None,    # `buffers(n)` with n (k + 1) >= R (a captured graph's own); default: the eager ones
                     copy: bool = True,            # False: return a view of `bufs`' output rows (the next call overwrites it)

@@ -113,12 +113,12 @@ def test_w4a8_fused_l1_swiglu_against_float64(tt):
     assert_w4a8_close(out.cpu().double(), want, bound, f"W4A8 fused L1 tok_tile {tt}", 3e-3)
 
 
-@pytest.mark.parametrize("N", [64, 192])
-def test_w4a8_backend_through_the_seam(N):
-    "prepare_weights(backend='sm90_w4a8') and grouped_gemm_nvfp4 on FP8 rows: N padded to 128 inside, empty experts."
+@pytest.mark.parametrize("N,K", [(64, 384), (192, 400)])
+def test_w4a8_backend_through_the_seam(N, K):
+    "prepare_weights(backend='sm90_w4a8') and grouped_gemm_nvfp4 on FP8 rows: N and K padded inside, empty experts."
     from dsv4_nvfp4.gemm import grouped_gemm_nvfp4, prepare_weights
     g = torch.Generator().manual_seed(N)
-    E, K = 4, 384
+    E = 4
     ex = Q.quantize_experts(torch.randn(E, N, K, generator=g) * torch.logspace(-2, 1, N).view(1, N, 1))
     w = prepare_weights(ex, device="cuda", backend="sm90_w4a8")
     offs = torch.tensor([5, 5, 75, 78], dtype=torch.int32)
@@ -129,7 +129,14 @@ def test_w4a8_backend_through_the_seam(N):
     w8, c, _ = W.w4a8_weights(ex)
     want = W.ref_grouped_gemm_w4a8(ac, w8, c, ex.global_scale, offs)
     bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(ac, w8, c, ex.global_scale, offs))
-    assert_w4a8_close(out.cpu().double(), want, bound, f"sm90_w4a8 N={N}", 2e-3)
+    assert_w4a8_close(out.cpu().double(), want, bound, f"sm90_w4a8 N={N} K={K}", 2e-3)
+    # one row (its scale is then a single value: the plan is the per-row kind all the same), written into out=
+    one = torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+    o1 = torch.full((1, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    a1 = Q.FP8Activations(a.data[40:41].contiguous(), a.scale[40:41].contiguous())
+    assert grouped_gemm_nvfp4(a1, w, one.cuda(), out=o1) is o1
+    want1 = W.ref_grouped_gemm_w4a8(Q.FP8Activations(ac.data[40:41], ac.scale[40:41]), w8, c, ex.global_scale, one)
+    assert ((o1.cpu().double() - want1).abs() <= bound[40:41]).all()
 
 
 def test_expert_mlp_w4a8_on_the_gpu():

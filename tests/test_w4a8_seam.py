@@ -82,10 +82,13 @@ def test_w4a8_is_its_own_backend_on_hopper():
                     (Problem(64, 4, 256, 512, "fp8", "wo_a"), "epilogues"), (Problem(64, 4, 256, 512, "fp8", "swiglu_nvfp4"), "epilogues")):
         ok, why = b.can_implement(p)
         assert not ok and word in why, (p, why)
-    pl = b.plan(Problem(4096, 8, 512, 1024, "fp8", "bf16", True))                   # the plan: W4A8, the row-scale epilogue
-    assert pl.cfg.fp8 and pl.cfg.epilogue.name == "BF16_ROW_GS"
-    pl = b.plan(Problem(4096, 8, 512, 1024, "fp8", "swiglu_bf16", False, 7.0))
-    assert pl.cfg.fp8 and pl.cfg.epilogue.name == "SWIGLU_BF16" and pl.cfg.swiglu_limit == 7.0
+    from dsv4_nvfp4.gemm import plan_for
+    for rows, E, per_row in ((1, 8, False), (4096, 8, True), (24000, 257, True)):   # through the seam's checked path
+        assert b.can_implement(Problem(rows, E, 512, 1024, "fp8", "bf16", per_row)) == (True, "")
+        pl = plan_for(b, Problem(rows, E, 512, 1024, "fp8", "bf16", per_row))          # W4A8, the row-scale epilogue
+        assert pl.cfg.fp8 and pl.cfg.epilogue.name == "BF16_ROW_GS"
+        pl = plan_for(b, Problem(rows, E, 512, 1024, "fp8", "swiglu_bf16", False, 7.0))
+        assert pl.cfg.fp8 and pl.cfg.epilogue.name == "SWIGLU_BF16" and pl.cfg.swiglu_limit == 7.0
     # its layout on the CPU: N padded to 128, the slabs decode to w4a8_weights byte for byte, the padding to zeros
     ex = quantize_experts(torch.randn(2, 64, 200, generator=gen(9)))
     w = b.prepare(ex, None)

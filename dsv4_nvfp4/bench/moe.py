@@ -109,7 +109,7 @@ def _bench_moe_problem(timer, name, cfg, T, layers):
     return row
 
 def bench_moe(problems=None, log=print) -> dict:
-    "The DSV4 MoE layer, ours (W4A16, W4A4; captured) vs the torch bf16 / fp8 layers, with a breakdown of ours."
+    "The DSV4 MoE layer, ours (W4A16, W4A4, and W4A8 from `W4A8_MIN_T` tokens; captured) vs the torch bf16 / fp8 layers, with a breakdown of ours."
     timer = Timer()
     res, layers = dict(info=gpu_info(), rows=[]), {}
     for name, cfg, T in problems or MOE_PROBLEMS:
@@ -162,7 +162,7 @@ def moe_goals(res: dict) -> str:
     return "\n".join(out)
 
 # %% ../../nbs/08e_bench_moe.ipynb #a3c91e07
-def plot_moe(res: dict,   # `bench_moe`'s result or its JSON record: rows with problem, tokens, w4a16_us, bf16_us, fp8_us (w4a4_us)
+def plot_moe(res: dict,   # `bench_moe`'s result or its JSON record: rows with problem, tokens, w4a16_us, bf16_us, fp8_us (w4a4_us, w4a8_us)
              path=None,   # also save the figure there
             ):
     "Speed-up of the whole layer over the torch bf16 and fp8 layers against tokens, one line per problem and activation kind."
@@ -170,7 +170,7 @@ def plot_moe(res: dict,   # `bench_moe`'s result or its JSON record: rows with p
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for name in dict.fromkeys(r["problem"] for r in res["rows"]):        # the problems in the rows' order
         rr = sorted((r for r in res["rows"] if r["problem"] == name), key=lambda r: r["tokens"])
-        for key, st in (("w4a16", "o-"), ("w4a4", "s--")):
+        for key, st in (("w4a16", "o-"), ("w4a4", "s--"), ("w4a8", "^:")):
             pts = [r for r in rr if r.get(key + "_us")]
             if not pts: continue
             T = [r["tokens"] for r in pts]

@@ -336,7 +336,8 @@ class Sm90W4A8Backend(Backend):
             return False, f"W13 has {p.n} rows; 2I with I a multiple of 16 (NVFP4 blocks of the L2 input) is needed"
         if p.dump: return False, "dump is a debug output of the swiglu_nvfp4 epilogue only"
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
-        return GroupedGemmSm90.can_implement(CONFIGS[16]._replace(fp8=True), p.experts, p.k)
+        return GroupedGemmSm90.can_implement(CONFIGS[16]._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]]),
+                                             p.experts, p.k)
     def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
         cfg = pick_config(p.rows, p.experts, p.k) if config is None else config
