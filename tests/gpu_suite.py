@@ -18,7 +18,9 @@ NVRTC_NBS = ["03_runtime", "03a_quantize_cuda", "03b_norm_quantize", "06_kv_comp
 CUTE = [("pytest_ep_2gpu", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_ep_gpu.py", 2, 130),
         ("pytest_gemm", "python3 -m pytest -v -rA --tb=short -m gpu -p no:cacheprovider tests/test_gemm_gpu.py tests/test_w4a8_gpu.py", 1, 220),
         ("pytest_mlp", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 190),
-        ("pytest_moe", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py", 1, 340),
+        ("pytest_moe", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py -k 'not flash_layer_accuracy'", 1, 330),
+        ("pytest_moe_flash", "python3 -m pytest -v -rA --tb=short -m gpu -p no:cacheprovider tests/test_moe_gpu.py -k 'flash_layer_accuracy and not w4a8'", 1, 450),
+        ("pytest_moe_flash_w4a8", "python3 -m pytest -v -rA --tb=short -m gpu -p no:cacheprovider tests/test_moe_gpu.py -k 'flash_layer_accuracy and w4a8'", 1, 250),
         ("pytest_compile", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_compile_gpu.py tests/test_cli.py", 1, 320)]
 
 
