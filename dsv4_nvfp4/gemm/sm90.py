@@ -25,7 +25,7 @@ __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYT
            'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'W4A8_CODE_MASK', 'W4A8_DECODE_ROTATIONS',
            'CONFIGS', 'encode_words', 'decode_words', 'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90',
            'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'Sm90Weights', 'pick_config', 'Sm90Plan',
-           'Sm90Backend']
+           'pad_experts', 'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -288,6 +288,14 @@ def _kernel():
         _K.append(sm90_kernel)
     return _K[0]
 
+def pad_experts(experts: NVFP4Experts) -> NVFP4Experts:
+    "The experts zero-padded to the slabs' shape, N to `N_PAD` and K to `K_TILE`: the padding is zero codes with zero scales."
+    E, N, K = experts.shape
+    kt, np_ = round_up(K, K_TILE), round_up(N, N_PAD)
+    data = F.pad(experts.data, (0, kt // 2 - experts.data.shape[-1], 0, np_ - N))
+    sf = F.pad(experts.scale.view(torch.uint8), (0, kt // BLOCK - experts.scale.shape[-1], 0, np_ - N)).view(torch.float8_e4m3fn)
+    return NVFP4Experts(data, sf, experts.global_scale, (E, np_, kt))
+
 class Sm90Backend(Backend):
     """Hopper (sm_90a): NVFP4 weights decoded in registers into WGMMA's A operand (`GroupedGemmSm90`), every epilogue
     kind; W4A4 activations are decoded exactly to bf16 by a separate pass first (into `workspace` when given)."""
@@ -297,11 +305,8 @@ class Sm90Backend(Backend):
         device = torch.device(device)
         return device.type == runtime.launch_device_type() and torch.cuda.get_device_capability(device)[0] == 9
     def prepare(self, experts: NVFP4Experts, a_gs) -> Sm90Weights:
-        E, N, K = experts.shape
-        kt, np_ = round_up(K, K_TILE), round_up(N, N_PAD)
-        data = F.pad(experts.data, (0, kt // 2 - experts.data.shape[-1], 0, np_ - N))
-        sf = F.pad(experts.scale.view(torch.uint8), (0, kt // BLOCK - experts.scale.shape[-1], 0, np_ - N)).view(torch.float8_e4m3fn)
-        return Sm90Weights((E, N, K), experts.global_scale.float().contiguous(), a_gs, tile_weights_sm90(data, sf))
+        p = pad_experts(experts)
+        return Sm90Weights(tuple(experts.shape), experts.global_scale.float().contiguous(), a_gs, tile_weights_sm90(p.data, p.scale))
     def can_implement(self, p: Problem) -> tuple[bool, str]:
         if p.act not in ACTS: return False, f"activations must be one of {ACTS}, got {p.act!r}"
         if p.act == "fp8":

@@ -9,15 +9,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from .. import runtime as rt
-from ..formats import E4M3_MAX, check_float, e2m1_decode, round_up
-from . import Backend, EpilogueArgs, ExpertWeights, Problem
-from .sm90 import (CONFIGS, K_TILE, N_PAD, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, Epilogue, GemmConfig,
-                                  Sm90Plan, decode_words, encode_words, pick_config)
+from ..formats import E4M3_MAX, check_float, e2m1_decode
+from . import EpilogueArgs, ExpertWeights, Problem
+from .sm90 import (CONFIGS, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, Epilogue, GemmConfig, Sm90Backend,
+                                  Sm90Plan, decode_words, encode_words, pad_experts, pick_config)
 from .reference import grouped_rows, unscaled
-from ..quant import BLOCK, FP8Activations, NVFP4Experts
+from ..quant import FP8Activations, NVFP4Experts
 
 FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_act (one scale per row)
 
@@ -312,22 +311,15 @@ class Sm90W4A8Weights(ExpertWeights):
 
 _W4A8_KIND = {"bf16": "BF16_ROW_GS", "swiglu_bf16": "SWIGLU_BF16"}
 
-class Sm90W4A8Backend(Backend):
+class Sm90W4A8Backend(Sm90Backend):
     """Hopper (sm_90a) W4A8: the weights decoded in registers to E4M3 and multiplied with E4M3 rows on the FP8 tensor
     cores (`GroupedGemmSm90` with `GemmConfig.fp8`), each 128-K tile promoted into fp32; the plain (per-row scale) and
-    fused SwiGLU bf16 epilogues."""
+    fused SwiGLU bf16 epilogues. The same devices and padding as `Sm90Backend`; its own slabs, plan and launch."""
     weights_type = Sm90W4A8Weights
 
-    def supports(self, device) -> bool:
-        device = torch.device(device)
-        return device.type == rt.launch_device_type() and torch.cuda.get_device_capability(device)[0] == 9
     def prepare(self, experts: NVFP4Experts, a_gs) -> Sm90W4A8Weights:
-        E, N, K = experts.shape
-        kt, np_ = round_up(K, K_TILE), round_up(N, N_PAD)
-        data = F.pad(experts.data, (0, kt // 2 - experts.data.shape[-1], 0, np_ - N))
-        sf = F.pad(experts.scale.view(torch.uint8), (0, kt // BLOCK - experts.scale.shape[-1], 0, np_ - N)).view(torch.float8_e4m3fn)
-        tiled, c = tile_weights_w4a8(NVFP4Experts(data, sf, experts.global_scale, (E, np_, kt)))
-        return Sm90W4A8Weights((E, N, K), experts.global_scale.float().contiguous(), a_gs, tiled, w4a8_row_scales(c))
+        tiled, c = tile_weights_w4a8(pad_experts(experts))
+        return Sm90W4A8Weights(tuple(experts.shape), experts.global_scale.float().contiguous(), a_gs, tiled, w4a8_row_scales(c))
     def can_implement(self, p: Problem) -> tuple[bool, str]:
         if p.act != "fp8": return False, f"the sm90_w4a8 backend takes FP8 rows (FP8Activations), not {p.act!r} activations"
         if p.epilogue not in _W4A8_KIND:
