@@ -22,7 +22,7 @@ from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, co
                                 router_logits, ROUTE_FUSED_MAX_T)
 from .gemm.reference import check_swiglu_limit, deinterleave_l1, ref_swiglu
 from .gemm.w4a8 import quantize_fp8_act, ref_quantize_fp8_act
-from .swiglu import calibrate_input_scales, expert_mlp_nvfp4, grouped_gemm_swiglu_nvfp4, interleave_experts, ref_expert_mlp
+from .swiglu import MLP_ACTS, calibrate_input_scales, expert_mlp_nvfp4, grouped_gemm_swiglu_nvfp4, interleave_experts, ref_expert_mlp
 
 # %% auto #0
 __all__ = ['FLASH', 'PRO', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe', 'ref_moe_bf16', 'CapturedMoE',
@@ -116,7 +116,7 @@ class DSV4MoE(torch.nn.Module):
         if tuple(w2.shape) != (G, H, I): raise ValueError(f"DSV4MoE: w2 must be ({held}, H, I) = {(G, H, I)}, got {tuple(w2.shape)}")
         if tuple(gate_weight.shape) != (E, H): raise ValueError(f"DSV4MoE: gate_weight must be (E, H) = {(E, H)}, got {tuple(gate_weight.shape)}")
         if gate_bias is not None and tuple(gate_bias.shape) != (E,): raise ValueError(f"DSV4MoE: gate_bias must be ({E},), got {tuple(gate_bias.shape)}")
-        if act not in ("w4a16", "w4a4", "w4a8"): raise ValueError(f"DSV4MoE: act must be 'w4a16', 'w4a4' or 'w4a8', got {act!r}")
+        if act not in MLP_ACTS: raise ValueError(f"DSV4MoE: act must be one of {MLP_ACTS}, got {act!r}")
         if act == "w4a4":
             for name, s in (("a1_scales", a1_scales), ("a2_scales", a2_scales)):
                 if s is None or tuple(s.shape) != (G,):
@@ -470,7 +470,7 @@ def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w
     tid = (torch.rand(hash_vocab, E, generator=g, device=dev).topk(cfg.top_k, 1).indices.to(torch.int32).cpu()
            if hash_vocab else None)
     bf = (torch.stack(w1), torch.stack(w3), torch.stack(w2)) if keep_bf16 else None
-    layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid)
+    layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, act="w4a16" if act == "w4a4" else act)
     if act == "w4a4":                                  # static scales from sample tokens, as a calibration pass would
         xs = torch.randn(calib_tokens, H, generator=g, device=dev).to(torch.bfloat16).cpu()
         ids_in = torch.randint(0, hash_vocab, (calib_tokens,)) if tid is not None else None
@@ -482,7 +482,6 @@ def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w
         a1 = global_scale_from_amax(xs.float().abs().amax()).expand(E + 1).clone()
         layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, act="w4a4", a1_scales=a1,
                     a2_scales=calibrate_input_scales(h, rt.expert_offsets))
-    elif act != "w4a16": layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, act=act)   # W4A8: no static scales
     layer.bf16_weights = bf
     return layer
 

@@ -19,8 +19,8 @@ from .quant import GS_MIN, FP8Activations, NVFP4Experts, NVFP4Tensor, global_sca
 from .routing import check_offsets
 
 # %% auto #0
-__all__ = ['interleave_experts', 'calibrate_input_scales', 'ref_expert_mlp', 'grouped_gemm_swiglu_nvfp4', 'MLPWorkspace',
-           'mlp_workspace', 'expert_mlp_nvfp4']
+__all__ = ['MLP_ACTS', 'interleave_experts', 'calibrate_input_scales', 'ref_expert_mlp', 'grouped_gemm_swiglu_nvfp4',
+           'MLPWorkspace', 'mlp_workspace', 'expert_mlp_nvfp4']
 
 # %% ../nbs/05_swiglu.ipynb #fbd45d34
 def interleave_experts(w1: NVFP4Experts,   # (E, I, H) gate projections
@@ -77,9 +77,15 @@ def _l2_input(h: torch.Tensor, act: str, expert_offsets: torch.Tensor, a2_scales
     if gs.numel() != E: raise ValueError(f"{what}: a2_scales must have one scale per expert ({E}), got {gs.numel()}")
     return ref_swiglu_out(h, "swiglu_nvfp4", expert_offsets, gs)
 
+MLP_ACTS = ("w4a16", "w4a4", "w4a8")   # the expert MLP's activation kinds: h in bf16; x and h in NVFP4; x and h in E4M3
+
+def _check_act(what: str, act: str):
+    "ValueError unless `act` is one of `MLP_ACTS`."
+    if act not in MLP_ACTS: raise ValueError(f"{what}: act must be one of {MLP_ACTS}, got {act!r}")
+
 def _check_mlp(what: str, act: str, x, w13_shape, w2_shape) -> int:
     "The checks every expert-MLP entry point shares: act, x's kind for it, W13 (E, 2I, H) against W2 (E, H, I). Returns I."
-    if act not in ("w4a16", "w4a4", "w4a8"): raise ValueError(f"{what}: act must be 'w4a16', 'w4a4' or 'w4a8', got {act!r}")
+    _check_act(what, act)
     E, I2, H = w13_shape
     if w2_shape[0] != E or w2_shape[1] != H or I2 != 2 * w2_shape[2]:
         raise ValueError(f"{what}: w13 {tuple(w13_shape)} must be (E, 2I, H) for w2 {tuple(w2_shape)} = (E, H, I)")
@@ -224,7 +230,7 @@ class MLPWorkspace:
 
 def mlp_workspace(rows: int, w13: ExpertWeights, w2: ExpertWeights, act: str = "w4a16", device=None) -> MLPWorkspace:
     "The buffers `expert_mlp_nvfp4` needs for `rows` routed rows (allocate once, reuse every call, capture in a graph)."
-    if act not in ("w4a16", "w4a4", "w4a8"): raise ValueError(f"mlp_workspace: act must be 'w4a16', 'w4a4' or 'w4a8', got {act!r}")
+    _check_act("mlp_workspace", act)
     dev = torch.device(device) if device is not None else w13.device
     H, I = w13.shape[2], w13.shape[1] // 2
     z = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)

@@ -7,7 +7,8 @@ import torch
 from dsv4_nvfp4 import swiglu as S
 from dsv4_nvfp4.gemm import Problem, check_activations, grouped_gemm_nvfp4, prepare_weights, wo_a_nvfp4
 from dsv4_nvfp4.gemm import w4a8 as W
-from dsv4_nvfp4.gemm.reference import deinterleave_l1, ref_swiglu
+from dsv4_nvfp4.gemm import reference as GR
+from dsv4_nvfp4.gemm.reference import deinterleave_l1, ref_swiglu, ref_swiglu_out
 from dsv4_nvfp4.quant import FP8Activations, quantize_experts
 from dsv4_nvfp4.routing import random_topk, route_topk
 
@@ -15,7 +16,7 @@ from dsv4_nvfp4.routing import random_topk, route_topk
 def gen(s): return torch.Generator().manual_seed(s)
 
 
-def _bf16(x64): return x64.float().to(torch.bfloat16)     # float64 -> bf16 as the reference backend rounds (exact fp32 first)
+def _bf16(x64): return GR._f64_to_bf16(x64)               # float64 -> bf16 rounded once, as the reference backend stores it
 
 
 def test_grouped_gemm_takes_fp8_rows_on_the_reference_backend():
@@ -45,7 +46,7 @@ def test_fused_l1_takes_fp8_rows():
     h = S.grouped_gemm_swiglu_nvfp4(a, prepare_weights(w13, device="cpu"), offs, swiglu_limit=7.0, route_weight=p)
     w8, c, _ = W.w4a8_weights(w13)
     g, u = deinterleave_l1(W.ref_grouped_gemm_w4a8(a, w8, c, w13.global_scale, offs), dim=-1)
-    assert torch.equal(h, _bf16(ref_swiglu(g, u, 7.0) * p.double()[:, None]))
+    assert torch.equal(h, ref_swiglu_out(ref_swiglu(g, u, 7.0) * p.double()[:, None], "swiglu_bf16", offs))   # fp32 h, then bf16
 
 
 def test_seam_refuses_what_w4a8_does_not_do():
@@ -117,7 +118,7 @@ def test_expert_mlp_w4a8_is_its_spec():
     want, h = S.ref_expert_mlp(a, w13, w2, rt.expert_offsets, act="w4a8", route_weight=p, return_h=True)
     assert torch.equal(y, _bf16(want))
     # the spec by hand: L2 reads the bf16 h quantized per row to E4M3
-    h8 = W.ref_quantize_fp8_act(_bf16(h))
+    h8 = W.ref_quantize_fp8_act(ref_swiglu_out(h, "swiglu_bf16", rt.expert_offsets))
     w8, c, _ = W.w4a8_weights(w2)
     assert torch.equal(want, W.ref_grouped_gemm_w4a8(h8, w8, c, w2.global_scale, rt.expert_offsets))
     # the workspace path writes the same, into its buffers
@@ -150,6 +151,10 @@ def test_quantize_fp8_act_on_the_cpu_writes_its_out_buffers():
     assert q.data is d and q.scale is s and torch.equal(d.view(torch.uint8), r.data.view(torch.uint8)) and torch.equal(s, r.scale)
     with pytest.raises(ValueError, match="multiple of 16"):
         W.quantize_fp8_act(x[:, :20])
+    with pytest.raises(ValueError, match="2-D"):
+        W.quantize_fp8_act(x.view(5, 2, 16))
+    with pytest.raises(TypeError, match="tensor"):
+        W.quantize_fp8_act(x.tolist())
     with pytest.raises(ValueError):
         W.quantize_fp8_act(x, out_scale=torch.empty(5))
 

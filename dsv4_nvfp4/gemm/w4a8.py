@@ -105,7 +105,8 @@ def quantize_fp8_act(x: torch.Tensor,                        # (R, K) bf16 / fp1
     if isinstance(x, torch.Tensor) and x.device.type == rt.launch_device_type():
         return quantize_fp8_act_cuda(x, out_data=out_data, out_scale=out_scale)
     what = "quantize_fp8_act"
-    if not isinstance(x, torch.Tensor) or x.dim() != 2: raise TypeError(f"{what}: x must be a 2-D tensor, got {type(x).__name__}")
+    if not isinstance(x, torch.Tensor): raise TypeError(f"{what}: x must be a tensor, got {type(x).__name__}")
+    if x.dim() != 2: raise ValueError(f"{what}: x must be 2-D (R, K), got {tuple(x.shape)}")
     rt.check_k16(x.shape[1], what)
     q = ref_quantize_fp8_act(x)
     if out_data is None and out_scale is None: return q
