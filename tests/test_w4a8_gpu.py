@@ -29,6 +29,22 @@ def assert_w4a8_close(got, want, bound, what, fro_max):
     assert worst <= 1 and fro <= fro_max, f"{what}: worst output {worst:.2f} of the bound, Frobenius {fro:.2e}"
 
 
+def l1_want_and_bound(a, w8, c, gs, offs, p, limit=10.0):
+    """The fused W4A8 L1's float64 h = swiglu(gate, up) p on the same quantized operands, and each output's allowance:
+    the tile-sum allowance of the gate and up sums carried through h = silu(min(g, L)) clamp(u, +-L) p (|silu'| <= 1.1;
+    the clamps only shrink it), plus half a bf16 ulp of h."""
+    from dsv4_nvfp4 import swiglu as SW
+    ops = (a, w8, c, gs, offs)
+    gate, up = SW.deinterleave_l1(W.ref_grouped_gemm_w4a8(*ops), dim=-1)
+    mg, mu = SW.deinterleave_l1(W.ref_w4a8_magnitude(*ops), dim=-1)
+    want = SW.ref_swiglu(gate, up, limit) * p.double()[:, None]
+    dg, du = mg * 2.0 ** -W.W4A8_ACC_BITS, mu * 2.0 ** -W.W4A8_ACC_BITS
+    sg = gate.clamp(max=limit)
+    bound = want.abs() * 2.0 ** -8 + p.double()[:, None] * (1.1 * up.abs().clamp(max=limit) * dg
+                                                           + (sg * torch.sigmoid(sg)).abs() * du + 1.1 * dg * du)
+    return want, bound
+
+
 @pytest.mark.parametrize("tt", sorted(S90.CONFIGS))
 def test_w4a8_gemm_against_float64(tt):
     from dsv4_nvfp4.gemm import sm90_kernel as S90K
@@ -100,16 +116,7 @@ def test_w4a8_fused_l1_swiglu_against_float64(tt):
     S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, rt.expert_offsets.cuda(), w13.global_scale.cuda(),
                   torch.stack([a.scale[:, 0], p], 1).cuda(), sf_c=W.w4a8_row_scales(c2).cuda())
     torch.cuda.synchronize()
-    ops = (a, w8, c, w13.global_scale, rt.expert_offsets)
-    gate, up = SW.deinterleave_l1(W.ref_grouped_gemm_w4a8(*ops), dim=-1)
-    mg, mu = SW.deinterleave_l1(W.ref_w4a8_magnitude(*ops), dim=-1)
-    want = SW.ref_swiglu(gate, up, 10.0) * p.double()[:, None]
-    # the tile-sum allowance carried through h = silu(min(g, L)) clamp(u, +-L) p (|silu'| <= 1.1; the clamps only shrink
-    # it), plus half a bf16 ulp of h
-    dg, du = mg * 2.0 ** -W.W4A8_ACC_BITS, mu * 2.0 ** -W.W4A8_ACC_BITS
-    sg = gate.clamp(max=10.0)
-    bound = want.abs() * 2.0 ** -8 + p.double()[:, None] * (1.1 * up.abs().clamp(max=10.0) * dg
-                                                           + (sg * torch.sigmoid(sg)).abs() * du + 1.1 * dg * du)
+    want, bound = l1_want_and_bound(a, w8, c, w13.global_scale, rt.expert_offsets, p)
     assert_w4a8_close(out.cpu().double(), want, bound, f"W4A8 fused L1 tok_tile {tt}", 3e-3)
 
 
@@ -140,7 +147,13 @@ def test_w4a8_backend_through_the_seam(N, K):
 
 
 def test_expert_mlp_w4a8_on_the_gpu():
-    "act='w4a8' end to end on Hopper (x and h in E4M3 per row) against ref_expert_mlp: within 5e-3; a NaN row stays in its row."
+    """act='w4a8' end to end on Hopper (x and h in E4M3 per row), checked stage by stage on the operands each stage was
+    given: the L1's bf16 h within the fused L1's allowance of its float64 value (x as the GPU quantized it), h's E4M3
+    rows the reference quantizer of that h bit for bit, and every output within `w4a8_error_bound` of the float64 L2 of
+    those rows; a NaN row stays in its row. The error against ref_expert_mlp, which quantizes its own float64 h, is
+    printed, not asserted: where the tensor core's truncated tile sums move an h value across an E4M3 rounding
+    boundary, the two paths round it to neighbouring E4M3 values, a step of 2^-3 relative, so that comparison measures
+    FP8 h's sensitivity, not the kernels."""
     from dsv4_nvfp4 import swiglu as SW
     from dsv4_nvfp4.gemm import prepare_weights
     from dsv4_nvfp4.routing import random_topk, route_topk
@@ -151,13 +164,28 @@ def test_expert_mlp_w4a8_on_the_gpu():
     w2 = Q.quantize_experts(torch.randn(E, H, I, generator=g))
     w13p, w2p = (prepare_weights(w, device="cuda", backend="sm90_w4a8") for w in (w13, w2))
     rt = route_topk(random_topk(T, E, 3, generator=g), E)
+    R = rt.perm.numel()
     x = (torch.randn(T, H, generator=g)[rt.token] * 0.05).to(torch.bfloat16)
-    p = torch.rand(rt.perm.numel(), generator=g) + 0.5
-    run = lambda xx: SW.expert_mlp_nvfp4(W.quantize_fp8_act(xx.cuda()), w13p, w2p, rt.expert_offsets.cuda(), act="w4a8",
-                                         route_weight=p.cuda(), check=True).cpu()
-    y = run(x)
-    want = SW.ref_expert_mlp(W.ref_quantize_fp8_act(x), w13, w2, rt.expert_offsets, act="w4a8", route_weight=p)
-    assert torch.isfinite(y).all() and ((y.double() - want).norm() / want.norm()).item() <= 5e-3
+    p = torch.rand(R, generator=g) + 0.5
+    offs = rt.expert_offsets
+    run = lambda xx, ws=None: SW.expert_mlp_nvfp4(W.quantize_fp8_act(xx.cuda()), w13p, w2p, offs.cuda(), act="w4a8",
+                                                  route_weight=p.cuda(), workspace=ws, check=True).cpu()
+    ws = SW.mlp_workspace(R, w13p, w2p, act="w4a8")
+    y = run(x, ws)
+    xq = W.quantize_fp8_act(x.cuda())
+    xq = Q.FP8Activations(xq.data.cpu(), xq.scale.cpu())
+    h, hq = ws.h.cpu(), Q.FP8Activations(ws.h_fp8.data.cpu(), ws.h_fp8.scale.cpu())
+    w8, c, _ = W.w4a8_weights(w13)
+    want_h, bound_h = l1_want_and_bound(xq, w8, c, w13.global_scale, offs, p)
+    assert_w4a8_close(h.double(), want_h, bound_h, "W4A8 MLP, the L1's h", 3e-3)
+    rq = W.ref_quantize_fp8_act(h)
+    assert torch.equal(hq.data.view(torch.uint8), rq.data.view(torch.uint8)) and torch.equal(hq.scale, rq.scale)
+    w8, c, _ = W.w4a8_weights(w2)
+    want = W.ref_grouped_gemm_w4a8(hq, w8, c, w2.global_scale, offs)
+    bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(hq, w8, c, w2.global_scale, offs))
+    assert_w4a8_close(y.double(), want, bound, "W4A8 MLP, the L2 on the GPU's h", 2e-3)
+    full = SW.ref_expert_mlp(W.ref_quantize_fp8_act(x), w13, w2, offs, act="w4a8", route_weight=p)
+    print(f"W4A8 MLP vs ref_expert_mlp (its own h): relative {((y.double() - full).norm() / full.norm()).item():.2e}")
     xn = x.clone(); xn[4, 7] = float("nan")
     yn = run(xn)
     assert yn[4].isnan().all() and torch.equal(yn[torch.arange(yn.shape[0]) != 4], y[torch.arange(y.shape[0]) != 4])
