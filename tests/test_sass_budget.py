@@ -127,3 +127,29 @@ def test_w4a8_kernel_compiles_for_the_thin_launch_path():
     pytest.importorskip("tvm_ffi")
     for epi in (L.Epilogue.BF16_ROW_GS, L.Epilogue.SWIGLU_BF16):
         assert S.compile_sm90(L.CONFIGS[16]._replace(fp8=True, epilogue=epi), tvm_ffi=True) is not None
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("tt", [64, 32])
+def test_four_consumer_warpgroups(tt, fp8):
+    # wgs = 4 (five warpgroups, 640 threads): the producer gives registers back and the consumers take CONSUMER_REGS_4
+    # (setmaxnreg, within the 96 per thread the launch gives); the K loop is the two-warpgroup one, no spills, no hazard
+    cfg = L.GemmConfig(tt, 4, 6 if tt == 64 else 8, L.Epilogue.BF16_ROW_GS, fp8=fp8)
+    assert S.GroupedGemmSm90.can_implement(cfg, 256, 4096, smem_limit=L.HOPPER_SMEM_PER_BLOCK) == (True, "")
+    assert S.PRODUCER_REGS * 128 + S.CONSUMER_REGS_4 * 512 <= 96 * 640
+    ptx = " ".join(S.kernel_artifact(cfg, "ptx").decode().split())
+    assert f"setmaxnreg.dec.sync.aligned.u32 {S.PRODUCER_REGS};" in ptx and f"setmaxnreg.inc.sync.aligned.u32 {S.CONSUMER_REGS_4};" in ptx
+    body = S.mainloop_sass(cfg)
+    ops = S.sass_opcodes(body)
+    assert "LDL" not in ops and "STL" not in ops, ops
+    assert ops.get("QGMMA" if fp8 else "HGMMA") == (4 if fp8 else 8) and S.wgmma_hazards(body) == []
+    two = S.sass_opcodes(S.mainloop_sass(L.CONFIGS[64]._replace(fp8=fp8, epilogue=L.Epilogue.BF16_ROW_GS)))
+    assert abs(sum(ops.values()) - sum(two.values()) - (tt - 64) // 2 * fp8) <= 8, (ops, two)
+
+
+def test_four_warpgroups_limits():
+    ok, why = S.GroupedGemmSm90.can_implement(L.GemmConfig(128, 4, 4, L.Epilogue.BF16_ROW_GS, fp8=True), 8,
+                                              smem_limit=L.HOPPER_SMEM_PER_BLOCK)
+    assert not ok and "tok_tile <= 64" in why
+    ok, why = S.GroupedGemmSm90.can_implement(L.GemmConfig(64, 3, 4), 8, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
+    assert not ok and "1, 2 or 4" in why

@@ -189,3 +189,46 @@ def test_expert_mlp_w4a8_on_the_gpu():
     xn = x.clone(); xn[4, 7] = float("nan")
     yn = run(xn)
     assert yn[4].isnan().all() and torch.equal(yn[torch.arange(yn.shape[0]) != 4], y[torch.arange(y.shape[0]) != 4])
+
+
+@pytest.mark.parametrize("tt", [64, 32])
+def test_four_warpgroups_are_the_same_bits(tt):
+    """wgs = 4 (five warpgroups; the producer's setmaxnreg gives its registers to the consumers) computes every output
+    exactly as the one- or two-warpgroup configuration of the same tok_tile (same K order, same tile sums): the W4A8 loop
+    (BF16_ROW_GS and SWIGLU_BF16) and the bf16 loop, on ragged experts with an empty one; W4A8 also within its bound."""
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
+    g = torch.Generator().manual_seed(40 + tt)
+    E, N, K = 3, 512, 640
+    ex = Q.quantize_experts(torch.randn(E, N, K, generator=g) * torch.logspace(-3, 1, N).view(1, N, 1))
+    w8, c, _ = W.w4a8_weights(ex)
+    tiled, c2 = W.tile_weights_w4a8(ex)
+    w16 = S90.tile_weights_sm90(S90.pad_experts(ex).data, S90.pad_experts(ex).scale).cuda()
+    offs = torch.tensor([max(tt - 3, 1), 0, 2 * tt + 5]).cumsum(0).to(torch.int32)
+    R = int(offs[-1])
+    x = torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R).view(R, 1)
+    a = W.ref_quantize_fp8_act(x)
+    p = torch.rand(R, generator=g) + 0.5
+    four = S90.GemmConfig(tt, 4, 6 if tt == 64 else 8)
+    assert S90K.GroupedGemmSm90.can_implement(four._replace(fp8=True), E, K)[0]
+    assert not S90K.GroupedGemmSm90.can_implement(S90.GemmConfig(128, 4, 4), E, K)[0]
+    outs = {}
+    for cfg in (S90.CONFIGS[tt], four):
+        for epi, fp8 in [(S90.Epilogue.BF16_ROW_GS, True), (S90.Epilogue.SWIGLU_BF16, True), (S90.Epilogue.BF16_ROW_GS, False)]:
+            cf = cfg._replace(fp8=fp8, epilogue=epi)
+            n = N // 2 if epi.swiglu else N
+            out = torch.full((R, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            if fp8:
+                sc = torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale
+                S90K.run_sm90(cf, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), sc.cuda(),
+                              sf_c=W.w4a8_row_scales(c2).cuda())
+            else:
+                S90K.run_sm90(cf, w16, x.to(torch.bfloat16).cuda(), out, offs.cuda(), ex.global_scale.cuda(),
+                              torch.ones(R, 1, device="cuda"))
+            torch.cuda.synchronize()
+            outs[(cfg.wgs, epi, fp8)] = out.cpu()
+    for epi, fp8 in [(S90.Epilogue.BF16_ROW_GS, True), (S90.Epilogue.SWIGLU_BF16, True), (S90.Epilogue.BF16_ROW_GS, False)]:
+        two, got = outs[(S90.CONFIGS[tt].wgs, epi, fp8)], outs[(4, epi, fp8)]
+        assert torch.isfinite(got).all() and torch.equal(got, two), (tt, epi.name, fp8)
+    want = W.ref_grouped_gemm_w4a8(a, w8, c, ex.global_scale, offs)
+    bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c, ex.global_scale, offs))
+    assert_w4a8_close(outs[(4, S90.Epilogue.BF16_ROW_GS, True)].double(), want, bound, f"W4A8 tok_tile {tt} x 4 warpgroups", 2e-3)
