@@ -548,12 +548,12 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
 
         if wg == 0:
             if cutlass.const_expr(self.wgs == 4):
-                cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
                 self.produce(pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT)
         else:
             if cutlass.const_expr(self.wgs == 4):
-                cute.arch.warpgroup_reg_alloc(CONSUMER_REGS_4)
+                cute.arch.setmaxregister_increase(CONSUMER_REGS_4)
             ctid = tidx - WG_THREADS          # thread index among the consumers
             t = ctid % WG_THREADS             # thread index inside its warpgroup
             cw = wg - 1                       # consumer warpgroup: rows [64 cw, 64 cw + 64) of the m tile
