@@ -872,3 +872,16 @@ def test_plan_for_caches_and_verbose_prints_once_per_problem(monkeypatch, capsys
     monkeypatch.setenv("DSV4_VERBOSE", "0")
     GC.plan_for(b, p._replace(rows=779))
     assert "plan for" not in capsys.readouterr().err
+
+
+def test_plans_refuse_four_warpgroups_where_n_does_not_split():
+    "A four-warpgroup configuration takes 256-row units: given for weights whose N (padded to 128) does not split, the plans raise instead of leaving rows unwritten."
+    pytest.importorskip("cutlass")
+    from dsv4_nvfp4.gemm import w4a8 as W
+    four = S90.GemmConfig(64, 4, 6)
+    for b, act in ((S90.Sm90Backend(), "bf16"), (W.Sm90W4A8Backend(), "fp8")):
+        p = GC.Problem(12288, 256, 384, 4096, act, "bf16", True)
+        with pytest.raises(ValueError, match="256-row units: N = 384"):
+            b.plan(p, four)
+        assert b.plan(p._replace(n=512), four).cfg.wgs == 4
+        assert b.plan(p._replace(n=4096 + 128), S90.CONFIGS[64]).cfg.wgs == 2

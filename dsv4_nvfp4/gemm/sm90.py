@@ -24,8 +24,8 @@ __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYT
            'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
            'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'W4A8_CODE_MASK', 'W4A8_DECODE_ROTATIONS',
            'CONFIGS', 'encode_words', 'decode_words', 'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90',
-           'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'Sm90Weights', 'pick_config', 'Sm90Plan',
-           'pad_experts', 'Sm90Backend']
+           'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'Sm90Weights', 'pick_config', 'check_config_n',
+           'Sm90Plan', 'pad_experts', 'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -264,6 +264,11 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
     fit = [c for c in cands if c.tok_tile >= per]
     return min(fit, key=lambda c: c.tok_tile) if fit else max(cands, key=lambda c: c.tok_tile)
 
+def check_config_n(cfg: GemmConfig, n: int) -> None:
+    "A configuration's units must tile the weights' rows: four consumer warpgroups need N (padded to 128) % 256 == 0."
+    if cfg.wgs == 4 and round_up(n, N_PAD) % (WG_ROWS * 4):
+        raise ValueError(f"four consumer warpgroups take 256-row units: N = {n} (padded to {round_up(n, N_PAD)}) is not a multiple of 256")
+
 class Sm90Plan(NamedTuple):
     "A launch of the sm_90a kernel: its compiled configuration (epilogue kind included) and the SMs it leaves free."
     cfg: GemmConfig
@@ -322,6 +327,7 @@ class Sm90Backend(Backend):
     def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
         cfg = pick_config(p.rows, p.experts, p.k) if config is None else config
+        check_config_n(cfg, p.n)
         swiglu = p.epilogue.startswith("swiglu")
         cfg = cfg._replace(epilogue=_KIND[(p.epilogue, p.per_row)], dump=p.dump,
                            **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))

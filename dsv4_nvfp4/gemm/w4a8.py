@@ -14,7 +14,7 @@ from .. import runtime as rt
 from ..formats import E4M3_MAX, check_float, e2m1_decode
 from . import EpilogueArgs, ExpertWeights, Problem
 from .sm90 import (CONFIGS, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, Epilogue, GemmConfig, Sm90Backend,
-                                  Sm90Plan, decode_words, encode_words, pad_experts, pick_config)
+                                  Sm90Plan, check_config_n, decode_words, encode_words, pad_experts, pick_config)
 from .reference import grouped_rows, unscaled
 from ..quant import FP8Activations, NVFP4Experts
 
@@ -334,6 +334,7 @@ class Sm90W4A8Backend(Sm90Backend):
     def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
         cfg = pick_config(p.rows, p.experts, p.k) if config is None else config
+        check_config_n(cfg, p.n)
         swiglu = p.epilogue == "swiglu_bf16"
         cfg = cfg._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]],
                            **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
