@@ -263,10 +263,9 @@ def expert_mlp_nvfp4(x,                              # bf16 (R, H) (W4A16), NVFP
     for w, name in ((w13, "w13"), (w2, "w2")):
         if not isinstance(w, ExpertWeights): raise TypeError(f"{what}: {name} must be ExpertWeights (prepare_weights), got {type(w).__name__}")
     _check_mlp(what, act, x, w13.shape, w2.shape)
-    if act == "w4a16" and a2_scales is not None: raise ValueError(f"{what}: a2_scales is for act='w4a4' (h in NVFP4)")
+    if act != "w4a4" and a2_scales is not None: raise ValueError(f"{what}: a2_scales is for act='w4a4' (h in NVFP4 with a static scale)")
     ws = workspace
     if ws is not None and not isinstance(ws, MLPWorkspace): raise TypeError(f"{what}: workspace must be an MLPWorkspace (mlp_workspace)")
-    if act == "w4a8" and a2_scales is not None: raise ValueError(f"{what}: a2_scales is for act='w4a4'; W4A8 scales h per row")
     if ws is not None and act == "w4a8" and ws.h_fp8 is None: raise ValueError(f"{what}: the workspace is not for act='w4a8' (mlp_workspace(..., act='w4a8'))")
     if act in ("w4a16", "w4a8"):
         h = grouped_gemm_swiglu_nvfp4(x, w13, expert_offsets, swiglu_limit=swiglu_limit, route_weight=route_weight,

@@ -265,9 +265,11 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
     return min(fit, key=lambda c: c.tok_tile) if fit else max(cands, key=lambda c: c.tok_tile)
 
 def check_config_n(cfg: GemmConfig, n: int) -> None:
-    "A configuration's units must tile the weights' rows: four consumer warpgroups need N (padded to 128) % 256 == 0."
-    if cfg.wgs == 4 and round_up(n, N_PAD) % (WG_ROWS * 4):
-        raise ValueError(f"four consumer warpgroups take 256-row units: N = {n} (padded to {round_up(n, N_PAD)}) is not a multiple of 256")
+    """A configuration's units (64 rows per consumer warpgroup) must tile the weights' rows padded to `N_PAD`, or the
+    kernel leaves the last rows unwritten: ValueError otherwise (only four warpgroups can miss: 256-row units)."""
+    unit, np_ = WG_ROWS * cfg.wgs, round_up(n, N_PAD)
+    if np_ % unit:
+        raise ValueError(f"{cfg.wgs} consumer warpgroups take {unit}-row units: N = {n} (padded to {np_}) is not a multiple of {unit}")
 
 class Sm90Plan(NamedTuple):
     "A launch of the sm_90a kernel: its compiled configuration (epilogue kind included) and the SMs it leaves free."
@@ -324,13 +326,16 @@ class Sm90Backend(Backend):
         if p.dump and p.epilogue != "swiglu_nvfp4": return False, "dump is a debug output of the swiglu_nvfp4 epilogue only"
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
         return GroupedGemmSm90.can_implement(CONFIGS[16], p.experts, p.k)
+    def variant(self, cfg: GemmConfig, p: Problem) -> GemmConfig:
+        "The kernel variant of `cfg` for problem `p`: its epilogue kind, dump and SwiGLU limit (a subclass adds its own)."
+        swiglu = p.epilogue.startswith("swiglu")
+        return cfg._replace(epilogue=_KIND[(p.epilogue, p.per_row)], dump=p.dump,
+                            **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
     def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
         cfg = pick_config(p.rows, p.experts, p.k) if config is None else config
         check_config_n(cfg, p.n)
-        swiglu = p.epilogue.startswith("swiglu")
-        cfg = cfg._replace(epilogue=_KIND[(p.epilogue, p.per_row)], dump=p.dump,
-                           **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
+        cfg = self.variant(cfg, p)
         ok, why = GroupedGemmSm90.can_implement(cfg, p.experts, p.k)
         if not ok: raise ValueError(why)
         return Sm90Plan(cfg, p.sms_free)

@@ -13,8 +13,8 @@ import torch
 from .. import runtime as rt
 from ..formats import E4M3_MAX, check_float, e2m1_decode
 from . import EpilogueArgs, ExpertWeights, Problem
-from .sm90 import (CONFIGS, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, Epilogue, GemmConfig, Sm90Backend,
-                                  Sm90Plan, check_config_n, decode_words, encode_words, pad_experts, pick_config)
+from .sm90 import (CONFIGS, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, Epilogue, GemmConfig,
+                                  Sm90Backend, Sm90Plan, decode_words, encode_words, pad_experts)
 from .reference import grouped_rows, unscaled
 from ..quant import FP8Activations, NVFP4Experts
 
@@ -329,18 +329,12 @@ class Sm90W4A8Backend(Sm90Backend):
             return False, f"W13 has {p.n} rows; 2I with I a multiple of 16 (NVFP4 blocks of the L2 input) is needed"
         if p.dump: return False, "dump is a debug output of the swiglu_nvfp4 epilogue only"
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
-        return GroupedGemmSm90.can_implement(CONFIGS[16]._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]]),
-                                             p.experts, p.k)
-    def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
-        from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
-        cfg = pick_config(p.rows, p.experts, p.k) if config is None else config
-        check_config_n(cfg, p.n)
+        return GroupedGemmSm90.can_implement(self.variant(CONFIGS[16], p), p.experts, p.k)
+    def variant(self, cfg: GemmConfig, p: Problem) -> GemmConfig:
+        "The W4A8 variant of `cfg`: the FP8 loop and its epilogue kind (`Sm90Backend.plan` does the rest)."
         swiglu = p.epilogue == "swiglu_bf16"
-        cfg = cfg._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]],
-                           **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
-        ok, why = GroupedGemmSm90.can_implement(cfg, p.experts, p.k)
-        if not ok: raise ValueError(why)
-        return Sm90Plan(cfg, p.sms_free)
+        return cfg._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]],
+                            **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
     def run(self, plan: Sm90Plan, a, w: Sm90W4A8Weights, offsets, out, epi: EpilogueArgs, workspace=None):
         from dsv4_nvfp4.gemm.sm90_kernel import run_sm90
         cfg, free = plan
