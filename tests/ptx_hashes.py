@@ -52,16 +52,18 @@ def build_name(file: str, defines: dict) -> str:
 
 
 def gemm_configs():
-    "Every configuration the library can launch: the pick_config candidates x every epilogue kind (+ dump, no clamp)."
+    "Every configuration the library can launch: the pick_config candidates (and WIDE_CONFIG) x every epilogue kind (+ dump, no clamp), and W4A8's two."
     import math
     from dsv4_nvfp4.gemm import sm90 as L
     out = []
-    for tt, cfg in sorted(L.CONFIGS.items()):
+    for name, cfg in [(f"tt{tt}", c) for tt, c in sorted(L.CONFIGS.items())] + [("tt64x4", L.WIDE_CONFIG)]:
         for epi in L.Epilogue:
             c = cfg._replace(epilogue=epi)
-            out.append((f"tt{tt}_{epi.value}", c))
-            if epi.fp4_out: out.append((f"tt{tt}_{epi.value}_dump", c._replace(dump=True)))
-            if epi.swiglu: out.append((f"tt{tt}_{epi.value}_nolimit", c._replace(swiglu_limit=math.inf)))
+            out.append((f"{name}_{epi.value}", c))
+            if epi.fp4_out: out.append((f"{name}_{epi.value}_dump", c._replace(dump=True)))
+            if epi.swiglu: out.append((f"{name}_{epi.value}_nolimit", c._replace(swiglu_limit=math.inf)))
+        for epi in (L.Epilogue.BF16_ROW_GS, L.Epilogue.SWIGLU_BF16):     # W4A8 (the sm90_w4a8 backend)
+            out.append((f"{name}_w4a8_{epi.value}", cfg._replace(epilogue=epi, fp8=True)))
     return out
 
 

@@ -523,8 +523,26 @@ def test_pick_config():
     assert S90.pick_config(2048, 256).tok_tile == 8         # 8 rows per expert
     assert S90.pick_config(3072, 256).tok_tile == 16        # 12 rows per expert
     assert S90.pick_config(12288, 256).tok_tile == 64       # 48
-    assert S90.pick_config(49152, 256).tok_tile == 128      # 192
+    assert S90.pick_config(49152, 256).tok_tile == 64       # 192: tok_tile 64 up to TT64_MAX_ROWS (measured)
+    assert S90.pick_config(8 * 300, 8).tok_tile == 128      # 300
     assert S90.pick_config(8 * 32, 8).tok_tile == 32
+    # four consumer warpgroups for tok_tile 64 where N (padded to 128) splits into 256-row units, never otherwise
+    assert S90.pick_config(12288, 256, 4096, 4096) == S90.WIDE_CONFIG and S90.WIDE_CONFIG.wgs == 4
+    assert S90.pick_config(49152, 256, 4096, 7168) == S90.WIDE_CONFIG                      # Pro's L2: 7168 = 28 x 256
+    assert S90.pick_config(12288, 256, 4096, 4096 + 64) == S90.CONFIGS[64]                 # padded to 4224
+    assert S90.pick_config(12288, 256, 4096, 384) == S90.CONFIGS[64]
+    assert S90.pick_config(3072, 256, 4096, 4096).wgs == 1 and S90.pick_config(8 * 300, 8, 4096, 4096).wgs == 2
+
+
+def test_plans_refuse_four_warpgroups_where_n_does_not_split():
+    pytest.importorskip("cutlass")
+    from dsv4_nvfp4.gemm import w4a8 as W
+    for b, act in ((S90.Sm90Backend(), "bf16"), (W.Sm90W4A8Backend(), "fp8")):
+        p = GC.Problem(12288, 256, 384, 4096, act, "bf16", True)
+        assert b.plan(p).cfg.wgs == 2
+        with pytest.raises(ValueError, match="256-row units: N = 384"):
+            b.plan(p, S90.WIDE_CONFIG)
+        assert b.plan(p._replace(n=512), S90.WIDE_CONFIG).cfg.wgs == 4
 
 
 def test_smem_fits():
@@ -872,16 +890,3 @@ def test_plan_for_caches_and_verbose_prints_once_per_problem(monkeypatch, capsys
     monkeypatch.setenv("DSV4_VERBOSE", "0")
     GC.plan_for(b, p._replace(rows=779))
     assert "plan for" not in capsys.readouterr().err
-
-
-def test_plans_refuse_four_warpgroups_where_n_does_not_split():
-    "A four-warpgroup configuration takes 256-row units: given for weights whose N (padded to 128) does not split, the plans raise instead of leaving rows unwritten."
-    pytest.importorskip("cutlass")
-    from dsv4_nvfp4.gemm import w4a8 as W
-    four = S90.GemmConfig(64, 4, 6)
-    for b, act in ((S90.Sm90Backend(), "bf16"), (W.Sm90W4A8Backend(), "fp8")):
-        p = GC.Problem(12288, 256, 384, 4096, act, "bf16", True)
-        with pytest.raises(ValueError, match="256-row units: N = 384"):
-            b.plan(p, four)
-        assert b.plan(p._replace(n=512), four).cfg.wgs == 4
-        assert b.plan(p._replace(n=4096 + 128), S90.CONFIGS[64]).cfg.wgs == 2

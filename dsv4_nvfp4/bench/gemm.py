@@ -67,7 +67,7 @@ def _bench_problem(timer, name, E, N, K, T, topk, wo_a=False):
         a2 = torch.randn(R, K, device=dev).to(torch.bfloat16)
         out = torch.empty(R, N, dtype=torch.bfloat16, device=dev)
         ours = lambda: grouped_gemm_nvfp4(a2, pw, offs, out=out)
-    cfg = pick_config(R, E, K)
+    cfg = pick_config(R, E, K, N)
     t_ours, e_ours = timer(ours)
     launch = _launch_cost(timer, ours) if name.startswith("Flash L1") and T in (1, 8, 128) else None
     wb = torch.randn(E, N, K, device=dev).to(torch.bfloat16)
@@ -78,7 +78,7 @@ def _bench_problem(timer, name, E, N, K, T, topk, wo_a=False):
     t_f8 = timer(lambda: torch._scaled_grouped_mm(a8, w8.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16))[0]
     del w8, pw; torch.cuda.empty_cache()
     need = active * Np * Kt * 0.5625 + R * K * 2 + R * N * 2
-    return dict(problem=name, tokens=T, rows=R, active=active, tok_tile=cfg.tok_tile, time_us=t_ours,
+    return dict(problem=name, tokens=T, rows=R, active=active, tok_tile=cfg.tok_tile, wgs=cfg.wgs, time_us=t_ours,
                 bytes=need, flops=2 * R * N * K, bf16_us=t_bf, fp8_us=t_f8, eager_us=e_ours, launch=launch)
 
 GEMM_PROBLEMS = ([("Flash L1 gate+up K=4096 N=4096", 256, 4096, 4096, T, 6, False) for T in (1, 8, 32, 128, 512, 2048, 8192)] +
@@ -180,7 +180,7 @@ def gemm_table(res: dict) -> str:
     "The benchmark as a markdown table."
     head = ceilings_head(res)
     text = table(res["rows"], [("problem", "problem"), ("tokens", "tokens"),
-                               ("rows/active expert", fmt(lambda r: r["rows"] / max(r["active"], 1), ".0f")), ("tile", "tok_tile"),
+                               ("rows/active expert", fmt(lambda r: r["rows"] / max(r["active"], 1), ".0f")), ("tile", fmt(lambda r: f"{r['tok_tile']}" + (f"x{r['wgs']}" if r.get("wgs", 0) == 4 else ""), "")),
                                ("time_us", fmt("time_us")), ("eager us", fmt("eager_us")),
                                ("TB/s", fmt("tbs", ".2f")), ("TFLOP/s", fmt("tflops", ".0f")), ("% of ceiling", fmt("pct", ".0f", "%")),
                                ("bf16 us", fmt("bf16_us")), ("x vs bf16", fmt("x_bf16", ".2f")), ("fp8 us", fmt("fp8_us")),

@@ -23,9 +23,9 @@ from ..quantize_cuda import dequantize_nvfp4_cuda
 __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYTES', 'SLAB_BYTES', 'SLAB_WIDTH', 'SLAB_ROWS',
            'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
            'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'W4A8_CODE_MASK', 'W4A8_DECODE_ROTATIONS',
-           'CONFIGS', 'encode_words', 'decode_words', 'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90',
-           'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem', 'Sm90Weights', 'pick_config', 'check_config_n',
-           'Sm90Plan', 'pad_experts', 'Sm90Backend']
+           'CONFIGS', 'WIDE_CONFIG', 'TT64_MAX_ROWS', 'encode_words', 'decode_words', 'scale_codes',
+           'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem',
+           'Sm90Weights', 'wide_ok', 'pick_config', 'check_config_n', 'Sm90Plan', 'pad_experts', 'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -36,7 +36,7 @@ SLAB_SCALE_BYTES = WG_ROWS * K_TILE // 16  # 512: one scale code per 16-block
 SLAB_BYTES = SLAB_CODE_BYTES + SLAB_SCALE_BYTES  # 4608
 SLAB_WIDTH = 256           # the slab tensor is (rows, 256) bytes: one TMA box of (SLAB_ROWS, 256) is one slab
 SLAB_ROWS = SLAB_BYTES // SLAB_WIDTH       # 18
-N_PAD = 128                # N is padded to the largest m tile (2 warpgroups)
+N_PAD = 128                # N is padded to the two-warpgroup m tile (four run only where N fits their 256: wide_ok)
 DECODE_SCALE = 2.0 ** 7    # the register decode yields e2m1 * s * 2^-7: the epilogue multiplies by 2^7
 MAX_EXPERTS = 1024         # expert_offsets are staged in shared memory (4 KB)
 SMEM_RESERVED = 2048       # mbarriers and alignment slack
@@ -245,9 +245,17 @@ class Sm90Weights(ExpertWeights):
     backend: ClassVar[str] = "sm90"
     w_sm90: torch.Tensor = None          # uint8 (E * Np/64 * Kt/128 * 18, 256)
 
+WIDE_CONFIG = GemmConfig(64, 4, 6)   # tok_tile 64 with four consumer warpgroups (256-row units: N padded to 256)
+TT64_MAX_ROWS = 256                  # rule 4: tok_tile 64, not 128, up to this many rows per expert
+
+def wide_ok(n: int | None) -> bool:
+    "Whether a weight matrix of N rows (padded to `N_PAD`) splits into the four-warpgroup configuration's 256-row units."
+    return n is not None and round_up(n, N_PAD) % (WG_ROWS * WIDE_CONFIG.wgs) == 0
+
 def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_a)
                 num_experts: int,      # E
                 k: int | None = None,  # K, checked by can_implement when given
+                n: int | None = None,  # N (the weight rows): four warpgroups only where `wide_ok(n)`
                ) -> GemmConfig:        # epilogue BF16; the plan sets the kind
     "The kernel configuration for `rows` routed rows over `num_experts` experts, chosen on the host without reading the offsets."
     from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
@@ -262,7 +270,15 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
     # the one-warpgroup configurations: 64-row work units, twice as many as the two-warpgroup ones, which spreads
     # decode batches (few active experts, few rows each) over more SMs.
     fit = [c for c in cands if c.tok_tile >= per]
-    return min(fit, key=lambda c: c.tok_tile) if fit else max(cands, key=lambda c: c.tok_tile)
+    cfg = min(fit, key=lambda c: c.tok_tile) if fit else max(cands, key=lambda c: c.tok_tile)
+    # rule 4 (measured, measured/wgs4_h100.md): at 192 rows per expert tok_tile 64 beat 128 in 7 of 8 GEMMs with two
+    # warpgroups, and in all 8 with four, although each weight tile is decoded three times instead of twice. Past
+    # TT64_MAX_ROWS (not measured) the larger tile stays.
+    if cfg.tok_tile == 128 and per <= TT64_MAX_ROWS and CONFIGS[64] in cands: cfg = CONFIGS[64]
+    # rule 5: tok_tile 64 with four consumer warpgroups where N allows: 1.09-1.29x (bf16 loop) and 1.01-1.26x (W4A8)
+    # the picked configuration at T = 2048 and 8192 on the peer shapes, the same bits
+    if cfg.tok_tile == 64 and wide_ok(n) and GroupedGemmSm90.can_implement(WIDE_CONFIG, num_experts, k)[0]: cfg = WIDE_CONFIG
+    return cfg
 
 def check_config_n(cfg: GemmConfig, n: int) -> None:
     """A configuration's units (64 rows per consumer warpgroup) must tile the weights' rows padded to `N_PAD`, or the
@@ -333,7 +349,7 @@ class Sm90Backend(Backend):
                             **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
     def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
-        cfg = pick_config(p.rows, p.experts, p.k) if config is None else config
+        cfg = pick_config(p.rows, p.experts, p.k, p.n) if config is None else config
         check_config_n(cfg, p.n)
         cfg = self.variant(cfg, p)
         ok, why = GroupedGemmSm90.can_implement(cfg, p.experts, p.k)
