@@ -32,10 +32,13 @@ def test_peer_harness_is_loaded_explicitly(tmp_path):
     with pytest.raises(FileNotFoundError, match="no bench_peer.py"):
         BG.load_peer_harness(tmp_path)
     (tmp_path / "bench_peer.py").write_text("def bench_ours(args, rows): pass\n")
-    with pytest.raises(ImportError, match="bench_marlin, bench_triton"):
+    with pytest.raises(ImportError, match="bench_marlin, bench_triton, Timer"):
         BG.load_peer_harness(tmp_path)
-    (tmp_path / "bench_peer.py").write_text("def bench_ours(a, r): pass\ndef bench_marlin(a, f, r): pass\ndef bench_triton(a, r): pass\n")
-    assert BG.load_peer_harness(tmp_path).__name__ == "dsv4_bench_peer"
+    (tmp_path / "bench_peer.py").write_text("def bench_ours(a, r): pass\ndef bench_marlin(a, f, r): pass\ndef bench_triton(a, r): pass\n"
+                                            "class Timer:\n    def __init__(self, flush=True): self.flush = 'memset' if flush else None\n")
+    m = BG.load_peer_harness(tmp_path)
+    assert m.__name__ == "dsv4_bench_peer"
+    assert m.Timer.__name__ == "CleanTimer" and m.Timer(flush=False).flush is None   # the clean flush replaces the memset
 
 
 def test_benchmark_text_is_rendered_from_the_rows():

@@ -97,6 +97,19 @@ def find_peer_dir(path=None):
         if c and (Path(c) / PEER_HARNESS).is_file(): return Path(c)
     return None
 
+class _CleanFlush:
+    "Stands in for the peers' harness's memset buffer: its `zero_()` is `Timer.evict`, the package's clean L2 flush."
+    def __init__(self): self.timer = Timer(flush_mb=256)
+    def zero_(self): self.timer.evict()
+
+def _clean_flush(base):
+    "The harness's Timer class with the clean flush: every backend is timed after the same L2 state as `Timer` leaves."
+    class CleanTimer(base):
+        def __init__(self, flush=True):
+            super().__init__(False)
+            if flush: self.flush = _CleanFlush()
+    return CleanTimer
+
 def load_peer_harness(peer_dir):    # a folder holding bench_peer.py (find_peer_dir's answer)
     """The staged peers' harness, `bench_peer.py`, as a module. It is a script that is copied next to the peer
     kernels, not a package on the path, so it is loaded from its file, under the name `dsv4_bench_peer`. It must
@@ -108,8 +121,9 @@ def load_peer_harness(peer_dir):    # a folder holding bench_peer.py (find_peer_
     spec = importlib.util.spec_from_file_location("dsv4_bench_peer", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    missing = [f for f in ("bench_ours", "bench_marlin", "bench_triton") if not callable(getattr(mod, f, None))]
+    missing = [f for f in ("bench_ours", "bench_marlin", "bench_triton", "Timer") if not callable(getattr(mod, f, None))]
     if missing: raise ImportError(f"load_peer_harness: {path} does not define {', '.join(missing)}")
+    mod.Timer = _clean_flush(mod.Timer)
     return mod
 
 PEER_BACKENDS = ("ours_nvfp4", "marlin_nvfp4", "triton_mxfp4")
