@@ -13,8 +13,8 @@ import torch
 from ..formats import markdown_text
 
 # %% auto #0
-__all__ = ['gpu_info', 'Timer', 'bench_row', 'copy_rows', 'matmul_tflops', 'ceilings_head', 'ceilings', 'bandwidth_results',
-           'fmt', 'table']
+__all__ = ['gpu_info', 'read_clean', 'Timer', 'bench_row', 'copy_rows', 'matmul_tflops', 'ceilings_head', 'ceilings',
+           'bandwidth_results', 'fmt', 'table']
 
 # %% ../../nbs/02a_bench.ipynb #7a82d279
 def gpu_info() -> dict:
@@ -29,6 +29,12 @@ def gpu_info() -> dict:
     return dict(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
                 driver_cuda=drv, torch=torch.__version__, torch_cuda=torch.version.cuda)
 
+def read_clean(buf: torch.Tensor,   # 1-D int64, never written after it was filled
+               sink: torch.Tensor,  # 0-d int64 on the same device: the only line the read dirties
+              ) -> None:
+    "Read every element of `buf` (its sum into `sink`): the clean L2 flush, a full pass that writes nothing back."
+    torch.sum(buf, 0, out=sink)
+
 class Timer:
     "Median CUDA-event time (us) of a call: eager and replayed from a CUDA graph, L2 flushed clean before each timed call."
     def __init__(self, flush_mb: int = 256):
@@ -38,7 +44,7 @@ class Timer:
     def evict(self):
         """Flush L2 clean: read `flush_mb` of a buffer nothing writes, so L2 then holds only its clean lines. Whatever was
         dirty (the previous call's outputs) is written back here, not inside the next timed call."""
-        torch.sum(self.flush, out=self.sink)
+        read_clean(self.flush, self.sink)
     def _median(self, run, n):
         ts = []
         for _ in range(n):
