@@ -1,0 +1,148 @@
+"""Run under `torchrun --nproc-per-node W` (W >= 2): the soak test of the captured expert-parallel forward (`CapturedEP`).
+Per transport and shared-expert placement (NCCL's kernels or the copy engines, the shared expert whole or split) and
+payload, `--replays` graph replays, each with new tokens and a new given routing (ragged sizes, T = 1, an empty rank,
+full buffers, skewed routing), every output compared bit for bit with the one-GPU layer on the same routing. Before
+every replay the capture's persistent buffers (the send and receive rows, the returned and shared rows, the output)
+are filled with NaN (codes and scales with 0xFF, an E4M3 NaN scale), so a step that reads a buffer before the step
+that writes it is ordered before it shows as a mismatch on any replay, not only on the first call after a warm-up.
+
+It can fail, and shows it: `--broken` captures one more forward with the main stream's wait for the dispatch removed
+(`torch.cuda.Stream.wait_event` made a no-op during that capture: the experts may read the rows before they arrive) and
+requires mismatches there; the run fails if the broken forward stays exact.
+
+Prints one line per variant (replays, mismatching replays and tokens, drops) and `SOAK OK` on rank 0 when every kept
+variant is exact (and the broken one is caught). Arguments: --replays N (10000), --acts w4a16,w4a4, --max-tokens T (256),
+--broken."""
+import argparse
+import contextlib
+import gc
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout, installed or not
+from dsv4_nvfp4 import moe as M
+from dsv4_nvfp4.ep import capture as EPc
+from dsv4_nvfp4.ep import transport as EPt
+from dsv4_nvfp4.ep.capture import CapturedEP, CaptureSchedule
+from dsv4_nvfp4.ep.layer import EPMoE
+
+CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
+POISON = {torch.bfloat16: float("nan"), torch.uint8: 0xFF}
+
+
+@contextlib.contextmanager
+def forced(copy_engines: bool, shared_after: float, broken: bool = False):
+    """Captures made inside take this schedule. `broken`: a stream's wait on an event (the forward's one such wait: the
+    main stream's on the dispatch) does nothing, while `wait_stream` (which torch builds on `wait_event`) still waits."""
+    keep, wait, join = EPc.capture_schedule, torch.cuda.Stream.wait_event, torch.cuda.Stream.wait_stream
+    EPc.capture_schedule = lambda payload, T, W, ok: CaptureSchedule(copy_engines and ok and W > 1, shared_after)
+    if broken:
+        torch.cuda.Stream.wait_stream = lambda self, stream: wait(self, stream.record_event())
+        torch.cuda.Stream.wait_event = lambda self, event=None: None
+    try: yield
+    finally: EPc.capture_schedule, torch.cuda.Stream.wait_event, torch.cuda.Stream.wait_stream = keep, wait, join
+
+
+def poison(c: CapturedEP):
+    "Fill the capture's persistent row buffers with NaN (bf16) or 0xFF (codes, scales): what a replay must overwrite."
+    for name in ("back", "send", "recv", "recv_scale", "send_scale", "out"):
+        t = getattr(c, name, None)
+        if t is not None and t.dtype in POISON: t.fill_(POISON[t.dtype])
+
+
+def case(i: int, W: int, max_tokens: int, dev):
+    "Replay i's tokens per rank and routing, the same on every rank: (Ts, x_all, weights, ids)."
+    g = torch.Generator().manual_seed(1000 + i)
+    kind = i % 5
+    if kind == 0: Ts = [int(v) for v in torch.randint(0, max_tokens + 1, (W,), generator=g)]      # ragged
+    elif kind == 1: Ts = [1] * W                                                                   # T = 1
+    elif kind == 2: Ts = [int(v) for v in torch.randint(1, max_tokens + 1, (W,), generator=g)]; Ts[i % W] = 0   # an empty rank
+    else: Ts = [max_tokens] * W                                                                    # full buffers
+    n = sum(Ts)
+    x = (torch.randn(n, CFG.hidden, generator=g) * 0.5).to(torch.bfloat16)
+    w = torch.rand(n, CFG.top_k, generator=g) + 0.1
+    if kind == 4:                                                                                  # skewed: 4 of 6 on rank 0
+        per = CFG.num_experts // W
+        ids = torch.stack([torch.cat([torch.randperm(per, generator=g)[:4], per + torch.randperm(CFG.num_experts - per, generator=g)[:2]])
+                           for _ in range(n)]) if n else torch.zeros(0, CFG.top_k, dtype=torch.long)
+    else:
+        ids = torch.rand(n, CFG.num_experts, generator=g).topk(CFG.top_k, dim=1).indices
+    return Ts, x.to(dev), w.to(dev), ids.to(device=dev, dtype=torch.int32)
+
+
+def soak(lay, c: CapturedEP, replays: int, W: int, r: int, dev) -> tuple[int, int]:
+    "Replays with new inputs, each compared with the one-GPU layer: (mismatching replays, mismatching tokens) on this rank."
+    bad_replays = bad_tokens = 0
+    for i in range(replays):
+        Ts, x_all, w, ids = case(i, W, c.max_tokens, dev)
+        a, T = sum(Ts[:r]), Ts[r]
+        want = lay.forward_routed(x_all, w, ids)[a:a + T] if x_all.shape[0] else x_all[:0]
+        poison(c)
+        got = c(x_all[a:a + T], w[a:a + T], ids[a:a + T])
+        if not torch.equal(got, want):
+            bad_replays += 1
+            bad_tokens += int((got.view(torch.int16) != want.view(torch.int16)).any(1).sum())
+    return bad_replays, bad_tokens
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replays", type=int, default=10000)
+    ap.add_argument("--acts", default="w4a16,w4a4")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--broken", action="store_true")
+    args = ap.parse_args()
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    if W < 2: raise SystemExit("ep_soak: needs 2 or more ranks (one rank has no all-to-all to race)")
+    CE = EPt.copy_engines_supported()
+    fails, made, lines = [], [], []
+    for act in args.acts.split(","):
+        lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)
+        for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
+            ep = EPMoE(lay, payload=payload).to(dev)
+            variants = [("kernels", (False, 0.0)), ("kernels, shared split", (False, 0.5))]
+            if CE: variants += [("copy engines", (True, 0.0)), ("copy engines, shared split", (True, 0.75))]
+            for name, how in variants:
+                with forced(*how): c = CapturedEP(ep, args.max_tokens, given=True)
+                made.append(c)
+                t0 = time.time()
+                br, bt = soak(lay, c, args.replays, W, r, dev)
+                lines.append(f"{act} {payload} {name}: {args.replays} replays, {br} mismatching ({bt} tokens), "
+                             f"{c.dropped} slots dropped, {time.time() - t0:.0f} s")
+                if br or c.dropped: fails.append(lines[-1])
+            if args.broken:                                     # the dispatch not awaited: must be caught
+                with forced(False, 1.0, broken=True): c = CapturedEP(ep, args.max_tokens, given=True)
+                made.append(c)
+                n = min(args.replays, 200)
+                br, bt = soak(lay, c, n, W, r, dev)
+                caught = torch.tensor([br], device=dev)
+                dist.all_reduce(caught)
+                lines.append(f"{act} {payload} BROKEN wait (kernels, shared after the return): {n} replays, "
+                             f"{int(caught.item())} mismatching over the ranks ({bt} tokens here)")
+                if caught.item() == 0: fails.append("the broken event wait was not caught: " + lines[-1])
+    for ln in lines: print(f"rank {r}: {ln}", flush=True)
+    bad = torch.tensor([len(fails)], device=dev)
+    dist.all_reduce(bad)
+    dist.barrier()
+    if r == 0: print("SOAK OK" if bad.item() == 0 else f"SOAK FAILED ({int(bad.item())} failures over the ranks)", flush=True)
+    for c in made: c.close()
+    del made
+    gc.collect(); torch.cuda.synchronize()
+    done = threading.Event()                          # a teardown that hangs fails the run, at once
+    threading.Thread(target=lambda: done.wait(120) or (print(f"rank {r}: teardown hung", flush=True), os._exit(3)), daemon=True).start()
+    dist.barrier()
+    dist.destroy_process_group()
+    done.set()
+    return 0 if bad.item() == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
