@@ -6,9 +6,13 @@ every replay the capture's persistent buffers (the send and receive rows, the re
 are filled with NaN (codes and scales with 0xFF, an E4M3 NaN scale), so a step that reads a buffer before the step
 that writes it is ordered before it shows as a mismatch on any replay, not only on the first call after a warm-up.
 
-It can fail, and shows it: `--broken` captures one more forward with the main stream's wait for the dispatch removed
-(`torch.cuda.Stream.wait_event` made a no-op during that capture: the experts may read the rows before they arrive) and
-requires mismatches there; the run fails if the broken forward stays exact.
+The replays run in queues of 8 back to back, as a decode loop runs them (the references first; no host sync between the
+replays of a queue). It can fail, and shows it: `--broken` captures one more forward (NCCL's kernels, the shared
+expert after the return, a schedule the unbroken variants soak too) with the main stream's wait for the dispatch
+removed (`torch.cuda.Stream.wait_event` a no-op during that capture: the experts may read the rows before they
+arrive) and requires mismatches there; the run fails if the broken forward stays exact. Mismatches only on the copy
+engines could be a rank poisoning its window while a slower peer still reads it: rerun with a barrier before each
+poison to tell (not done here).
 
 Prints one line per variant (replays, mismatching replays and tokens, drops) and `SOAK OK` on rank 0 when every kept
 variant is exact (and the broken one is caught). Arguments: --replays N (10000), --acts w4a16,w4a4, --max-tokens T (256),
@@ -49,10 +53,14 @@ def forced(copy_engines: bool, shared_after: float, broken: bool = False):
 
 
 def poison(c: CapturedEP):
-    "Fill the capture's persistent row buffers with NaN (bf16) or 0xFF (codes, scales): what a replay must overwrite."
-    for name in ("back", "send", "recv", "recv_scale", "send_scale", "out"):
+    """Fill what a replay must overwrite: the row buffers with NaN (bf16) or 0xFF (codes, scales: an E4M3 NaN scale),
+    the rows' metadata with -1 (expert -1, weight bits NaN). Not the plan's slot indices (-1 would index out of bounds)
+    nor the experts' internal buffers."""
+    for name in ("back", "send", "recv", "recv_scale", "send_scale", "out", "recv_meta", "send_meta", "plan_meta"):
         t = getattr(c, name, None)
-        if t is not None and t.dtype in POISON: t.fill_(POISON[t.dtype])
+        if t is None: continue
+        if t.dtype in POISON: t.fill_(POISON[t.dtype])
+        elif t.dtype == torch.int32: t.fill_(-1)
 
 
 def case(i: int, W: int, max_tokens: int, dev):
@@ -66,27 +74,37 @@ def case(i: int, W: int, max_tokens: int, dev):
     n = sum(Ts)
     x = (torch.randn(n, CFG.hidden, generator=g) * 0.5).to(torch.bfloat16)
     w = torch.rand(n, CFG.top_k, generator=g) + 0.1
-    if kind == 4:                                                                                  # skewed: 4 of 6 on rank 0
+    if kind == 4:                                                                                  # skewed: most on rank 0
         per = CFG.num_experts // W
-        ids = torch.stack([torch.cat([torch.randperm(per, generator=g)[:4], per + torch.randperm(CFG.num_experts - per, generator=g)[:2]])
+        m = min(4, per)
+        ids = torch.stack([torch.cat([torch.randperm(per, generator=g)[:m], per + torch.randperm(CFG.num_experts - per, generator=g)[:CFG.top_k - m]])
                            for _ in range(n)]) if n else torch.zeros(0, CFG.top_k, dtype=torch.long)
     else:
         ids = torch.rand(n, CFG.num_experts, generator=g).topk(CFG.top_k, dim=1).indices
     return Ts, x.to(dev), w.to(dev), ids.to(device=dev, dtype=torch.int32)
 
 
-def soak(lay, c: CapturedEP, replays: int, W: int, r: int, dev) -> tuple[int, int]:
-    "Replays with new inputs, each compared with the one-GPU layer: (mismatching replays, mismatching tokens) on this rank."
+def soak(lay, c: CapturedEP, replays: int, W: int, r: int, dev, queue: int = 8) -> tuple[int, int]:
+    """Replays with new inputs, each compared bit for bit with the one-GPU layer: (mismatching replays, mismatching
+    tokens) on this rank. The references of `queue` replays are computed first; then those replays run back to back
+    (each one's buffers poisoned and its output copied, no host sync between them), as a decode loop runs them."""
     bad_replays = bad_tokens = 0
-    for i in range(replays):
-        Ts, x_all, w, ids = case(i, W, c.max_tokens, dev)
-        a, T = sum(Ts[:r]), Ts[r]
-        want = lay.forward_routed(x_all, w, ids)[a:a + T] if x_all.shape[0] else x_all[:0]
-        poison(c)
-        got = c(x_all[a:a + T], w[a:a + T], ids[a:a + T])
-        if not torch.equal(got, want):
-            bad_replays += 1
-            bad_tokens += int((got.view(torch.int16) != want.view(torch.int16)).any(1).sum())
+    for i0 in range(0, replays, queue):
+        todo = []
+        for i in range(i0, min(i0 + queue, replays)):
+            Ts, x_all, w, ids = case(i, W, c.max_tokens, dev)
+            a, T = sum(Ts[:r]), Ts[r]
+            want = lay.forward_routed(x_all, w, ids)[a:a + T] if x_all.shape[0] else x_all[:0]
+            todo.append((x_all[a:a + T], w[a:a + T], ids[a:a + T], want))
+        got = []
+        for x, w, ids, _ in todo:
+            poison(c)
+            got.append(c(x, w, ids).clone())
+        for g_, (_, _, _, want) in zip(got, todo):
+            diff = (g_.view(torch.int16) != want.view(torch.int16)).any(1)
+            if diff.any():
+                bad_replays += 1
+                bad_tokens += int(diff.sum())
     return bad_replays, bad_tokens
 
 
@@ -101,14 +119,14 @@ def main():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
-    if W < 2: raise SystemExit("ep_soak: needs 2 or more ranks (one rank has no all-to-all to race)")
+    if W < 2 or CFG.num_experts % W: raise SystemExit(f"ep_soak: needs 2 or more ranks dividing {CFG.num_experts} experts, got {W}")
     CE = EPt.copy_engines_supported()
     fails, made, lines = [], [], []
     for act in args.acts.split(","):
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
-            variants = [("kernels", (False, 0.0)), ("kernels, shared split", (False, 0.5))]
+            variants = [("kernels", (False, 0.0)), ("kernels, shared split", (False, 0.5)), ("kernels, shared after", (False, 1.0))]
             if CE: variants += [("copy engines", (True, 0.0)), ("copy engines, shared split", (True, 0.75))]
             for name, how in variants:
                 with forced(*how): c = CapturedEP(ep, args.max_tokens, given=True)
