@@ -1,0 +1,177 @@
+"""GPU script: issue 29's W4A8 peers against ours, in one run, each timed the way `bench moe` / `bench gemm` time ours
+(`bench.core.Timer`: median of CUDA events, L2 flushed clean, graph-replayed where the call captures, else eager).
+
+* layer: FlashInfer's CUTLASS SM90 fused MoE (`flashinfer.fused_moe.cutlass_fused_moe`), MXFP4 weights x bf16
+  activations (`prepare_cutlass_w4a16_weights`, `use_w4_group_scaling`) and MXFP4 x FP8 (the "Humming" path,
+  `prepare_cutlass_humming_weights`, `use_wfp4afp8_humming`), quantized by FlashInfer from the same bf16 weights as our
+  synthetic DSV4-Flash layer, on the same given routing: the 6 routed experts plus the shared one as a seventh slot of
+  weight 1 (expert 256), so both compute the same experts. Ours: `DSV4MoE.forward_routed` (W4A16 and W4A8), which also
+  permutes and combines. Accuracy: cosine of each output against the unquantized layer in float64 (`ref_moe_bf16`) on
+  8 tokens, which also shows that FlashInfer got the [up, gate] row order and the SwiGLU limit the way DSV4 has them.
+* gemm: DeepGEMM's FP8 grouped GEMM (`deep_gemm.m_grouped_fp8_gemm_nt_contiguous`: E4M3 weights with 128x128 fp32
+  scales, E4M3 activations with 1x128 scales, each expert's rows padded to its M alignment, as its contiguous layout
+  asks), the FP8-weight anchor, on Flash L1's shape (E 256, N 4096, K 4096), against our sm90 kernel's W4A16 and W4A8
+  loops on the same rows per expert.
+
+A peer that does not import, build or run is reported with its exception text (`error`), never skipped silently.
+Run with the staged peers on the path (`source .peer2/env.sh`, after tests/stage_peers_w4a8.sh's staging). argv:
+OUT.json [--what layer,gemm] [--tokens 1 8 128 2048 8192]."""
+import argparse
+import json
+import traceback
+
+import torch
+
+from dsv4_nvfp4.bench.core import Timer, gpu_info
+from dsv4_nvfp4 import moe as M
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+def layer_rows(Ts, timer, log=print) -> dict:
+    "FlashInfer's SM90 fused MoE (MXFP4 x bf16, MXFP4 x FP8) against our layer, DSV4-Flash shape, given routing."
+    dev = torch.device("cuda")
+    cfg = M.FLASH
+    E, H, I, k = cfg.num_experts, cfg.hidden, cfg.inter, cfg.top_k
+    out = dict(rows=[], accuracy={}, errors={})
+    ours = {act: M.DSV4MoE.flash(0, act=act, device=dev).to(dev) for act in ("w4a16", "w4a8")}
+    lay = ours["w4a16"]
+    w1, w3, w2 = lay.bf16_weights                                            # (E+1, I, H), (E+1, I, H), (E+1, H, I), CPU
+    fi = {}
+    try:
+        from flashinfer.fused_moe import cutlass_fused_moe
+        from flashinfer.fused_moe.prepare import prepare_cutlass_humming_weights, prepare_cutlass_w4a16_weights
+        w13 = torch.cat([w3, w1], dim=1).to(dev)                             # FlashInfer's canonical [up, gate] rows
+        w2d = w2.to(dev)
+        kw = dict(num_local_experts=E + 1, hidden_size=H, intermediate_size=I, device=dev)
+        for name, prep in (("flashinfer_w4a16", prepare_cutlass_w4a16_weights), ("flashinfer_w4a8", prepare_cutlass_humming_weights)):
+            try: fi[name] = prep(w13, w2d, **kw)
+            except Exception as e: out["errors"][name] = "prepare: " + _err(e); log(f"{name}: {out['errors'][name]}")
+        del w13, w2d; torch.cuda.empty_cache()
+    except Exception as e:
+        out["errors"]["flashinfer"] = "import: " + _err(e); log(out["errors"]["flashinfer"])
+    limit = torch.full((E + 1,), float(cfg.swiglu_limit), device=dev)
+
+    def fi_call(name, x, ids7, w7, y):
+        v = fi[name]
+        if name == "flashinfer_w4a16":
+            qs = [v["fc1_expert_scales"].view(torch.int32), v["fc2_expert_scales"].view(torch.int32)]
+            extra = dict(use_w4_group_scaling=True)
+        else:
+            qs = [v["fc1_expert_scales"].view(torch.int32), v["fc1_residual_scale"], v["fc2_act_global"],
+                  v["fc2_expert_scales"].view(torch.int32), v["fc2_residual_scale"]]
+            extra = dict(use_w4_group_scaling=True, use_wfp4afp8_humming=True)
+        return cutlass_fused_moe(x, ids7, w7, v["fc1_expert_weights"], v["fc2_expert_weights"], torch.bfloat16, qs,
+                                 swiglu_limit=limit, output=y, tune_max_num_tokens=max(Ts), **extra)
+
+    def routing(x):
+        w, ids = lay.route(x)                                                # the layer's own router (fp32, int)
+        T = x.shape[0]
+        ids7 = torch.cat([ids.to(torch.int32), torch.full((T, 1), E, dtype=torch.int32, device=dev)], 1)
+        w7 = torch.cat([w.float(), torch.ones(T, 1, device=dev)], 1)
+        return w.float(), ids.to(torch.int32), w7, ids7
+
+    g = torch.Generator(device=dev).manual_seed(3)
+    xa = (torch.randn(8, H, generator=g, device=dev) * 0.5).to(torch.bfloat16)   # accuracy: 8 tokens
+    want = M.ref_moe_bf16(xa.cpu(), lay)
+    cos = lambda a: torch.nn.functional.cosine_similarity(a.double().cpu().flatten(), want.flatten(), 0).item()
+    w, ids, w7, ids7 = routing(xa)
+    for act, l in ours.items(): out["accuracy"][f"ours_{act}"] = round(cos(l.forward_routed(xa, w, ids)), 5)
+    for name in list(fi):
+        try: out["accuracy"][name] = round(cos(fi_call(name, xa, ids7, w7, torch.empty(8, H, dtype=torch.bfloat16, device=dev))), 5)
+        except Exception as e: out["errors"][name] = "run: " + _err(e); log(f"{name}: {out['errors'][name]}"); fi.pop(name)
+    log(f"accuracy (cosine vs the unquantized layer, 8 tokens): {out['accuracy']}")
+    for T in Ts:
+        x = (torch.randn(T, H, generator=g, device=dev) * 0.5).to(torch.bfloat16)
+        w, ids, w7, ids7 = routing(x)
+        row = dict(T=T)
+        for act, l in ours.items():
+            gr, ea = timer(lambda: l.forward_routed(x, w, ids, check=False))
+            row[f"ours_{act}_us"] = round(gr or ea, 1)
+        for name in fi:
+            y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+            try:
+                gr, ea = timer(lambda: fi_call(name, x, ids7, w7, y))
+                row[f"{name}_us"] = round(gr or ea, 1); row[f"{name}_graph"] = gr is not None
+            except Exception as e: out["errors"].setdefault(name, f"T={T}: " + _err(e))
+        out["rows"].append(row); log(row)
+    return out
+
+
+def gemm_rows(Ts, timer, log=print) -> dict:
+    "DeepGEMM's FP8 grouped GEMM (E4M3 weights) against our W4A16 and W4A8 loops, Flash L1 shape, the same rows per expert."
+    from dsv4_nvfp4.gemm import sm90 as S90, sm90_kernel as K, w4a8 as W
+    from dsv4_nvfp4.quant import NVFP4Experts
+    dev = torch.device("cuda")
+    E, N, Kd = 256, 4096, 4096
+    out = dict(rows=[], errors={})
+    g = torch.Generator(device=dev).manual_seed(0)
+    codes = torch.randint(0, 256, (E, N, Kd // 2), generator=g, device=dev, dtype=torch.uint8)
+    sb = torch.randint(0x28, 0x39, (E, N, Kd // 16), generator=g, device=dev, dtype=torch.uint8)
+    ex = NVFP4Experts(codes, sb.view(torch.float8_e4m3fn), torch.ones(E, device=dev), (E, N, Kd))
+    w16 = S90.tile_weights_sm90(codes, sb.view(torch.float8_e4m3fn))
+    w8t, c = W.tile_weights_w4a8(ex)
+    rs, gs = W.w4a8_row_scales(c), torch.ones(E, device=dev)
+    dg = None
+    try:
+        import deep_gemm
+        from deep_gemm.utils.math import per_block_cast_to_fp8, per_token_cast_to_fp8
+        bw = torch.empty(E, N, Kd, dtype=torch.float8_e4m3fn, device=dev)
+        bs = torch.empty(E, N // 128, Kd // 128, dtype=torch.float32, device=dev)
+        for e in range(E):
+            q, s = per_block_cast_to_fp8((torch.randn(N, Kd, generator=g, device=dev) * 0.02).to(torch.bfloat16), use_ue8m0=False)
+            bw[e], bs[e] = q, s
+        align = deep_gemm.get_theoretical_mk_alignment_for_contiguous_layout()
+        deep_gemm.set_mk_alignment_for_contiguous_layout(align)
+        dg = (deep_gemm, per_token_cast_to_fp8, bw, bs, align)
+    except Exception as e:
+        out["errors"]["deepgemm"] = "build or import: " + _err(e) + "\n" + traceback.format_exc()[-1500:]; log(out["errors"]["deepgemm"])
+    for T in Ts:
+        ids = torch.rand(T, E, generator=torch.Generator().manual_seed(T)).topk(6, dim=1).indices
+        cnt = torch.bincount(ids.flatten(), minlength=E)
+        offs = cnt.cumsum(0).to(torch.int32).to(dev); R = int(cnt.sum())
+        a16 = (torch.randn(R, Kd, generator=g, device=dev) * 0.5).to(torch.bfloat16)
+        a8 = W.ref_quantize_fp8_act(a16.float())
+        o = torch.empty(R, N, dtype=torch.bfloat16, device=dev)
+        cfg = S90.pick_config(R, E, Kd, N)._replace(epilogue=S90.Epilogue.BF16_ROW_GS)
+        row = dict(T=T, rows=R, config=str(tuple(cfg[:3])))
+        row["ours_w4a16_us"] = round(timer(lambda: K.run_sm90(cfg, w16, a16, o, offs, gs, a8.scale))[0], 1)
+        row["ours_w4a8_us"] = round(timer(lambda: K.run_sm90(cfg._replace(fp8=True), w8t, a8.data, o, offs, gs, a8.scale, sf_c=rs))[0], 1)
+        if dg is not None:
+            try:
+                deep_gemm, ptc, bw, bs, align = dg
+                pad = ((cnt + align - 1) // align) * align                   # each expert's rows padded to the alignment
+                Mp = int(pad.sum())
+                m_idx = torch.full((Mp,), -1, dtype=torch.int32)
+                starts = torch.cumsum(pad, 0) - pad
+                for e in range(E): m_idx[int(starts[e]):int(starts[e]) + int(cnt[e])] = e
+                m_idx = m_idx.to(dev)
+                ap = torch.zeros(Mp, Kd, dtype=torch.bfloat16, device=dev); ap[m_idx >= 0] = a16
+                af, asf = ptc(ap, use_ue8m0=False)
+                d = torch.empty(Mp, N, dtype=torch.bfloat16, device=dev)
+                gr, ea = timer(lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((af, asf), (bw, bs), d, m_idx))
+                row.update(deepgemm_fp8_us=round(gr or ea, 1), deepgemm_rows_padded=Mp, deepgemm_graph=gr is not None)
+            except Exception as e: out["errors"].setdefault("deepgemm", f"T={T}: " + _err(e))
+        row["tflops_w4a8"] = round(2 * R * N * Kd / row["ours_w4a8_us"] / 1e6, 1)
+        out["rows"].append(row); log(row)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--what", default="layer,gemm")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 2048, 8192])
+    args = ap.parse_args()
+    timer, res = Timer(), dict(info=gpu_info())
+    for what in args.what.split(","):
+        try: res[what] = (layer_rows if what == "layer" else gemm_rows)(args.tokens, timer)
+        except Exception as e: res[what] = dict(error=_err(e) + "\n" + traceback.format_exc()[-2000:]); print(res[what]["error"], flush=True)
+        json.dump(res, open(args.out, "w"), indent=1, default=str)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
