@@ -413,7 +413,7 @@ def ref_moe_bf16(x: torch.Tensor,       # (T, H)
     "The same layer on its unquantized weights, in float64 (the model before NVFP4): the accuracy cost of the format."
     if layer.bf16_weights is None: raise ValueError("ref_moe_bf16: the layer has no unquantized weights (build it with DSV4MoE.synthetic)")
     c = layer.cfg
-    w1, w3, w2 = (t.double() for t in layer.bf16_weights)
+    w1, w3, w2 = layer.bf16_weights                       # converted one used expert at a time (all of Flash: ~50 GB in float64)
     w, ids = _ref_route(x, layer, input_ids)
     rt, p = route_with_shared(ids, w, c.num_experts, layer.experts, layer.shared)   # the rows and (fp32) weights the kernels get
     xd = x.cpu().double()
@@ -422,8 +422,8 @@ def ref_moe_bf16(x: torch.Tensor,       # (T, H)
     for e, end in enumerate(rt.expert_offsets.tolist()):
         if end > start:
             t = rt.token[start:end]
-            h = ref_swiglu(xd[t] @ w1[e].T, xd[t] @ w3[e].T, c.swiglu_limit) * p[start:end].double()[:, None]
-            y.index_add_(0, t, h @ w2[e].T)
+            h = ref_swiglu(xd[t] @ w1[e].double().T, xd[t] @ w3[e].double().T, c.swiglu_limit) * p[start:end].double()[:, None]
+            y.index_add_(0, t, h @ w2[e].double().T)
         start = end
     return y
 

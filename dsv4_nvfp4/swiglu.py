@@ -12,9 +12,10 @@ import torch
 
 from .gemm import (EpilogueArgs, ExpertWeights, Problem, backend_of, cached_ones, check_activations, check_offsets_operand,
                                   check_operand, check_sms_free, grouped_gemm_nvfp4, out_operand, plan_for)
-from .gemm.reference import (L1_GROUP, check_swiglu_limit, deinterleave_l1, interleave_l1, ref_grouped_gemm_nvfp4,
+from .gemm.reference import (L1_GROUP, grouped_rows, check_swiglu_limit, deinterleave_l1, interleave_l1, ref_grouped_gemm_nvfp4,
                                        ref_swiglu, ref_swiglu_out)
-from .gemm.w4a8 import quantize_fp8_act, ref_grouped_gemm_w4a8, ref_quantize_fp8_act, w4a8_weights
+from .gemm.w4a8 import (quantize_fp8_act, ref_grouped_gemm_w4a8, ref_quantize_fp8_act, w4a8_experts_matrices,
+                                  w4a8_weights)
 from .quant import GS_MIN, FP8Activations, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts
 from .routing import check_offsets
 
@@ -114,7 +115,9 @@ def ref_expert_mlp(x,                              # bf16 (R, H) (W4A16), NVFP4T
     if not isinstance(w13, NVFP4Experts) or not isinstance(w2, NVFP4Experts):
         raise TypeError(f"{what}: w13 and w2 must be NVFP4Experts")
     _check_mlp(what, act, x, w13.shape, w2.shape)
-    gemm = ((lambda a, w: ref_grouped_gemm_w4a8(a, *w4a8_weights(w)[:2], w.global_scale, expert_offsets)) if act == "w4a8"
+    # (W4A8: the E4M3 weights made one expert at a time, only for experts with rows: the same values as
+    # ref_grouped_gemm_w4a8 on w4a8_weights(w), without a float64 copy of every expert)
+    gemm = ((lambda a, w: grouped_rows(a.dequantize(), w4a8_experts_matrices(w), expert_offsets, w.global_scale)) if act == "w4a8"
             else (lambda a, w: ref_grouped_gemm_nvfp4(a, w, expert_offsets)))
     c = gemm(x, w13)                                                         # (R, 2I) float64, interleaved columns
     g, u = deinterleave_l1(c, dim=-1)

@@ -17,8 +17,8 @@ from ..quant import BLOCK, FP8Activations, NVFP4Experts, NVFP4Tensor, ref_quanti
 from ..routing import check_offsets, group_sizes
 
 # %% auto #0
-__all__ = ['L1_GROUP', 'unscaled', 'grouped_rows', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4', 'interleave_l1',
-           'deinterleave_l1', 'check_swiglu_limit', 'ref_swiglu', 'ReferenceWeights', 'ref_swiglu_out',
+__all__ = ['L1_GROUP', 'unscaled', 'PerExpert', 'grouped_rows', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4',
+           'interleave_l1', 'deinterleave_l1', 'check_swiglu_limit', 'ref_swiglu', 'ReferenceWeights', 'ref_swiglu_out',
            'ReferenceBackend']
 
 # %% ../../nbs/04a_grouped_gemm.ipynb #80082d62
@@ -52,20 +52,28 @@ def _f64_to_bf16(x: torch.Tensor) -> torch.Tensor:
     f = torch.where(midpoint & (f.double() < x), up, torch.where(midpoint & (f.double() > x), dn, f))
     return f.to(torch.bfloat16)
 
+class PerExpert:
+    """An (E, N, K) stack of expert matrices made one expert at a time, `fn(e)` -> (N, K), when indexed: the float64
+    references touch only the experts that have rows (a DSV4-Flash layer's 257 experts decoded at once are tens of GB
+    in float64). Indexing gives the same values as decoding the whole stack and slicing it."""
+    def __init__(self, shape, fn): self.shape, self.fn = tuple(shape), fn
+    def __getitem__(self, e: int) -> torch.Tensor: return self.fn(e)
+
 def grouped_rows(x: torch.Tensor,               # (R, K) rows, expert-major
-                 w: torch.Tensor,               # (E, N, K) one matrix per expert
+                 w,                             # (E, N, K): a tensor, or a `PerExpert` stack
                  expert_offsets: torch.Tensor,  # int32 (E,) cumulative end offsets (checked: a host read)
                  scale: torch.Tensor | None = None,  # (E,): each expert's product times scale[e]
                 ) -> torch.Tensor:              # float64 (R, N) on the CPU
-    "The grouped product in float64: rows `[offsets[e-1], offsets[e])` of x times `w[e]^T` (times `scale[e]`)."
+    """The grouped product in float64: rows `[offsets[e-1], offsets[e])` of x times `w[e]^T` (times `scale[e]`); each
+    expert's matrix is read (and converted) only if it has rows."""
     R, E, N = x.shape[0], w.shape[0], w.shape[1]
     check_offsets(expert_offsets, R, E)
-    x, w = x.double().cpu(), w.double().cpu()
+    x = x.double().cpu()
     sc = None if scale is None else scale.double().cpu()
     c = torch.zeros(R, N, dtype=torch.float64)
     start = 0
     for e, end in enumerate(expert_offsets.cpu().long().tolist()):
-        if end > start: c[start:end] = (x[start:end] @ w[e].T) * (1.0 if sc is None else sc[e])
+        if end > start: c[start:end] = (x[start:end] @ w[e].double().cpu().T) * (1.0 if sc is None else sc[e])
         start = end
     return c
 
@@ -86,7 +94,8 @@ def ref_grouped_gemm_nvfp4(a,                             # NVFP4Tensor (R, K) (
     E, N, K = w.shape
     if au.shape[1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {au.shape[1]}, weights K = {K}")
     R = au.shape[0]
-    c = grouped_rows(au, unscaled(w, K), expert_offsets, w.global_scale)
+    one = lambda e: unscaled(NVFP4Experts(w.data[e:e + 1], w.scale[e:e + 1], w.global_scale[e:e + 1], (1, N, K)), K)[0]
+    c = grouped_rows(au, PerExpert((E, N, K), one), expert_offsets, w.global_scale)
     c = c * (gs_a[:, None] if gs_a.dim() else gs_a)
     return c if out_dtype == torch.float64 else _f64_to_bf16(c)
 
