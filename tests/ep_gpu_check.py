@@ -25,13 +25,35 @@ MAX_T = 320                                     # the captured forwards' tokens 
 
 
 @contextlib.contextmanager
-def forced(copy_engines: bool, shared_after: float, plan_keys: int | None = None):
-    "Captures made inside run this schedule (and, with `plan_keys`, the torch send plan where W > plan_keys)."
+def forced(copy_engines: bool, shared_after: float, plan_keys: int | None = None, broken: bool = False):
+    """Captures made inside run this schedule (and, with `plan_keys`, the torch send plan where W > plan_keys). `broken`
+    (tests/ep_soak.py's self-check): a stream's wait on an event (the forward's one such wait: the main stream's on the
+    dispatch) does nothing, while `wait_stream` (which torch builds on `wait_event`) still waits."""
     keep, keys = EPc.capture_schedule, EPc.EP_PLAN_MAX_KEYS
+    wait, join = torch.cuda.Stream.wait_event, torch.cuda.Stream.wait_stream
     EPc.capture_schedule = lambda payload, T, W, ok: CaptureSchedule(copy_engines and ok and W > 1, shared_after)
     if plan_keys is not None: EPc.EP_PLAN_MAX_KEYS = plan_keys
+    if broken:
+        torch.cuda.Stream.wait_stream = lambda self, stream: wait(self, stream.record_event())
+        torch.cuda.Stream.wait_event = lambda self, event=None: None
     try: yield
-    finally: EPc.capture_schedule, EPc.EP_PLAN_MAX_KEYS = keep, keys
+    finally:
+        EPc.capture_schedule, EPc.EP_PLAN_MAX_KEYS = keep, keys
+        torch.cuda.Stream.wait_event, torch.cuda.Stream.wait_stream = wait, join
+
+
+def teardown(made: list, r: int):
+    """Close every capture, then destroy the process group: the graphs and the registered windows go before the
+    communicators they use (a teardown with graphs alive hung); a teardown that hangs exits the process at once."""
+    for c in made: c.close()
+    made.clear()
+    gc.collect(); torch.cuda.synchronize()
+    done = threading.Event()
+    threading.Thread(target=lambda: done.wait(120) or (print(f"rank {r}: FAIL teardown (destroy_process_group) hung", flush=True),
+                                                        os._exit(3)), daemon=True).start()
+    dist.barrier()
+    dist.destroy_process_group()
+    done.set()
 
 
 def main(acts=("w4a16", "w4a4")):
@@ -166,16 +188,7 @@ def main(acts=("w4a16", "w4a4")):
     if fails: print(f"rank {r}: FAIL " + "; ".join(fails), flush=True)
     dist.barrier()
     if r == 0: print("ALL OK" if bad.item() == 0 else f"{int(bad.item())} failures", flush=True)
-    # the graphs and the registered windows go before the communicators they use (a teardown with graphs alive hung)
-    for c in made: c.close()
-    del made
-    gc.collect(); torch.cuda.synchronize()
-    done = threading.Event()                                            # a teardown that hangs fails the check, at once
-    threading.Thread(target=lambda: done.wait(120) or (print(f"rank {r}: FAIL teardown (destroy_process_group) hung", flush=True),
-                                                        os._exit(3)), daemon=True).start()
-    dist.barrier()
-    dist.destroy_process_group()
-    done.set()
+    teardown(made, r)
     return 0 if bad.item() == 0 else 1
 
 

@@ -18,11 +18,8 @@ Prints one line per variant (replays, mismatching replays and tokens, drops) and
 variant is exact (and the broken one is caught). Arguments: --replays N (10000), --acts w4a16,w4a4, --max-tokens T (256),
 --broken."""
 import argparse
-import contextlib
-import gc
 import os
 import sys
-import threading
 import time
 
 import torch
@@ -30,26 +27,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout, installed or not
 from dsv4_nvfp4 import moe as M
-from dsv4_nvfp4.ep import capture as EPc
 from dsv4_nvfp4.ep import transport as EPt
-from dsv4_nvfp4.ep.capture import CapturedEP, CaptureSchedule
+from dsv4_nvfp4.ep.capture import CapturedEP
 from dsv4_nvfp4.ep.layer import EPMoE
+from ep_gpu_check import forced, teardown                                          # (tests/, this script's folder)
 
 CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
 POISON = {torch.bfloat16: float("nan"), torch.uint8: 0xFF}
-
-
-@contextlib.contextmanager
-def forced(copy_engines: bool, shared_after: float, broken: bool = False):
-    """Captures made inside take this schedule. `broken`: a stream's wait on an event (the forward's one such wait: the
-    main stream's on the dispatch) does nothing, while `wait_stream` (which torch builds on `wait_event`) still waits."""
-    keep, wait, join = EPc.capture_schedule, torch.cuda.Stream.wait_event, torch.cuda.Stream.wait_stream
-    EPc.capture_schedule = lambda payload, T, W, ok: CaptureSchedule(copy_engines and ok and W > 1, shared_after)
-    if broken:
-        torch.cuda.Stream.wait_stream = lambda self, stream: wait(self, stream.record_event())
-        torch.cuda.Stream.wait_event = lambda self, event=None: None
-    try: yield
-    finally: EPc.capture_schedule, torch.cuda.Stream.wait_event, torch.cuda.Stream.wait_stream = keep, wait, join
 
 
 def poison(c: CapturedEP):
@@ -151,14 +135,7 @@ def main():
     dist.all_reduce(bad)
     dist.barrier()
     if r == 0: print("SOAK OK" if bad.item() == 0 else f"SOAK FAILED ({int(bad.item())} failures over the ranks)", flush=True)
-    for c in made: c.close()
-    del made
-    gc.collect(); torch.cuda.synchronize()
-    done = threading.Event()                          # a teardown that hangs fails the run, at once
-    threading.Thread(target=lambda: done.wait(120) or (print(f"rank {r}: teardown hung", flush=True), os._exit(3)), daemon=True).start()
-    dist.barrier()
-    dist.destroy_process_group()
-    done.set()
+    teardown(made, r)
     return 0 if bad.item() == 0 else 1
 
 

@@ -137,8 +137,9 @@ def _graphed(base):
     return GraphTimer
 
 def _bench_triton_graphed(bp, args, rows):
-    """triton_kernels through the harness, graph-replayed where it captures: its eager launch path costs 0.3-0.8 ms of
-    host time per call, which the eager timing cannot hide at decode sizes. Graph rows are named `(graph)`."""
+    """triton_kernels through the harness, graph-replayed where it captures (its eager launch path is host-bound at
+    decode sizes, 04d's measurements), else eager; appends its rows to `rows`, graph-replayed ones named `(graph)`.
+    The harness's own Timer is restored, also after a failure."""
     eager = bp.Timer
     bp.Timer = timer = _graphed(eager)
     got = []

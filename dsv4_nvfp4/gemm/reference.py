@@ -17,9 +17,9 @@ from ..quant import BLOCK, FP8Activations, NVFP4Experts, NVFP4Tensor, ref_quanti
 from ..routing import check_offsets, group_sizes
 
 # %% auto #0
-__all__ = ['L1_GROUP', 'unscaled', 'PerExpert', 'grouped_rows', 'ref_grouped_gemm_nvfp4', 'wo_a_view', 'ref_wo_a_nvfp4',
-           'interleave_l1', 'deinterleave_l1', 'check_swiglu_limit', 'ref_swiglu', 'ReferenceWeights', 'ref_swiglu_out',
-           'ReferenceBackend']
+__all__ = ['L1_GROUP', 'unscaled', 'PerExpert', 'one_expert', 'grouped_rows', 'ref_grouped_gemm_nvfp4', 'wo_a_view',
+           'ref_wo_a_nvfp4', 'interleave_l1', 'deinterleave_l1', 'check_swiglu_limit', 'ref_swiglu', 'ReferenceWeights',
+           'ref_swiglu_out', 'ReferenceBackend']
 
 # %% ../../nbs/04a_grouped_gemm.ipynb #80082d62
 def unscaled(t,       # NVFP4Tensor (..., K) or NVFP4Experts (E, N, K)
@@ -59,6 +59,10 @@ class PerExpert:
     def __init__(self, shape, fn): self.shape, self.fn = tuple(shape), fn
     def __getitem__(self, e: int) -> torch.Tensor: return self.fn(e)
 
+def one_expert(w: NVFP4Experts, e: int) -> NVFP4Experts:
+    "Expert `e` of a stack as a stack of one (1, N, K): views, no copy."
+    return NVFP4Experts(w.data[e:e + 1], w.scale[e:e + 1], w.global_scale[e:e + 1], (1, *w.shape[1:]))
+
 def grouped_rows(x: torch.Tensor,               # (R, K) rows, expert-major
                  w,                             # (E, N, K): a tensor, or a `PerExpert` stack
                  expert_offsets: torch.Tensor,  # int32 (E,) cumulative end offsets (checked: a host read)
@@ -94,8 +98,7 @@ def ref_grouped_gemm_nvfp4(a,                             # NVFP4Tensor (R, K) (
     E, N, K = w.shape
     if au.shape[1] != K: raise ValueError(f"{what}: K mismatch: activations have K = {au.shape[1]}, weights K = {K}")
     R = au.shape[0]
-    one = lambda e: unscaled(NVFP4Experts(w.data[e:e + 1], w.scale[e:e + 1], w.global_scale[e:e + 1], (1, N, K)), K)[0]
-    c = grouped_rows(au, PerExpert((E, N, K), one), expert_offsets, w.global_scale)
+    c = grouped_rows(au, PerExpert((E, N, K), lambda e: unscaled(one_expert(w, e), K)[0]), expert_offsets, w.global_scale)
     c = c * (gs_a[:, None] if gs_a.dim() else gs_a)
     return c if out_dtype == torch.float64 else _f64_to_bf16(c)
 

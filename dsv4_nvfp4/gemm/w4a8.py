@@ -15,7 +15,7 @@ from ..formats import E4M3_MAX, check_float, e2m1_decode
 from . import EpilogueArgs, ExpertWeights, Problem
 from .sm90 import (CONFIGS, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, Epilogue, GemmConfig,
                                   Sm90Backend, Sm90Plan, decode_words, encode_words, pad_experts)
-from .reference import PerExpert, grouped_rows, unscaled
+from .reference import PerExpert, grouped_rows, one_expert, unscaled
 from ..quant import FP8Activations, NVFP4Experts
 
 FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_act (one scale per row)
@@ -253,17 +253,19 @@ def ref_grouped_gemm_w4a8(a: FP8Activations,           # (R, K) FP8 rows, expert
     """The W4A8 grouped GEMM in float64: for the rows r of expert e, `out[r, n] = gs_w[e] * sum_k (w8[e, n, k]
     2^c[e, n]) (a.data[r, k] a.scale)`: the exact value the kernel's fp32 accumulation approximates (the row power of
     two and the activation scales are exact in float64; gs_w is applied after the sum, as the epilogue does)."""
-    w = PerExpert(w8.shape, lambda e: w8[e].double() * torch.exp2(c[e].double())[:, None])
-    return grouped_rows(a.dequantize(), w, expert_offsets, gs_w)
+    return grouped_rows(a.dequantize(), PerExpert(w8.shape, lambda e: _w4a8_matrix(w8[e], c[e])), expert_offsets, gs_w)
+
+def _w4a8_matrix(w8: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    "float64 `w8 2^c` of one expert (N, K), (N,): the weight matrix the W4A8 reference multiplies (gs_w left out)."
+    return w8.double() * torch.exp2(c.double())[:, None]
 
 def w4a8_experts_matrices(experts: NVFP4Experts) -> PerExpert:
     """The float64 matrices `w8 2^c` of `w4a8_weights(experts)` (what `ref_grouped_gemm_w4a8` multiplies), made one
     expert at a time when indexed: the same values, for references that touch only the experts with rows."""
-    E, N, K = experts.shape
     def one(e):
-        w8, c, _ = w4a8_weights(NVFP4Experts(experts.data[e:e + 1], experts.scale[e:e + 1], experts.global_scale[e:e + 1], (1, N, K)))
-        return w8[0].double() * torch.exp2(c[0].double())[:, None]
-    return PerExpert((E, N, K), one)
+        w8, c, _ = w4a8_weights(one_expert(experts, e))
+        return _w4a8_matrix(w8[0], c[0])
+    return PerExpert(experts.shape, one)
 
 # %% ../../nbs/04e_w4a8.ipynb #e58147a3
 W4A8_ACC_BITS = 12        # the fraction bits the W4A8 tolerance grants the FP8 tensor core's tile sum (the GPU keeps 14-16)
