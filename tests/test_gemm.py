@@ -885,7 +885,7 @@ def test_plan_for_caches_and_verbose_prints_once_per_problem(monkeypatch, capsys
     b = GC.get_backend("sm90")
     p = GC.Problem(777, 256, 4096, 4096)
     first = GC.plan_for(b, p)
-    assert isinstance(first, S90.Sm90Plan) and first.cfg == S90.pick_config(777, 256, 4096)
+    assert isinstance(first, S90.Sm90Plan) and first.cfg == S90.pick_config(777, 256, p.k, p.n)
     assert b.plan(p) is not first                                        # the backend makes a new plan each time ...
     for _ in range(3): assert GC.plan_for(b, GC.Problem(*p)) is first    # ... plan_for hands back the cached one
     second = GC.plan_for(b, p._replace(rows=778))
