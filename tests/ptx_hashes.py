@@ -52,11 +52,11 @@ def build_name(file: str, defines: dict) -> str:
 
 
 def gemm_configs():
-    "Every configuration the library can launch: the pick_config candidates (and WIDE_CONFIG) x every epilogue kind (+ dump, no clamp), and W4A8's two."
+    "Every configuration the library can launch: the pick_config candidates (and WIDE_CONFIG, DECODE_WIDE) x every epilogue kind (+ dump, no clamp), and W4A8's two."
     import math
     from dsv4_nvfp4.gemm import sm90 as L
     out = []
-    for name, cfg in [(f"tt{tt}", c) for tt, c in sorted(L.CONFIGS.items())] + [("tt64x4", L.WIDE_CONFIG)]:
+    for name, cfg in [(f"tt{tt}", c) for tt, c in sorted(L.CONFIGS.items())] + [("tt64x4", L.WIDE_CONFIG)] + [(f"tt{tt}x4", c) for tt, c in sorted(L.DECODE_WIDE.items())]:
         for epi in L.Epilogue:
             c = cfg._replace(epilogue=epi)
             out.append((f"{name}_{epi.value}", c))

@@ -520,8 +520,12 @@ def test_pick_config():
     pytest.importorskip("cutlass")                           # the candidates are what the kernel can run
     assert S90.pick_config(6, 256).tok_tile == 8            # 1 token top-6: 1 row per active expert
     assert S90.pick_config(192, 256).tok_tile == 8          # 192 rows over 192 experts at most
-    assert S90.pick_config(2048, 256).tok_tile == 8         # 8 rows per expert
-    assert S90.pick_config(3072, 256).tok_tile == 16        # 12 rows per expert
+    assert S90.pick_config(1280, 256).tok_tile == 8         # 5 rows per expert: 1.5 x 5 = 7 fits 8
+    assert S90.pick_config(2048, 256).tok_tile == 16        # 8 rows per expert: the tile holds 1.5x the mean (12)
+    assert S90.pick_config(3072, 256).tok_tile == 32        # 12 rows per expert: 18
+    assert S90.pick_config(8 * 21, 8).tok_tile == 32        # 21: 31
+    assert S90.pick_config(8 * 22, 8).tok_tile == 32        # 22: 33 is past 32, the mean itself is asked: 32
+    assert S90.pick_config(8 * 33, 8).tok_tile == 64
     assert S90.pick_config(12288, 256).tok_tile == 64       # 48
     assert S90.pick_config(49152, 256).tok_tile == 64       # 192: tok_tile 64 up to TT64_MAX_ROWS (measured)
     assert S90.pick_config(8 * 300, 8).tok_tile == 128      # 300
@@ -531,7 +535,17 @@ def test_pick_config():
     assert S90.pick_config(49152, 256, 4096, 7168) == S90.WIDE_CONFIG                      # Pro's L2: 7168 = 28 x 256
     assert S90.pick_config(12288, 256, 4096, 4096 + 64) == S90.CONFIGS[64]                 # padded to 4224
     assert S90.pick_config(12288, 256, 4096, 384) == S90.CONFIGS[64]
-    assert S90.pick_config(3072, 256, 4096, 4096).wgs == 1 and S90.pick_config(8 * 300, 8, 4096, 4096).wgs == 2
+    assert S90.pick_config(8 * 300, 8, 4096, 4096).wgs == 2
+    # the decode tiles take four warpgroups once the 256-row units fill the SMs WIDE_MIN_WAVES times over: N = 4096
+    # is 16 units per expert, so 33 experts (33 rows) are 528 = 4 x 132 units and 32 are not
+    sms = S90.device_smem()[2]
+    assert S90.pick_config(6, 256, 4096, 4096) == S90.CONFIGS[8]                           # T = 1: 96 units
+    need = -(-S90.WIDE_MIN_WAVES * sms // 16)
+    assert S90.pick_config(need, 256, 4096, 4096) == S90.DECODE_WIDE[8]
+    assert S90.pick_config(need - 1, 256, 4096, 4096) == S90.CONFIGS[8]
+    assert S90.pick_config(need, 256, 4096, 4096 + 64) == S90.CONFIGS[8]                   # 4224: no 256-row units
+    assert S90.pick_config(3072, 256, 4096, 4096) == S90.DECODE_WIDE[32]
+    assert all(c.wgs == 4 and c.stages == 6 for c in S90.DECODE_WIDE.values())
 
 
 def test_plans_refuse_four_warpgroups_where_n_does_not_split():
@@ -871,7 +885,7 @@ def test_plan_for_caches_and_verbose_prints_once_per_problem(monkeypatch, capsys
     b = GC.get_backend("sm90")
     p = GC.Problem(777, 256, 4096, 4096)
     first = GC.plan_for(b, p)
-    assert isinstance(first, S90.Sm90Plan) and first.cfg == S90.pick_config(777, 256, 4096)
+    assert isinstance(first, S90.Sm90Plan) and first.cfg == S90.pick_config(777, 256, p.k, p.n)
     assert b.plan(p) is not first                                        # the backend makes a new plan each time ...
     for _ in range(3): assert GC.plan_for(b, GC.Problem(*p)) is first    # ... plan_for hands back the cached one
     second = GC.plan_for(b, p._replace(rows=778))

@@ -61,9 +61,14 @@ def rows_gs(gs_e, offs):
     return gs_e.repeat_interleave(group_sizes(offs))
 
 
-@pytest.mark.parametrize("tok_tile", sorted(S90.CONFIGS))
+_L1_CONFIGS = [S90.CONFIGS[t] for t in sorted(S90.CONFIGS)] + [S90.WIDE_CONFIG, *S90.DECODE_WIDE.values()]
+
+
+@pytest.mark.parametrize("cfg", _L1_CONFIGS, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _L1_CONFIGS])
 @pytest.mark.parametrize("w4a4", [False, True])
-def test_l1_nvfp4_out_is_the_reference_quantizer_bit_for_bit(tok_tile, w4a4):
+def test_l1_nvfp4_out_is_the_reference_quantizer_bit_for_bit(cfg, w4a4):
+    "Every configuration a plan can pick, four consumer warpgroups included (their h exchange of block maxima is per warpgroup)."
+    tok_tile = cfg.tok_tile
     E, H, I, T = 8, 2048, 1024, 40
     w13, w2, w13p, _ = layer(E, H, I, seed=1)
     rt = routed(T, E, 3, seed=tok_tile)
@@ -73,7 +78,7 @@ def test_l1_nvfp4_out_is_the_reference_quantizer_bit_for_bit(tok_tile, w4a4):
     dump = torch.full((R, I), float("nan"), device=DEV)
     h = S.grouped_gemm_swiglu_nvfp4(to_dev(x), w13p, rt.expert_offsets.to(DEV), route_weight=p.to(DEV), out_dtype="nvfp4",
                                     out_scale=gs_e.to(DEV), dump=dump,
-                                    config=S90.CONFIGS[tok_tile], check=True)
+                                    config=cfg, check=True)
     hf = dump.cpu()
     assert torch.isfinite(hf).all(), "every row of h was dumped"
     want = ref_quantize_nvfp4(hf, rows_gs(gs_e, rt.expert_offsets))

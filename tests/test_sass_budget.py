@@ -43,12 +43,16 @@ def test_kernel_artifact():
         S.kernel_artifact(L.CONFIGS[16], "sass")
 
 
+_PICKED = [L.CONFIGS[t] for t in sorted(L.CONFIGS)] + [L.WIDE_CONFIG, *L.DECODE_WIDE.values()]
+
+
 @pytest.mark.parametrize("epi", ["BF16", "SWIGLU_NVFP4"])
-@pytest.mark.parametrize("tt", sorted(L.CONFIGS))
-def test_no_register_of_an_hgmma_in_flight_is_touched(tt, epi):
+@pytest.mark.parametrize("cfg", _PICKED, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _PICKED])
+def test_no_register_of_an_hgmma_in_flight_is_touched(cfg, epi):
     # the deleted overlapped loop failed this in every one-warpgroup configuration (56-86 such instructions per trip
-    # pair), with wrong sums where the timing exposed it; the plain loop waits for all 8 HGMMAs inside the tile
-    body = S.mainloop_sass(L.CONFIGS[tt]._replace(epilogue=getattr(L.Epilogue, epi)))
+    # pair), with wrong sums where the timing exposed it; the plain loop waits for all 8 HGMMAs inside the tile. Every
+    # configuration a plan can pick, four consumer warpgroups included
+    body = S.mainloop_sass(cfg._replace(epilogue=getattr(L.Epilogue, epi)))
     assert S.wgmma_hazards(body) == []
 
 
@@ -130,11 +134,12 @@ def test_w4a8_kernel_compiles_for_the_thin_launch_path():
 
 
 @pytest.mark.parametrize("fp8", [True, False])
-@pytest.mark.parametrize("tt", [64, 32])
+@pytest.mark.parametrize("tt", [64, 32, 16, 8])
 def test_four_consumer_warpgroups(tt, fp8):
     # wgs = 4 (five warpgroups, 640 threads): the producer gives registers back and the consumers take CONSUMER_REGS_4
-    # (setmaxnreg, within the 96 per thread the launch gives); the K loop is the two-warpgroup one, no spills, no hazard
-    cfg = L.GemmConfig(tt, 4, 6 if tt == 64 else 8, L.Epilogue.BF16_ROW_GS, fp8=fp8)
+    # (setmaxnreg, within the 96 per thread the launch gives); the K loop is the two-warpgroup one, no spills, no hazard;
+    # the configurations the plan picks: WIDE_CONFIG and DECODE_WIDE
+    cfg = (L.WIDE_CONFIG if tt == 64 else L.DECODE_WIDE[tt])._replace(epilogue=L.Epilogue.BF16_ROW_GS, fp8=fp8)
     assert S.GroupedGemmSm90.can_implement(cfg, 256, 4096, smem_limit=L.HOPPER_SMEM_PER_BLOCK) == (True, "")
     assert S.PRODUCER_REGS * 128 + S.CONSUMER_REGS_4 * 512 <= 96 * 640
     ptx = " ".join(S.kernel_artifact(cfg, "ptx").decode().split())

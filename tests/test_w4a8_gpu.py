@@ -191,7 +191,7 @@ def test_expert_mlp_w4a8_on_the_gpu():
     assert yn[4].isnan().all() and torch.equal(yn[torch.arange(yn.shape[0]) != 4], y[torch.arange(y.shape[0]) != 4])
 
 
-@pytest.mark.parametrize("tt", [64, 32])
+@pytest.mark.parametrize("tt", [64, 32, 16, 8])
 def test_four_warpgroups_are_the_same_bits(tt):
     """wgs = 4 (five warpgroups; the producer's setmaxnreg gives its registers to the consumers) computes every output
     exactly as the one- or two-warpgroup configuration of the same tok_tile (same K order, same tile sums): the W4A8 loop
@@ -208,7 +208,7 @@ def test_four_warpgroups_are_the_same_bits(tt):
     x = torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R).view(R, 1)
     a = W.ref_quantize_fp8_act(x)
     p = torch.rand(R, generator=g) + 0.5
-    four = S90.GemmConfig(tt, 4, 6 if tt == 64 else 8)
+    four = S90.WIDE_CONFIG if tt == 64 else S90.DECODE_WIDE[tt]        # the configurations the plan picks
     assert S90K.GroupedGemmSm90.can_implement(four._replace(fp8=True, epilogue=S90.Epilogue.BF16_ROW_GS), E, K)[0]
     assert not S90K.GroupedGemmSm90.can_implement(S90.GemmConfig(128, 4, 4), E, K)[0]
     outs = {}

@@ -23,9 +23,10 @@ from ..quantize_cuda import dequantize_nvfp4_cuda
 __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYTES', 'SLAB_BYTES', 'SLAB_WIDTH', 'SLAB_ROWS',
            'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
            'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'W4A8_CODE_MASK', 'W4A8_DECODE_ROTATIONS',
-           'CONFIGS', 'WIDE_CONFIG', 'TT64_MAX_ROWS', 'encode_words', 'decode_words', 'scale_codes',
-           'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem',
-           'Sm90Weights', 'wide_ok', 'pick_config', 'check_config_n', 'Sm90Plan', 'pad_experts', 'Sm90Backend']
+           'CONFIGS', 'WIDE_CONFIG', 'TT64_MAX_ROWS', 'DECODE_WIDE', 'WIDE_MIN_WAVES', 'encode_words', 'decode_words',
+           'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes',
+           'device_smem', 'Sm90Weights', 'wide_ok', 'pick_config', 'check_config_n', 'Sm90Plan', 'pad_experts',
+           'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -247,6 +248,8 @@ class Sm90Weights(ExpertWeights):
 
 WIDE_CONFIG = GemmConfig(64, 4, 6)   # tok_tile 64 with four consumer warpgroups (256-row units: N padded to 256)
 TT64_MAX_ROWS = 256                  # rule 4: tok_tile 64, not 128, up to this many rows per expert
+DECODE_WIDE = {tt: GemmConfig(tt, 4, 6) for tt in (8, 16, 32)}   # rule 6: the decode tiles with four consumer warpgroups
+WIDE_MIN_WAVES = 4                   # rule 6: ... once their 256-row units number this many per SM
 
 def wide_ok(n: int | None) -> bool:
     "Whether a weight matrix of N rows (padded to `N_PAD`) splits into the four-warpgroup configuration's 256-row units."
@@ -269,7 +272,10 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
     # smaller one decodes every weight tile again for each further token tile. The small tiles (8, 16, 32) are also
     # the one-warpgroup configurations: 64-row work units, twice as many as the two-warpgroup ones, which spreads
     # decode batches (few active experts, few rows each) over more SMs.
-    fit = [c for c in cands if c.tok_tile >= per]
+    # rule 3b: up to 32 rows, the tile holds 1.5x the mean: routing is uneven, and an expert one row past the tile
+    # decodes its weights twice (Pro, 16 rows per expert: tile 32 beat 16 by 1.27x with four warpgroups, 1.09x with one)
+    need = per * 3 // 2 if per * 3 // 2 <= 32 else per
+    fit = [c for c in cands if c.tok_tile >= need]
     cfg = min(fit, key=lambda c: c.tok_tile) if fit else max(cands, key=lambda c: c.tok_tile)
     # rule 4 (measured, measured/wgs4_h100.md): at 192 rows per expert tok_tile 64 beat 128 in 7 of 8 GEMMs with two
     # warpgroups, and in all 8 with four, although each weight tile is decoded three times instead of twice. Past
@@ -278,6 +284,13 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
     # rule 5: tok_tile 64 with four consumer warpgroups where N allows: 1.09-1.29x (bf16 loop) and 1.01-1.26x (W4A8)
     # the picked configuration at T = 2048 and 8192 on the peer shapes, the same bits
     if cfg.tok_tile == 64 and wide_ok(n) and GroupedGemmSm90.can_implement(WIDE_CONFIG, num_experts, k)[0]: cfg = WIDE_CONFIG
+    # rule 6: the decode tiles with four consumer warpgroups once there are enough 256-row units (at most min(E, R)
+    # experts x N / 256) to fill every SM WIDE_MIN_WAVES times: from T = 8 to 128 on the four peer shapes 1.01-1.36x the
+    # one-warpgroup tile, the same bits; at T = 1 (96-168 units on 132 SMs) they lost 1.1-1.3x (measured/wgs_decode_h200.json)
+    if cfg.tok_tile in DECODE_WIDE and wide_ok(n):
+        units = min(num_experts, rows) * (round_up(n, N_PAD) // (WG_ROWS * 4))
+        if units >= WIDE_MIN_WAVES * device_smem()[2] and GroupedGemmSm90.can_implement(DECODE_WIDE[cfg.tok_tile], num_experts, k)[0]:
+            cfg = DECODE_WIDE[cfg.tok_tile]
     return cfg
 
 def check_config_n(cfg: GemmConfig, n: int) -> None:
