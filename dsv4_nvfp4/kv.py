@@ -242,6 +242,14 @@ class KVCompressStateGPU:
     ratio: int
     split: int
     chains: torch.Tensor
+    def reset(self, rows=None):
+        """Empty the chains of batch `rows` (a list, a tensor of indices or a bool mask; None: all): a batch row that
+        starts a new sequence must be reset, since a step adds its token to whatever the row holds. Returns self."""
+        c = self.chains if rows is None else self.chains[rows]
+        c[:, :, :, 0] = -math.inf
+        c[:, :, :, 1:] = 0.0
+        if rows is not None: self.chains[rows] = c
+        return self
 
 _FREQS: dict = {}     # (rope, device) -> float64 frequencies on the device
 _CU: dict = {}        # (cu_seqlens, ratio, device) -> (cu_seqlens, entry offsets) int32 on the device
@@ -386,7 +394,10 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
                    ) -> None:
     """One launch, no host sync (CUDA-graph capturable): each active sequence's token joins its group's online softmax
     in `state` (O(D) work and state per step, whatever the ratio); the sequences whose window closes (position % r ==
-    r - 1, decided on the device) merge the groups and write the entry to the pool, the same bytes a prefill writes."""
+    r - 1, decided on the device) merge the groups and write the entry to the pool, the same bytes a prefill writes.
+    A step adds its token for good: running a position twice, or dropping a speculative token afterwards, needs a
+    copy of `state.chains` from before the step (12-24 KB a sequence), and a row that starts a new sequence needs
+    `state.reset(rows)`."""
     what = "compress_decode"
     coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split)
     B, dev = kv.shape[0], pool.data.device

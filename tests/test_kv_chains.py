@@ -1,5 +1,5 @@
-"""CPU: the order argument behind the KV compressor's decode state (kernels_cu/nvfp4_kv_compress.cu), in an fp32 model
-of its arithmetic: an entry pooled the prefill's way (per group of slots from empty, CSA's previous window then this
+"""CPU: the order argument behind the KV compressor's decode state (kernels_cu/nvfp4_kv_compress.cu), in a model of its
+fp32 arithmetic (its fused multiply-adds too; np.exp stands in for expf, the same function in both orders): an entry pooled the prefill's way (per group of slots from empty, CSA's previous window then this
 one, groups merged in order) and token by token through running softmaxes (part 0 the entry in progress, CSA's part 1
 the next entry's first half, handed over when the window closes) are the same fp32 operations in the same order, so
 the same bits. The GPU tests check the kernels themselves (tests/test_kv_gpu.py)."""
@@ -8,6 +8,11 @@ import pytest
 
 f = np.float32
 NEG = f(-np.inf)
+
+
+def fma(a, b, c):
+    "fmaf: the fp32 product is exact in float64, the sum rounded to fp32 (double rounding aside, which both orders share)."
+    return f(np.float64(a) * np.float64(b) + np.float64(c))
 
 
 class Chain:
@@ -23,7 +28,7 @@ class Chain:
             if s[k] == NEG: continue
             mn = s[k] if (s[k] > self.m[k] or s[k] != s[k]) else self.m[k]
             a, b = f(np.exp(f(self.m[k] - mn))), f(np.exp(f(s[k] - mn)))
-            self.den[k] = f(f(self.den[k] * a) + b); self.num[k] = f(f(self.num[k] * a) + f(b * v[k])); self.m[k] = mn
+            self.den[k] = fma(self.den[k], a, b); self.num[k] = fma(self.num[k], a, f(b * v[k])); self.m[k] = mn
 
     def merge(self, o):
         for k in range(len(self.m)):
@@ -31,7 +36,7 @@ class Chain:
             if self.m[k] == NEG: self.m[k], self.den[k], self.num[k] = o.m[k], o.den[k], o.num[k]; continue
             mn = o.m[k] if (o.m[k] > self.m[k] or o.m[k] != o.m[k]) else self.m[k]
             a, b = f(np.exp(f(self.m[k] - mn))), f(np.exp(f(o.m[k] - mn)))
-            self.den[k] = f(f(self.den[k] * a) + f(o.den[k] * b)); self.num[k] = f(f(self.num[k] * a) + f(o.num[k] * b)); self.m[k] = mn
+            self.den[k] = fma(self.den[k], a, f(o.den[k] * b)); self.num[k] = fma(self.num[k], a, f(o.num[k] * b)); self.m[k] = mn
 
     def entry(self):
         return (self.num / self.den).astype(f)
@@ -67,7 +72,7 @@ def decode_entries(kv, sc, ape, r, coff, split, D):
     return out
 
 
-@pytest.mark.parametrize("r,coff,split", [(4, 2, 1), (4, 2, 2), (8, 2, 4), (16, 1, 4), (8, 1, 1)])
+@pytest.mark.parametrize("r,coff,split", [(4, 2, 1), (4, 2, 2), (4, 2, 4), (16, 1, 4), (8, 1, 2), (8, 1, 1)])   # CSA is r = 4
 def test_running_softmax_state_gives_the_prefill_bits(r, coff, split):
     D, T = 8, 5 * r + 3
     g = np.random.default_rng(r + split)

@@ -82,14 +82,16 @@ def test_unroll_changes_no_bit(monkeypatch, ratio, lens):
         assert torch.equal(st_u.chains, st.chains)
 
 
-@pytest.mark.parametrize("unroll", [None, 1, 8])
-@pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3]), (128, [300, 5, 257])])
-def test_prefill_equals_token_by_token_decode(monkeypatch, ratio, lens, unroll):
+@pytest.mark.parametrize("unroll,split", [(None, None), (1, None), (8, None), (None, 1), (None, 2), (None, "max")])
+@pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3, 0, 8]), (128, [300, 5, 257, 128, 0, 256])])
+def test_prefill_equals_token_by_token_decode(monkeypatch, ratio, lens, unroll, split):
+    "The decode's running softmaxes give the prefill's entries and state, bit for bit, for every split (4 for CSA, 8 for HCA)."
     if unroll is not None: monkeypatch.setitem(K.KV_UNROLL, ratio, unroll)
-    (kv, sc, ape, w, cu), pool, dbg, st = prefill(ratio, lens, seed=1, state=True)
+    if split == "max": split = 4 if ratio == 4 else 8
+    (kv, sc, ape, w, cu), pool, dbg, st = prefill(ratio, lens, seed=1, state=True, split=split)
     B, coff = len(lens), K.coff_of(ratio)
     dec = K.NVFP4KVPool(pool.capacity, device=DEV)
-    ds = K.compress_state(B, ratio, device=DEV)
+    ds = K.compress_state(B, ratio, device=DEV, split=split)
     ent0 = [sum(n // ratio for n in lens[:b]) for b in range(B)]
     ddbg = torch.zeros(dbg.shape[0], 512, device=DEV)
     kvd, scd, aped, wd = kv.to(DEV), sc.to(DEV), ape.to(DEV), w.to(DEV)
@@ -98,7 +100,7 @@ def test_prefill_equals_token_by_token_decode(monkeypatch, ratio, lens, unroll):
         pos = torch.tensor([t if t < lens[b] else -1 for b in range(B)], device=DEV)
         slots = torch.tensor([ent0[b] + t // ratio if t < lens[b] else -1 for b in range(B)], dtype=torch.int32, device=DEV)
         one = torch.empty(B, 512, device=DEV)
-        K.compress_decode(kvd[rows.to(DEV)], scd[rows.to(DEV)], pos, aped, wd, ratio, dec, slots, ds, debug_entries=one)
+        K.compress_decode(kvd[rows.to(DEV)], scd[rows.to(DEV)], pos, aped, wd, ratio, dec, slots, ds, debug_entries=one, split=split)
         for b in range(B):
             if t < lens[b] and t % ratio == ratio - 1: ddbg[ent0[b] + t // ratio] = one[b]
     assert torch.equal(ddbg, dbg), "the same fp32 entries"
