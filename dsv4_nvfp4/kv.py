@@ -19,7 +19,7 @@ __all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_CU', 'KV_UNROLL'
            'apply_rope', 'rms_norm64', 'coff_of', 'pool_window', 'ref_compress_kv', 'CompressState',
            'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU', 'compress_state', 'kv_split', 'kv_unroll',
            'compress_prefill', 'compress_decode', 'dsv4_compress_ratios', 'kv_memory', 'torch_compress_prefill',
-           'torch_compress_decode']
+           'TorchCompressState', 'torch_compress_state', 'torch_compress_decode']
 
 # %% ../nbs/06_kv_compress.ipynb #8e1798ee
 KV_DIM = 512                 # compressed entry width (DSV4 head_dim)
@@ -235,10 +235,21 @@ KV_CU = "nvfp4_kv_compress.cu"
 
 @dataclass
 class KVCompressStateGPU:
-    "The decode state of a fixed batch of sequences on the device: fp32 kv and sc (score + ape) of (B, coff*r, coff*D)."
+    """The decode state of a fixed batch of sequences on the device: fp32 `chains` (B, coff, split, 3, D), per sequence,
+    part (0: the entry in progress; CSA's 1: the next entry's first half, this window's tokens on channels [0, D)),
+    group of slots (the kernels' `split`) and channel, the online softmax (running max, denominator, numerator) of the
+    slots seen so far. Its size does not grow with the ratio: the raw slots are not kept."""
     ratio: int
-    kv: torch.Tensor
-    score: torch.Tensor
+    split: int
+    chains: torch.Tensor
+    def reset(self, rows=None):
+        """Empty the chains of batch `rows` (a list, a tensor of indices or a bool mask; None: all): a batch row that
+        starts a new sequence must be reset, since a step adds its token to whatever the row holds. Returns self."""
+        c = self.chains if rows is None else self.chains[rows]
+        c[:, :, :, 0] = -math.inf
+        c[:, :, :, 1:] = 0.0
+        if rows is not None: self.chains[rows] = c
+        return self
 
 _FREQS: dict = {}     # (rope, device) -> float64 frequencies on the device
 _CU: dict = {}        # (cu_seqlens, ratio, device) -> (cu_seqlens, entry offsets) int32 on the device
@@ -248,14 +259,17 @@ def _freqs(rope: RopeConfig, device) -> torch.Tensor:
     if key not in _FREQS: _FREQS[key] = rope_freqs(rope).to(device)     # a copy from the host: once per device
     return _FREQS[key]
 
-def compress_state(batch: int, ratio: int, dim: int = KV_DIM, device="cuda", rope: RopeConfig = DSV4_ROPE) -> KVCompressStateGPU:
-    """An empty decode state for `batch` sequences (kv 0, scores -inf). It also puts `rope`'s frequencies on the device,
-    so a `compress_decode` captured into a CUDA graph right after needs no host copy."""
-    coff = coff_of(ratio)
-    shape = (batch, coff * ratio, coff * dim)
+def compress_state(batch: int, ratio: int, dim: int = KV_DIM, device="cuda", rope: RopeConfig = DSV4_ROPE,
+                   split: int | None = None,   # the split the kernels will run with (None: `kv_split(ratio)`)
+                  ) -> KVCompressStateGPU:
+    """An empty decode state for `batch` sequences (every running max -inf, sums 0): 12 coff split D bytes a sequence
+    (HCA 24 KB, CSA 12 KB). It also puts `rope`'s frequencies on the device, so a `compress_decode` captured into a
+    CUDA graph right after needs no host copy."""
+    split = _split_of(ratio, dim, split, "compress_state")
+    chains = torch.zeros(batch, coff_of(ratio), split, 3, dim, dtype=torch.float32, device=device)
+    chains[:, :, :, 0] = -math.inf
     if torch.device(device).type == "cuda": _freqs(rope, device)
-    return KVCompressStateGPU(ratio, torch.zeros(shape, dtype=torch.float32, device=device),
-                              torch.full(shape, -math.inf, dtype=torch.float32, device=device))
+    return KVCompressStateGPU(ratio, split, chains)
 
 def kv_split(ratio: int) -> int:
     """Thread groups per CTA of the compressor kernels: each pools 1/split of an entry's slots and group 0 merges the
@@ -269,10 +283,14 @@ def kv_unroll(ratio: int) -> int:
     how many bytes are in flight, never a bit: the pooling order is the slot order whatever the value."""
     return KV_UNROLL.get(ratio, 2)
 
-def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split=None):
-    coff, D = _check_proj(kv, score, ape, norm_weight, ratio, what)
+def _split_of(ratio, D, split, what):
     split = kv_split(ratio) if split is None else int(split)
     if split < 1 or ratio % split or (D // 4) * split > 1024: raise ValueError(f"{what}: split must divide the ratio {ratio} with D/4 * split <= 1024, got {split}")
+    return split
+
+def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split=None):
+    coff, D = _check_proj(kv, score, ape, norm_weight, ratio, what)
+    split = _split_of(ratio, D, split, what)
     if D != pool.dim: raise ValueError(f"{what}: the pool holds entries of {pool.dim}, the projections give {D}")
     if rope.dim % 4 or rope.dim > D: raise ValueError(f"{what}: the kernel rotates a multiple of 4 channels <= {D}, got {rope.dim}")
     dev = pool.data.device
@@ -281,13 +299,15 @@ def _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split=None)
     defs = dict(RATIO=ratio, KV_D=D, ROPE=rope.dim, SPLIT=split, KV_UNROLL=kv_unroll(ratio))
     return coff, D, defs
 
-def _check_state(state, what, B, ratio, coff, D, dev):
+def _check_state(state, what, B, ratio, coff, D, dev, split):
     if not isinstance(state, KVCompressStateGPU) or state.ratio != ratio:
         raise ValueError(f"{what}: state must be compress_state({B}, {ratio}), got {type(state).__name__} ratio {getattr(state, 'ratio', None)}")
-    for name, t in (("state.kv", state.kv), ("state.score", state.score)):
-        rt.check_tensor(t, what, name, (torch.float32,), dev, align=16)
-        if tuple(t.shape) != (B, coff * ratio, coff * D):
-            raise ValueError(f"{what}: {name} must be {(B, coff * ratio, coff * D)} (compress_state({B}, {ratio})), got {tuple(t.shape)}")
+    if state.split != split:
+        raise ValueError(f"{what}: the state holds {state.split} groups of slots and this call runs split={split}: "
+                         f"pass split={state.split}, or make the state with compress_state({B}, {ratio}, split={split})")
+    rt.check_tensor(state.chains, what, "state.chains", (torch.float32,), dev, align=16)
+    if tuple(state.chains.shape) != (B, coff, split, 3, D):
+        raise ValueError(f"{what}: state.chains must be {(B, coff, split, 3, D)} (compress_state({B}, {ratio})), got {tuple(state.chains.shape)}")
 
 def _on(dev):
     "The launch's device as the current one (a pool on cuda:1 launches there); nothing for CPU tensors (the recorded-launch tests)."
@@ -329,7 +349,8 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
                     ) -> int:                     # entries written
     """One launch: every complete window of each sequence (from position 0) pooled, normalized, rotated and
     quantized into `pool` at `slots`, nothing intermediate in global memory; with `state`, a second launch stores
-    each sequence's tail (and for CSA its last window) so `compress_decode` continues the sequences."""
+    each sequence's decode state (the online softmax of its tail, for CSA continuing its last window's) so
+    `compress_decode` continues the sequences."""
     what = "compress_prefill"
     coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split)
     cu = [int(v) for v in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
@@ -342,7 +363,7 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
     n = cw[-1]
     sl, dbg = _slots_arg(slots, n, what, dev), _debug_arg(debug_entries, n, D, what, dev)
     bad_p = _check_bad(bad, what, dev)
-    if state is not None: _check_state(state, what, B, ratio, coff, D, dev)
+    if state is not None: _check_state(state, what, B, ratio, coff, D, dev, defs["SPLIT"])
     key = (tuple(cu), ratio, dev)                  # the offsets on the device, copied once per batch layout: a
     if key not in _CU:                             # repeated prefill (a benchmark, a captured graph) does no copy
         if len(_CU) > 256: _CU.clear()
@@ -355,8 +376,8 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
                        rt.ptr(_freqs(rope, dev)), rt.f32(eps), sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale),
                        rt.i32(pool.capacity), bad_p, dbg), defines=defs)
         if state is not None:
-            rt.launch(KV_CU, "nvfp4_kv_prefill_state", (B,), (D // 4,),
-                      (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(ape), rt.ptr(state.kv), rt.ptr(state.score)), defines=defs)
+            rt.launch(KV_CU, "nvfp4_kv_prefill_state", (B,), (D // 4 * defs["SPLIT"],),
+                      (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(ape), rt.ptr(state.chains)), defines=defs)
     return n
 
 def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token per sequence
@@ -371,14 +392,18 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
                     bad: torch.Tensor | None = None, debug_entries: torch.Tensor | None = None,   # fp32 (B, D)
                     split: int | None = None,    # as compress_prefill's (the same split gives the same bits)
                    ) -> None:
-    """One launch, no host sync (CUDA-graph capturable): each active sequence's token goes to its slot of the state;
-    the sequences whose window closes (position % r == r - 1, decided on the device) write an entry to the pool."""
+    """One launch, no host sync (CUDA-graph capturable): each active sequence's token joins its group's online softmax
+    in `state` (O(D) work and state per step, whatever the ratio); the sequences whose window closes (position % r ==
+    r - 1, decided on the device) merge the groups and write the entry to the pool, the same bytes a prefill writes.
+    A step adds its token for good: running a position twice, or dropping a speculative token afterwards, needs a
+    copy of `state.chains` from before the step (12-24 KB a sequence), and a row that starts a new sequence needs
+    `state.reset(rows)`."""
     what = "compress_decode"
     coff, D, defs = _kv_common(what, kv, score, ape, norm_weight, ratio, pool, rope, split)
     B, dev = kv.shape[0], pool.data.device
     rt.check_tensor(pos, what, "pos", (torch.int64,), dev, align=8)
     if tuple(pos.shape) != (B,): raise ValueError(f"{what}: pos must be ({B},), got {tuple(pos.shape)}")
-    _check_state(state, what, B, ratio, coff, D, dev)
+    _check_state(state, what, B, ratio, coff, D, dev, defs["SPLIT"])
     sl, dbg = _slots_arg(slots, B, what, dev), _debug_arg(debug_entries, B, D, what, dev)
     bad_p = _check_bad(bad, what, dev)
     if B:
@@ -386,7 +411,7 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
             rt.launch(KV_CU, "nvfp4_kv_compress_decode", (B,), (D // 4 * defs["SPLIT"],),
                       (rt.ptr(kv), rt.ptr(score), rt.ptr(pos), rt.ptr(ape), rt.ptr(norm_weight), rt.ptr(_freqs(rope, dev)), rt.f32(eps),
                        sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale), rt.i32(pool.capacity), bad_p,
-                       rt.ptr(state.kv), rt.ptr(state.score), dbg), defines=defs)
+                       rt.ptr(state.chains), dbg), defines=defs)
 
 # %% ../nbs/06_kv_compress.ipynb #9a0775c5
 def dsv4_compress_ratios(model: str = "Flash") -> list[int]:
@@ -440,7 +465,20 @@ def torch_compress_prefill(kv, score, cu_seqlens, ape, norm_weight, ratio, *, ro
     E = torch.cat(outs) if outs else torch.zeros(0, D, device=kv.device)
     return ref_quantize_nvfp4(E, per_row=True) if quantize and E.shape[0] else E
 
-def torch_compress_decode(kv, score, pos, ape, norm_weight, ratio, state: KVCompressStateGPU, *, rope: RopeConfig = DSV4_ROPE,
+@dataclass
+class TorchCompressState:
+    "The plain-torch baseline's decode state: the window's raw slots, fp32 kv and sc (score + ape) of (B, coff*r, coff*D)."
+    ratio: int
+    kv: torch.Tensor
+    score: torch.Tensor
+
+def torch_compress_state(batch: int, ratio: int, dim: int = KV_DIM, device="cuda") -> TorchCompressState:
+    "An empty state for `torch_compress_decode` (kv 0, scores -inf)."
+    shape = (batch, coff_of(ratio) * ratio, coff_of(ratio) * dim)
+    return TorchCompressState(ratio, torch.zeros(shape, dtype=torch.float32, device=device),
+                              torch.full(shape, -math.inf, dtype=torch.float32, device=device))
+
+def torch_compress_decode(kv, score, pos, ape, norm_weight, ratio, state: TorchCompressState, *, rope: RopeConfig = DSV4_ROPE,
                           eps: float = 1e-6, quantize: bool = True):
     """One decode step in plain torch (the baseline; it reads the active and closing sequences back to the host):
     (the entries of the sequences whose window closed, NVFP4 or fp32, and those sequences' indices)."""

@@ -3,10 +3,11 @@
 // dsv4_nvfp4.kv.ref_compress_kv / ref_compress_step). One CTA per entry; nothing intermediate goes to global memory.
 //
 //   nvfp4_kv_compress_prefill   every complete window of each sequence of a ragged batch (sequences from position 0)
-//   nvfp4_kv_prefill_state      the decode state a prefill leaves: the tail tokens (and, for CSA, the last complete
-//                               window as the previous rows); empty slots kv 0, score -inf
-//   nvfp4_kv_compress_decode    one token per sequence (fixed batch, position -1: inactive): the token's slot of the
-//                               state; a sequence whose window closes pools it into an entry (CSA then shifts)
+//   nvfp4_kv_prefill_state      the decode state a prefill leaves: per group of slots, the online softmax of the tail
+//                               tokens (for CSA after the last complete window's), as the decode would have built it
+//   nvfp4_kv_compress_decode    one token per sequence (fixed batch, position -1: inactive): the token joins its
+//                               group's online softmax in the state; a sequence whose window closes merges the groups
+//                               into an entry (O(D) per step whatever the ratio: the raw slots are not kept)
 //
 // A CTA has SPLIT groups of KV_D / 4 threads (the launcher: 4 for HCA's 128 slots, 1 for CSA): group g pools slots
 // [g r / SPLIT, (g+1) r / SPLIT) of each part (CSA: of the previous and of this window), then group 0 merges the
@@ -26,9 +27,9 @@
 //   NVFP4     gs = gs_from_amax(max |y|) (the entry's own global scale; NaN stays NaN), then the 32 16-blocks
 //             exactly as nvfp4_quantize.cu (quantize_block16): codes (D/2 bytes, element 2i in the low nibble),
 //             e4m3 scales (D/16 bytes), gs (fp32)
-// The prefill and the decode kernels run the same device functions on the same fp32 values (decode stores sc, the
-// score with ape added, in its state), so a prefill and a token-by-token decode of the same sequence write the same
-// bytes.
+// The prefill and the decode kernels run the same device functions on the same fp32 values in the same order (the
+// decode keeps each group's online softmax where the prefill keeps it in registers), so a prefill and a token-by-token
+// decode of the same sequence write the same bytes.
 //
 // Slots of the pool: int32, -1 = skip; anything else outside [0, capacity) is skipped too and counted in *bad
 // (when bad != nullptr): the pool is never written out of bounds.
@@ -255,27 +256,55 @@ nvfp4_kv_compress_prefill(const float* __restrict__ kv,       // (tokens, coff*D
     finish_entry(e, (i64)i * kR, norm_w, freqs, eps, slots[w], out, dbg ? dbg + (i64)w * kD : nullptr);
 }
 
-// The state after a prefill (CTA b): rows of this window (CSA: rows [r, 2r)) hold the tail tokens, the rest empty;
-// CSA rows [0, r) hold the last complete window (empty if there is none). Stored: kv and sc = score + ape.
-extern "C" __global__ void __launch_bounds__(kGroup)
+// The decode state of sequence b: fp32 (coff, SPLIT, 3, D), part x group x (m, den, num) x channel: for each group g
+// of an entry's slots, the online softmax of the group's slots seen so far, in slot order. Part 0 is the entry in
+// progress (CSA: the previous window's group-g slots with channels [0, D), then this window's with [D, 2D)); CSA's
+// part 1 is the next entry's first half (this window's group-g slots, channels [0, D)). A decode step adds its token
+// to its group's chains and, when the window closes, merges the groups and finishes the entry: the same adds and the
+// same merge, in the same order, as the prefill's CTA for that entry, so both write the same bytes; the state is
+// 3 coff SPLIT D floats whatever the ratio (HCA: 24 KB a sequence, against the 512 KB of its 128 raw slots).
+__device__ __forceinline__ float* chain_ptr(float* st, int b, int part, int g) {
+    return st + ((((i64)b * kCoff + part) * kSplit + g) * 3) * kD;
+}
+__device__ __forceinline__ void load_chain(Pool4& p, const float* ch, int c0) {
+    const float4 m = ld4(ch + c0), d = ld4(ch + kD + c0), n = ld4(ch + 2 * kD + c0);
+    p.m[0] = m.x; p.m[1] = m.y; p.m[2] = m.z; p.m[3] = m.w;
+    p.den[0] = d.x; p.den[1] = d.y; p.den[2] = d.z; p.den[3] = d.w;
+    p.num[0] = n.x; p.num[1] = n.y; p.num[2] = n.z; p.num[3] = n.w;
+}
+__device__ __forceinline__ void store_chain(const Pool4& p, float* ch, int c0) {
+    *reinterpret_cast<float4*>(ch + c0) = make_float4(p.m[0], p.m[1], p.m[2], p.m[3]);
+    *reinterpret_cast<float4*>(ch + kD + c0) = make_float4(p.den[0], p.den[1], p.den[2], p.den[3]);
+    *reinterpret_cast<float4*>(ch + 2 * kD + c0) = make_float4(p.num[0], p.num[1], p.num[2], p.num[3]);
+}
+
+// The state after a prefill (CTA b, group g): part 0 pools CSA's last complete window (its group-g slots, channels
+// [0, D); none if there is no complete window) and then the tail tokens of group g's slots (channels [D, 2D) for CSA,
+// [0, D) for HCA); CSA's part 1 pools the same tail tokens with channels [0, D).
+extern "C" __global__ void __launch_bounds__(kThreads)
 nvfp4_kv_prefill_state(const float* __restrict__ kv, const float* __restrict__ score, const int* __restrict__ cu_seqlens,
                        const float* __restrict__ ape,
-                       float* __restrict__ st_kv, float* __restrict__ st_sc) {   // (B, coff*r, coff*D) fp32
+                       float* __restrict__ st) {                   // (B, coff, SPLIT, 3, D) fp32
     const int b = blockIdx.x;
     const i64 s0 = cu_seqlens[b], len = cu_seqlens[b + 1] - s0, nwin = len / kR, tail = len - nwin * kR;
-    float* sk = st_kv + (i64)b * kSlots * kLd;
-    float* ss = st_sc + (i64)b * kSlots * kLd;
-    for (int q = threadIdx.x; q < kSlots * kLd / 4; q += blockDim.x) {
-        const int row = (4 * q) / kLd, c = (4 * q) % kLd;
-        i64 src = -1;                                          // the token that fills this state row, if any
-        if (kCoff == 2 && row < kR) { if (nwin > 0) src = s0 + (nwin - 1) * kR + row; }
-        else { const int k = row - (kCoff - 1) * kR; if (k < tail) src = s0 + nwin * kR + k; }
-        const int j = (kCoff == 2 && row < kR) ? row : row - (kCoff - 1) * kR;   // position in its window
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f), s = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
-        if (src >= 0) { v = ld4(kv + src * kLd + c); s = add4(ld4(score + src * kLd + c), ld4(ape + (i64)j * kLd + c)); }
-        *reinterpret_cast<float4*>(sk + (i64)row * kLd + c) = v;
-        *reinterpret_cast<float4*>(ss + (i64)row * kLd + c) = s;
+    const int g = threadIdx.x / kGroup, c0 = 4 * (threadIdx.x % kGroup), j0 = g * kPer;
+    const int off = (kCoff - 1) * kD;
+    Pool4 p, q;
+    p.init();
+    q.init();
+    if (kCoff == 2 && nwin > 0) {
+        const i64 o = (s0 + (nwin - 1) * kR + j0) * kLd + c0;
+        pool_part(p, score + o, kv + o, ape + (i64)j0 * kLd + c0);
     }
+    const i64 t0 = s0 + nwin * kR;                               // the tail's first token
+    for (int j = j0; j < j0 + kPer && j < tail; ++j) {
+        const i64 o = (t0 + j) * kLd;
+        const float* a = ape + (i64)j * kLd;
+        p.add(add4(ld4(score + o + off + c0), ld4(a + off + c0)), ld4(kv + o + off + c0));
+        if (kCoff == 2) q.add(add4(ld4(score + o + c0), ld4(a + c0)), ld4(kv + o + c0));
+    }
+    store_chain(p, chain_ptr(st, b, 0, g), c0);
+    if (kCoff == 2) store_chain(q, chain_ptr(st, b, 1, g), c0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -289,40 +318,38 @@ nvfp4_kv_compress_decode(const float* __restrict__ kv,       // (B, coff*D) fp32
                          const int* __restrict__ slots,      // (B,) pool slot of the entry a closing window writes
                          u8* __restrict__ pool_data, u8* __restrict__ pool_scale, float* __restrict__ pool_gs,
                          int capacity, int* __restrict__ bad,
-                         float* st_kv, float* st_sc,         // (B, coff*r, coff*D) fp32 (read and written)
+                         float* st,                          // (B, coff, SPLIT, 3, D) fp32 (read and written)
                          float* __restrict__ dbg) {          // (B, D) fp32 pre-quantization entries, or nullptr
     const int b = blockIdx.x;
-    const i64 p = pos[b];
-    if (p < 0) return;
-    const int k = (int)(p % kR), row = (kCoff - 1) * kR + k;
-    float* sk = st_kv + (i64)b * kSlots * kLd;
-    float* ss = st_sc + (i64)b * kSlots * kLd;
-    for (int c = 4 * threadIdx.x; c < kLd; c += 4 * blockDim.x) {
-        *reinterpret_cast<float4*>(sk + (i64)row * kLd + c) = ld4(kv + (i64)b * kLd + c);
-        *reinterpret_cast<float4*>(ss + (i64)row * kLd + c) = add4(ld4(score + (i64)b * kLd + c), ld4(ape + (i64)k * kLd + c));
-    }
-    if (k != kR - 1) return;                                   // uniform over the CTA
-    __syncthreads();                                           // the token's slot is visible to the whole CTA
-    const int c0 = 4 * (threadIdx.x % kGroup), j0 = (threadIdx.x / kGroup) * kPer;
-    Pool4 pl;                                                  // the same slots per group, in the same order, as the prefill
-    pl.init();
-    if (kCoff == 2) pool_part(pl, ss + (i64)j0 * kLd + c0, sk + (i64)j0 * kLd + c0, nullptr);
-    const int off = (kCoff - 1) * kD;
-    const i64 o = (i64)((kCoff - 1) * kR + j0) * kLd + off + c0;
-    pool_part(pl, ss + o, sk + o, nullptr);
-    float e[4];
-    merge_groups(pl, e);
-    const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};
-    finish_entry(e, p - (kR - 1), norm_w, freqs, eps, slots[b], out, dbg ? dbg + (i64)b * kD : nullptr);
-    __syncthreads();                                           // every read of the state is done
-    for (int q = threadIdx.x; q < kR * kLd / 4; q += blockDim.x) {   // CSA: this window -> the previous rows; reset
-        const int r = (4 * q) / kLd, c = (4 * q) % kLd;
-        const i64 cur = (i64)((kCoff - 1) * kR + r) * kLd + c;
-        if (kCoff == 2) {
-            *reinterpret_cast<float4*>(sk + (i64)r * kLd + c) = ld4(sk + cur);
-            *reinterpret_cast<float4*>(ss + (i64)r * kLd + c) = ld4(ss + cur);
+    const int g = threadIdx.x / kGroup, c0 = 4 * (threadIdx.x % kGroup);
+    float* P = chain_ptr(st, b, 0, g);
+    float* Q = chain_ptr(st, b, kCoff - 1, g);                 // CSA's part 1 (HCA: unused)
+    Pool4 p, q;
+    load_chain(p, P, c0);                                      // the chains do not depend on the position: their loads
+    if (kCoff == 2) load_chain(q, Q, c0);                      // go out with pos's
+    const i64 ps = pos[b];
+    if (ps < 0) return;
+    const int k = (int)(ps % kR);
+    const bool mine = (k / kPer) == g, close = k == kR - 1;    // close: uniform over the CTA
+    if (mine) {                                                // the token joins its group's chains
+        const float* x = kv + (i64)b * kLd;
+        const float* s = score + (i64)b * kLd;
+        const float* a = ape + (i64)k * kLd;
+        const int off = (kCoff - 1) * kD;
+        p.add(add4(ld4(s + off + c0), ld4(a + off + c0)), ld4(x + off + c0));
+        if (kCoff == 2) q.add(add4(ld4(s + c0), ld4(a + c0)), ld4(x + c0));
+        if (!close) {
+            store_chain(p, P, c0);
+            if (kCoff == 2) store_chain(q, Q, c0);
         }
-        *reinterpret_cast<float4*>(sk + cur) = make_float4(0.f, 0.f, 0.f, 0.f);
-        *reinterpret_cast<float4*>(ss + cur) = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
     }
+    if (!close) return;
+    float e[4];
+    merge_groups(p, e);                                        // every group's chain is complete: merged in group order
+    const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};
+    finish_entry(e, ps - (kR - 1), norm_w, freqs, eps, slots[b], out, dbg ? dbg + (i64)b * kD : nullptr);
+    Pool4 z;                                                   // the next entry: part 0 continues from part 1 (CSA) or
+    z.init();                                                  // starts empty; part 1 starts empty
+    store_chain(kCoff == 2 ? q : z, P, c0);
+    if (kCoff == 2) store_chain(z, Q, c0);
 }

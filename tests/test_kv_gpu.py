@@ -32,7 +32,7 @@ def prefill(ratio, lens, seed=0, slots=None, state=False, bad=None, split=None):
     pool = K.NVFP4KVPool(max(n_ent, 1) + 3, device=DEV)
     sl = torch.arange(n_ent, dtype=torch.int32, device=DEV) if slots is None else slots.to(DEV)
     dbg = torch.empty(n_ent, 512, device=DEV)
-    st = K.compress_state(len(lens), ratio, device=DEV) if state else None
+    st = K.compress_state(len(lens), ratio, device=DEV, split=split) if state else None
     K.compress_prefill(kv.to(DEV), sc.to(DEV), cu, ape.to(DEV), w.to(DEV), ratio, pool, sl, state=st, bad=bad, debug_entries=dbg, split=split)
     return (kv, sc, ape, w, cu), pool, dbg, st
 
@@ -79,17 +79,19 @@ def test_unroll_changes_no_bit(monkeypatch, ratio, lens):
         monkeypatch.setitem(K.KV_UNROLL, ratio, u)
         _, pool_u, dbg_u, st_u = prefill(ratio, lens, seed=7, state=True)
         assert torch.equal(dbg_u, dbg) and same_pool(pool_u, pool), f"KV_UNROLL {u}"
-        assert torch.equal(st_u.kv, st.kv) and torch.equal(st_u.score, st.score)
+        assert torch.equal(st_u.chains, st.chains)
 
 
-@pytest.mark.parametrize("unroll", [None, 1, 8])
-@pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3]), (128, [300, 5, 257])])
-def test_prefill_equals_token_by_token_decode(monkeypatch, ratio, lens, unroll):
+@pytest.mark.parametrize("unroll,split", [(None, None), (1, None), (8, None), (None, 1), (None, 2), (None, "max")])
+@pytest.mark.parametrize("ratio,lens", [(4, [13, 4, 9, 3, 0, 8]), (128, [300, 5, 257, 128, 0, 256])])
+def test_prefill_equals_token_by_token_decode(monkeypatch, ratio, lens, unroll, split):
+    "The decode's running softmaxes give the prefill's entries and state, bit for bit, for every split (4 for CSA, 8 for HCA)."
     if unroll is not None: monkeypatch.setitem(K.KV_UNROLL, ratio, unroll)
-    (kv, sc, ape, w, cu), pool, dbg, st = prefill(ratio, lens, seed=1, state=True)
+    if split == "max": split = 4 if ratio == 4 else 8
+    (kv, sc, ape, w, cu), pool, dbg, st = prefill(ratio, lens, seed=1, state=True, split=split)
     B, coff = len(lens), K.coff_of(ratio)
     dec = K.NVFP4KVPool(pool.capacity, device=DEV)
-    ds = K.compress_state(B, ratio, device=DEV)
+    ds = K.compress_state(B, ratio, device=DEV, split=split)
     ent0 = [sum(n // ratio for n in lens[:b]) for b in range(B)]
     ddbg = torch.zeros(dbg.shape[0], 512, device=DEV)
     kvd, scd, aped, wd = kv.to(DEV), sc.to(DEV), ape.to(DEV), w.to(DEV)
@@ -98,12 +100,12 @@ def test_prefill_equals_token_by_token_decode(monkeypatch, ratio, lens, unroll):
         pos = torch.tensor([t if t < lens[b] else -1 for b in range(B)], device=DEV)
         slots = torch.tensor([ent0[b] + t // ratio if t < lens[b] else -1 for b in range(B)], dtype=torch.int32, device=DEV)
         one = torch.empty(B, 512, device=DEV)
-        K.compress_decode(kvd[rows.to(DEV)], scd[rows.to(DEV)], pos, aped, wd, ratio, dec, slots, ds, debug_entries=one)
+        K.compress_decode(kvd[rows.to(DEV)], scd[rows.to(DEV)], pos, aped, wd, ratio, dec, slots, ds, debug_entries=one, split=split)
         for b in range(B):
             if t < lens[b] and t % ratio == ratio - 1: ddbg[ent0[b] + t // ratio] = one[b]
     assert torch.equal(ddbg, dbg), "the same fp32 entries"
     assert same_pool(dec, pool)
-    assert torch.equal(ds.kv, st.kv) and torch.equal(ds.score, st.score), "the prefill leaves the state the decode reaches"
+    assert torch.equal(ds.chains, st.chains), "the prefill leaves the state the decode reaches"
 
 
 def test_decode_continues_a_prefill_and_replays_in_a_graph():
@@ -132,7 +134,7 @@ def test_decode_continues_a_prefill_and_replays_in_a_graph():
     end = K.compress_state(1, ratio, device=DEV)                             # the state a prefill of everything leaves
     K.compress_prefill(kv.to(DEV), sc.to(DEV), [0, L + extra], ape.to(DEV), w.to(DEV), ratio, K.NVFP4KVPool(8, device=DEV),
                        torch.arange(4, dtype=torch.int32, device=DEV), state=end)
-    assert torch.equal(st.kv, end.kv) and torch.equal(st.score, end.score)
+    assert torch.equal(st.chains, end.chains)
     assert same_pool(pool, full, slice(0, (L + extra) // ratio))
 
 

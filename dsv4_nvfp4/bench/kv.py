@@ -11,7 +11,8 @@ from .core import Timer, bandwidth_results, bench_row, copy_rows, fmt, table
 from .kernels import torch_gather_dequant
 from ..gather import gather_kv_dense, gather_kv_topk
 from ..kv import (CSA_RATIO, HCA_RATIO, KV_DIM, KV_ENTRY_BYTES, NVFP4KVPool, coff_of, compress_decode, compress_prefill,
-                           compress_state, kv_memory, torch_compress_decode, torch_compress_prefill)
+                           compress_state, kv_memory, torch_compress_decode, torch_compress_prefill,
+                           torch_compress_state)
 
 # %% auto #0
 __all__ = ['KV_PREFILL_PROBLEMS', 'KV_DECODE_BATCHES', 'bench_kv', 'kv_table', 'plot_kv', 'kv_goals', 'bench_gather_kv',
@@ -28,7 +29,7 @@ def bench_kv(prefill=None, decode=None, log=print,
     """The fused compressor (graph-replayed, L2 flushed) against the same math in plain torch on this GPU (timed
     eagerly: it reads values back to the host): prefill (sequences x tokens; bytes =
     the fp32 projections read + the entries written) and a decode step where every sequence closes a window (bytes =
-    the state read + the entries written), with the copy ceiling (the best copy of >= 256 MB) and a copy of each
+    the token's projections read, the state read and written, the entries written), with the copy ceiling (the best copy of >= 256 MB) and a copy of each
     row's own bytes measured in the same run. 64 x 128K tokens is not in the default list (69 GB of CSA projections;
     pass it in `prefill` on a GPU that holds it). A problem whose projections do not fit in free GPU memory is
     skipped, saying so; where the torch version runs out of memory its time is left blank."""
@@ -61,8 +62,9 @@ def bench_kv(prefill=None, decode=None, log=print,
             ape, w = torch.randn(r, coff * KV_DIM, device=dev, generator=g), torch.ones(KV_DIM, device=dev)
             pos = torch.full((B,), r - 1, dtype=torch.int64, device=dev)      # every sequence closes a window
             pool, slots = NVFP4KVPool(B, device=dev), torch.arange(B, dtype=torch.int32, device=dev)
-            st, st_t = compress_state(B, r, device=dev), compress_state(B, r, device=dev)
-            row = bench_row(timer, f"compress decode {'CSA' if r == CSA_RATIO else 'HCA'}", f"batch {B}", 2 * st.kv.nbytes + B * pool.bytes_per_entry,
+            st, st_t = compress_state(B, r, device=dev), torch_compress_state(B, r, device=dev)
+            row = bench_row(timer, f"compress decode {'CSA' if r == CSA_RATIO else 'HCA'}", f"batch {B}",
+                            kv.nbytes + sc.nbytes + 2 * st.chains.nbytes + B * pool.bytes_per_entry,
                             lambda: compress_decode(kv, sc, pos, ape, w, r, pool, slots, st), log=log)
             if row: row["torch_us"] = timer(lambda: torch_compress_decode(kv, sc, pos, ape, w, r, st_t))[1]
             if row: rows.append(dict(row, ratio=r, seqs=B, tokens=1, entries=B, entries_per_s=B / row["time_us"] * 1e6, phase="decode"))
