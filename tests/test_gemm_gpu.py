@@ -267,3 +267,18 @@ def test_sms_free_same_bits_smaller_grid(tmp_path):
         assert grid == [left * p_ for p_ in per], (n, grid, full)
         for g_, b_, what in zip(got, base, ("W4A16", "W4A4")):
             assert torch.equal(g_, b_), f"{what} with sms_free={n}: {(g_ != b_).sum().item()} outputs differ"
+
+
+@pytest.mark.parametrize("backend", ["sm90", "sm90_w4a8"])
+def test_prepare_on_the_gpu_gives_the_cpu_layout(backend):
+    "prepare_weights for a CUDA device lays out there (NVFP4 source copied first): every tensor equals the CPU layout's."
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(5, 320, 384, generator=g) * (1 + 3 * torch.rand(5, 1, 1, generator=g))
+    w[1, 7, :16] = 0                                     # a dead block (W4A8 clears its codes and scale)
+    we = Q.quantize_experts(w)
+    on_gpu = GC.prepare_weights(we, device=DEV, backend=backend)
+    on_cpu = GC.get_backend(backend).prepare(we, None)
+    assert type(on_gpu) is type(on_cpu) and on_gpu.device.type == "cuda"
+    a, b = on_gpu.tensors(), on_cpu.tensors()
+    assert a.keys() == b.keys() and a
+    for k in a: assert torch.equal(a[k].cpu(), b[k]), k

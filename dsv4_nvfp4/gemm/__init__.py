@@ -222,12 +222,16 @@ def prepare_weights(experts,                  # NVFP4Experts, a list of NVFP4Ten
                     backend: str | None = None,  # a registered backend (default: the registry's choice for `device`)
                    ) -> ExpertWeights:        # that backend's weights type, on `device`
     """Lay out E experts' weights (N, K) once, at load time, for one backend of the expert GEMM: only what that backend
-    reads is kept (on Hopper the register-fragment slabs and the global scales). Laid out where the experts are (the
-    CPU is fine), then moved to `device`. Raises TypeError for an unknown input kind, ValueError for an unknown backend."""
+    reads is kept (on Hopper the register-fragment slabs and the global scales). For a CUDA `device` the NVFP4 source
+    is copied there first and laid out on the GPU (the same bytes as a CPU layout; a DSV4-Flash layer's 257 experts take
+    seconds there and minutes on the host), then the copy is dropped; otherwise laid out where the experts are. Raises
+    TypeError for an unknown input kind, ValueError for an unknown backend. Not graph-safe (allocates, copies)."""
     experts, a_gs = expert_source(experts)
     dev = default_device() if device is None else torch.device(device)
     if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
     b = get_backend(backend) if backend is not None else backend_for(dev)
+    if dev.type == "cuda" and experts.data.device != dev:
+        experts = NVFP4Experts(experts.data.to(dev), experts.scale.to(dev), experts.global_scale.to(dev), tuple(experts.shape))
     return b.prepare(experts, a_gs).to(dev)
 
 # %% ../../nbs/04_gemm_seam.ipynb #48a0a577

@@ -123,16 +123,20 @@ def _row_exponents(rowmax: torch.Tensor) -> torch.Tensor:
     c = torch.ceil(torch.log2(rowmax.double() / E4M3_MAX))
     return torch.where(rowmax > 0, c, torch.zeros_like(c)).to(torch.int32)
 
+def _w4a8_core(experts: NVFP4Experts) -> tuple:
+    "(w8, c, the float64 products before the rounding) of `w4a8_weights`, without its report."
+    v = unscaled(experts, experts.shape[-1])                      # (E, N, K) the exact products e2m1 * s
+    c = _row_exponents(v.abs().amax(-1))
+    scaled = v * torch.exp2(-c.double())[..., None]
+    return scaled.float().to(torch.float8_e4m3fn), c, scaled       # exact float32 (<= 5 significant bits), one RNE
+
 def w4a8_weights(experts: NVFP4Experts) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """NVFP4 expert weights as the W4A8 mainloop feeds them to FP8 WGMMA: `w8 = e4m3(e2m1 * s * 2^-c)` with one
     power of two `2^-c` per weight row (c int32 (E, N), chosen so the row's largest product is at most 448), so the
     weight is `w8 * 2^c * gs_w[e]`. One rounding (RNE) per weight; none where the block scale is a power of two and
     the product stays at or above E4M3's 2^-9 granularity, which holds for MXFP4 weights carried to NVFP4. Returns
     (w8 float8_e4m3fn (E, N, K), c, report: weights, rounded, flushed to zero, largest relative change)."""
-    v = unscaled(experts, experts.shape[-1])                      # (E, N, K) the exact products e2m1 * s
-    c = _row_exponents(v.abs().amax(-1))
-    scaled = v * torch.exp2(-c.double())[..., None]
-    w8 = scaled.float().to(torch.float8_e4m3fn)                    # exact float32 (<= 5 significant bits), one RNE
+    w8, c, scaled = _w4a8_core(experts)
     back = w8.double()
     changed = back != scaled
     live = scaled != 0
@@ -263,7 +267,7 @@ def w4a8_experts_matrices(experts: NVFP4Experts) -> PerExpert:
     """The float64 matrices `w8 2^c` of `w4a8_weights(experts)` (what `ref_grouped_gemm_w4a8` multiplies), made one
     expert at a time when indexed: the same values, for references that touch only the experts with rows."""
     def one(e):
-        w8, c, _ = w4a8_weights(one_expert(experts, e))
+        w8, c, _ = _w4a8_core(one_expert(experts, e))            # w4a8_weights' values, its report left out
         return _w4a8_matrix(w8[0], c[0])
     return PerExpert(experts.shape, one)
 
