@@ -98,6 +98,9 @@ def main():
     ap.add_argument("--acts", default="w4a16,w4a4")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--broken", action="store_true")
+    ap.add_argument("--payloads", default="bf16,nvfp4", help="W4A4's payloads to soak (W4A16 sends bf16 only)")
+    ap.add_argument("--variants", default="", help="comma-separated substrings: only the variants whose name holds one "
+                    "(e.g. 'copy engines'); empty: all. For splitting a 10,000-replay soak over several runs")
     args = ap.parse_args()
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -108,10 +111,11 @@ def main():
     fails, made, lines = [], [], []
     for act in args.acts.split(","):
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)
-        for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
+        for payload in [p for p in args.payloads.split(",") if p in ("bf16", "nvfp4")] if act == "w4a4" else ("bf16",):
             ep = EPMoE(lay, payload=payload).to(dev)
             variants = [("kernels", (False, 0.0)), ("kernels, shared split", (False, 0.5)), ("kernels, shared after", (False, 1.0))]
             if CE: variants += [("copy engines", (True, 0.0)), ("copy engines, shared split", (True, 0.75))]
+            if args.variants: variants = [v for v in variants if any(k in v[0] for k in args.variants.split(","))]
             for name, how in variants:
                 with forced(*how): c = CapturedEP(ep, args.max_tokens, given=True)
                 made.append(c)
