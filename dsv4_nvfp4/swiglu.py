@@ -12,7 +12,7 @@ import torch
 
 from .gemm import (EpilogueArgs, ExpertWeights, Problem, backend_of, cached_ones, check_activations, check_offsets_operand,
                                   check_operand, check_sms_free, grouped_gemm_nvfp4, out_operand, plan_for)
-from .gemm.reference import (L1_GROUP, grouped_rows, check_swiglu_limit, deinterleave_l1, interleave_l1, ref_grouped_gemm_nvfp4,
+from .gemm.reference import (L1_GROUP, check_swiglu_limit, deinterleave_l1, grouped_rows, interleave_l1, ref_grouped_gemm_nvfp4,
                                        ref_swiglu, ref_swiglu_out)
 from .gemm.w4a8 import quantize_fp8_act, ref_quantize_fp8_act, w4a8_experts_matrices
 from .quant import GS_MIN, FP8Activations, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, ref_quantize_nvfp4, stack_experts

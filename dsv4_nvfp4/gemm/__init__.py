@@ -223,8 +223,8 @@ def prepare_weights(experts,                  # NVFP4Experts, a list of NVFP4Ten
                    ) -> ExpertWeights:        # that backend's weights type, on `device`
     """Lay out E experts' weights (N, K) once, at load time, for one backend of the expert GEMM: only what that backend
     reads is kept (on Hopper the register-fragment slabs and the global scales). For a CUDA `device` the NVFP4 source
-    is copied there first and laid out on the GPU (the same bytes as a CPU layout; a DSV4-Flash layer's 257 experts take
-    seconds there and minutes on the host), then the copy is dropped; otherwise laid out where the experts are. Raises
+    is copied there first and laid out on the GPU (the same bytes as a CPU layout), then the copy is dropped; otherwise
+    laid out where the experts are. Raises
     TypeError for an unknown input kind, ValueError for an unknown backend. Not graph-safe (allocates, copies)."""
     experts, a_gs = expert_source(experts)
     dev = default_device() if device is None else torch.device(device)
