@@ -321,7 +321,8 @@ def _table_pass(experts: NVFP4Experts, what: str, tile: bool) -> tuple:
             counts[key] += n
         cs.append(t["c"])
         if tile and not any(counts.values()):
-            cleared = torch.where(t["dead"][..., None], codes & 8, codes)[:, :, :nb].reshape(d.shape[0], N, Kt)
+            zero = (codes & 8) ^ (torch.signbit(se).to(torch.uint8) << 3)[..., None]   # the zero e2m1 x s is: a -0 scale flips it
+            cleared = torch.where(t["dead"][..., None], zero, codes)[:, :, :nb].reshape(d.shape[0], N, Kt)
             tiles.append(_tile_chunk_w4a8_table(cleared, t["k"]))
     why = "; ".join(f"{counts[key]} live 16-blocks with {_TABLE_WHY[key]} (the first: {first[key]})"
                     for key in _TABLE_WHY if counts[key])
@@ -363,8 +364,8 @@ def tile_weights_w4a8_table(experts: NVFP4Experts,  # (E, N, K): N % 64 == 0 and
     Per thread, code word 2q + j (j = 0: row g, 1: row g + 8) of k32 block q holds A registers j (the first 16-block
     of the 32-group) and j + 2 (the second): nibble i the magnitude of register j's byte i, nibble 4 + i register
     j + 2's, their signs at bits 8i + 7 and 8i + 3. Scale word q of a quad holds k + 8 of row g in its byte 0 and of
-    row g + 8 in its byte 2. Dead blocks are cleared to signed zeros as `tile_weights_w4a8` clears them; a 32-group
-    takes k from its live halves, 0 when both are dead. One pass, on the weights' device, a few experts at a time.
+    row g + 8 in its byte 2. Dead blocks are cleared to zeros of the sign `e2m1 * s` has (the code's sign, flipped
+    under a -0 scale byte: `w4a8_weights`' bytes); a 32-group takes k from its live halves, 0 when both are dead. One pass, on the weights' device, a few experts at a time.
     ValueError with `w4a8_table_ok`'s reason for weights it refuses."""
     tiled, c, why = _table_pass(experts, "tile_weights_w4a8_table", tile=True)
     if why: raise ValueError(f"tile_weights_w4a8_table: the table decode does not take these weights: {why}")
