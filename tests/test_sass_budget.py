@@ -3,7 +3,8 @@ extra's nvidia-cuda-nvdisasm), stays within its instruction budget, and its deco
 tile and consumer thread, one HMUL2 per fragment register (32), four rotations per code word (32 SHF), eight HGMMA,
 no byte permutes (the old per-scale spread), each B descriptor one 64-bit add to the stage's first, and one wait per
 tile in every configuration (decode the tile, 8 WGMMAs, one commit group, wait: the overlapped one-warpgroup loop that
-waited per K block was deleted, it gave wrong sums)."""
+waited per K block was deleted, it gave wrong sums). The W4A8 loops: the F2FP one (E4M3 to f16 and back, two HMUL2 per
+register) and the table one (`GemmConfig.table`: two PRMTs per code word, no conversion, no multiply, fewer instructions)."""
 import pytest
 
 pytest.importorskip("cutlass")
@@ -158,3 +159,25 @@ def test_four_warpgroups_limits():
     assert not ok and "tok_tile <= 64" in why
     ok, why = S.GroupedGemmSm90.can_implement(L.GemmConfig(64, 3, 4), 8, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
     assert not ok and "1, 2 or 4" in why
+
+
+_TABLE = [L.CONFIGS[64], L.CONFIGS[128], L.WIDE_CONFIG]
+
+
+@pytest.mark.parametrize("epi", ["BF16_ROW_GS", "SWIGLU_BF16"])
+@pytest.mark.parametrize("cfg", _TABLE, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _TABLE])
+def test_w4a8_table_loop(cfg, epi):
+    # GemmConfig.table (gemm.w4a8.tile_weights_w4a8_table's slabs): per K tile and thread 8 code words, each one table
+    # (a byte extract and two IMADs) and two PRMTs with their selector masks and sign merges: no F2FP and no HMUL2;
+    # the same loads, four FP8 WGMMAs, one wait, no hazard, and fewer instructions than the F2FP loop (measured 62)
+    f2fp = cfg._replace(fp8=True, epilogue=getattr(L.Epilogue, epi))
+    body = S.mainloop_sass(f2fp._replace(table=True))
+    ops = S.sass_opcodes(body)
+    assert "F2FP" not in ops and "HMUL2" not in ops, ops
+    assert ops.get("PRMT") == 16 and ops.get("QGMMA") == 4 and "HGMMA" not in ops and ops.get("LDS") == 3, ops
+    assert ops.get("FADD") == cfg.tok_tile // 2 and "LDL" not in ops and "STL" not in ops, ops
+    waits = [s for s in body if s.startswith("WARPGROUP.DEPBAR")]
+    assert len(waits) == 1 and waits[0].endswith("gsb0, 0x0"), waits
+    assert S.wgmma_hazards(body) == []
+    n, n_f2fp = sum(ops.values()), sum(S.sass_opcodes(S.mainloop_sass(f2fp)).values())
+    assert n <= n_f2fp - 50, (n, n_f2fp, ops)

@@ -232,3 +232,50 @@ def test_four_warpgroups_are_the_same_bits(tt):
     want = W.ref_grouped_gemm_w4a8(a, w8, c, ex.global_scale, offs)
     bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c, ex.global_scale, offs))
     assert_w4a8_close(outs[(4, S90.Epilogue.BF16_ROW_GS, True)].double(), want, bound, f"W4A8 tok_tile {tt} x 4 warpgroups", 2e-3)
+
+
+@pytest.mark.parametrize("tt", [64, 128])
+def test_w4a8_table_path_is_the_same_bits(tt):
+    """GemmConfig.table on MXFP4-carried experts (power-of-two block scales, the weights the table decode takes): the
+    table slabs (tile_weights_w4a8_table) through the PRMT loop give every output bit for bit as the F2FP loop on
+    tile_weights_w4a8's slabs of the same weights (both feed the tensor core w4a8_weights' bytes: the CPU emulations
+    say so), on ragged experts with an empty one; both epilogues; and within the bound of the float64 reference.
+    Through the backend too: prepare_weights(backend='sm90_w4a8') takes the table path for these weights."""
+    from dsv4_nvfp4.gemm import grouped_gemm_nvfp4, prepare_weights
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
+    g = torch.Generator().manual_seed(60 + tt)
+    E, N, K = 4, 256, 512
+    w = torch.randn(E, N, K, generator=g) * torch.logspace(-1, 1, N).view(1, N, 1)
+    w[1, 5] = 0; w[2, 9, 32:48] = 0                                      # an all-zero row, a dead first half
+    ex, _ = Q.mxfp4_experts_to_nvfp4([Q.ref_quantize_mxfp4(w[e]) for e in range(E)])
+    assert W.w4a8_table_ok(ex) == (True, "")
+    w8, c, _ = W.w4a8_weights(ex)
+    tiled_t, ct = W.tile_weights_w4a8_table(ex)
+    tiled_f, cf = W.tile_weights_w4a8(ex)
+    assert torch.equal(ct, cf)
+    rows = W.w4a8_row_scales(ct).cuda()
+    offs = torch.tensor([tt + 7, 0, 3, 2 * tt + 1]).cumsum(0).to(torch.int32)
+    R = int(offs[-1])
+    a = W.ref_quantize_fp8_act(torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R).view(R, 1))
+    p = torch.rand(R, generator=g) + 0.5
+    for epi in (S90.Epilogue.BF16_ROW_GS, S90.Epilogue.SWIGLU_BF16):
+        outs = []
+        for table, tiled in ((True, tiled_t), (False, tiled_f)):
+            cfg = S90.CONFIGS[tt]._replace(fp8=True, table=table, epilogue=epi)
+            out = torch.full((R, N // 2 if epi.swiglu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            sc = torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale
+            S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), sc.cuda(), sf_c=rows)
+            torch.cuda.synchronize()
+            outs.append(out.cpu())
+        assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1]), (tt, epi.name)
+        if not epi.swiglu:
+            want = W.ref_grouped_gemm_w4a8(a, w8, c, ex.global_scale, offs)
+            bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c, ex.global_scale, offs))
+            assert_w4a8_close(outs[0].double(), want, bound, f"W4A8 table path tok_tile {tt}", 2e-3)
+    wp = prepare_weights(ex, device="cuda", backend="sm90_w4a8")
+    assert wp.table
+    out = grouped_gemm_nvfp4(Q.FP8Activations(a.data.cuda(), a.scale.cuda()), wp, offs.cuda(), check=True)
+    torch.cuda.synchronize()
+    want = W.ref_grouped_gemm_w4a8(a, w8, c, ex.global_scale, offs)
+    assert_w4a8_close(out.cpu().double(), want, W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c, ex.global_scale, offs)),
+                      f"sm90_w4a8 table weights, {R} rows", 2e-3)

@@ -23,10 +23,10 @@ from ..quantize_cuda import dequantize_nvfp4_cuda
 __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYTES', 'SLAB_BYTES', 'SLAB_WIDTH', 'SLAB_ROWS',
            'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
            'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'W4A8_CODE_MASK', 'W4A8_DECODE_ROTATIONS',
-           'CONFIGS', 'WIDE_CONFIG', 'TT64_MAX_ROWS', 'DECODE_WIDE', 'WIDE_MIN_WAVES', 'encode_words', 'decode_words',
-           'scale_codes', 'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes',
-           'device_smem', 'Sm90Weights', 'wide_ok', 'pick_config', 'check_config_n', 'Sm90Plan', 'pad_experts',
-           'Sm90Backend']
+           'W4A8_TABLE', 'W4A8_TABLE_STEP', 'W4A8_TABLE_K', 'W4A8_TABLE_BIAS', 'CONFIGS', 'WIDE_CONFIG',
+           'TT64_MAX_ROWS', 'DECODE_WIDE', 'WIDE_MIN_WAVES', 'encode_words', 'decode_words', 'scale_codes',
+           'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem',
+           'Sm90Weights', 'wide_ok', 'pick_config', 'check_config_n', 'Sm90Plan', 'pad_experts', 'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -64,6 +64,15 @@ DECODE_ROTATIONS = ((0,), (12,), (2, 6), (2, 8))
 # k32 block q, four E4M3 bytes each: a code's sign -> bit 7, magnitude e1 e0 m -> bits 4 3 2 of its byte (e2m1 * 2^-6)
 W4A8_CODE_MASK = 0x9C9C9C9C
 W4A8_DECODE_ROTATIONS = ((0,), (2, 4))
+# The W4A8 table decode (GemmConfig.table, gemm.w4a8.tile_weights_w4a8_table): for a block scale 2^e and its row's
+# exponent c, the E4M3 bytes of the E2M1 magnitudes {0, .5, 1, 1.5} (lo) and {2, 3, 4, 6} (hi) times 2^k, k = e - c, are
+# W4A8_TABLE + k * W4A8_TABLE_STEP (mod 2^32: the step adds k to the exponent field of every nonzero byte), and a PRMT
+# with the code magnitudes as selectors looks 4 weights up at once. Exact for every code while k is in W4A8_TABLE_K;
+# the slab's scale bytes hold k + W4A8_TABLE_BIAS
+W4A8_TABLE = (0x3C383000, 0x4C484440)
+W4A8_TABLE_STEP = (0x08080800, 0x08080808)
+W4A8_TABLE_K = (-5, 6)
+W4A8_TABLE_BIAS = 8
 
 def _rotl(x, s: int):
     "Rotate 32-bit words (held in int64 tensors or Python ints) left by s."
@@ -210,6 +219,7 @@ class GemmConfig(NamedTuple):
     swiglu_limit: float = 10.0         # SwiGLU kinds: L (compiled in; math.inf: no clamp)
     dump: bool = False                 # SWIGLU_NVFP4: also store the fp32 h before quantization (the bit-exactness test)
     fp8: bool = False                  # W4A8: gemm.w4a8's slabs decoded to E4M3, E4M3 activations, FP8 WGMMA (k32)
+    table: bool = False                # W4A8 only: the PRMT table decode of gemm.w4a8.tile_weights_w4a8_table's slabs
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more

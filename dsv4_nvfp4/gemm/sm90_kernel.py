@@ -82,6 +82,18 @@ _F8_DEC = {(len(rot), r): _f8_dec_asm(len(rot), r) for r, rot in enumerate(W4A8_
 # of 16-block 2q + h: cvt (exact), then (6 - c) << 10 added to each half's bits ($2: the thread's two rows' addend)
 _F8_SCL = ["{ .reg .b16 l, h; .reg .b32 x; mov.b32 {l, h}, $1; cvt.rn.f16x2.e4m3x2 x, l; add.u32 $0, x, $2; }",
            "{ .reg .b16 l, h; .reg .b32 x; mov.b32 {l, h}, $1; cvt.rn.f16x2.e4m3x2 x, h; add.u32 $0, x, $2; }"]
+# --- W4A8 table decode (GemmConfig.table, gemm.w4a8.tile_weights_w4a8_table's slabs): emulate_decode_w4a8_table, one
+# snippet per step. Scale word q of a quad -> k + 8 of row g (byte 0: and) or row g + 8 (byte 2: shr, byte 3 is zero)
+_TK8 = ["and.b32 $0, $1, 255;", "shr.b32 $0, $1, 16;"]
+# k8 -> the table registers lo, hi: k8 * step + (table - 8 * step), mod 2^32 (one IMAD each)
+_TLO, _THI = (f"mad.lo.u32 $0, $1, {hex(s)}, {hex((t - W4A8_TABLE_BIAS * s) % 2 ** 32)};"
+              for t, s in zip(W4A8_TABLE, W4A8_TABLE_STEP))
+_TSEL = "and.b32 $0, $1, 0x77777777;"           # the code word's magnitudes: prmt selectors with bit 3 (sign copy) clear
+# register j (row g or g + 8, the 32-group's first 16-block) from (selectors $1, word $2, lo $3, hi $4): look up the
+# low four magnitudes, OR in the signs at bits 8i + 7; register j + 2 (the second 16-block): the high four, signs at 8i + 3
+_TA = "{ .reg .b32 s, g; prmt.b32 s, $3, $4, $1; and.b32 g, $2, 0x80808080; or.b32 $0, s, g; }"
+_TB = ("{ .reg .b32 s, g; shr.b32 s, $1, 16; prmt.b32 s, $3, $4, s; shl.b32 g, $2, 4; and.b32 g, g, 0x80808080; "
+       "or.b32 $0, s, g; }")
 # --- SWIGLU_NVFP4: the NVFP4 quantizer of ref_quantize_nvfp4, one IEEE-rounded operation per step ---------------------
 # block scale byte from the block amax (bits) and the global scale (bits): s = e4m3_rne(min(amax / (6 gs), 448));
 # satfinite saturates to 448 exactly like the reference's clamp-then-cast; a NaN amax gives the NaN byte 0x7f
@@ -219,6 +231,20 @@ class _Consumer:
         return regs
 
     @cute.jit
+    def decode_q_fp8_table(self, c0, c1, sc, q):
+        """W4A8, table decode: the 4 A registers of k32 block q (0-3), in fragment register order, from code words 2q
+        (row g) and 2q + 1 (row g + 8) and scale word q: per word one table {lo, hi} (its 32-group's 2^k) and two PRMTs."""
+        regs = [None] * 4
+        for j in cutlass.range_constexpr(2):
+            w_ = c0[2 * q + j] if q < 2 else c1[2 * (q - 2) + j]
+            k8 = _asm(_TK8[j], sc[q])
+            lo, hi = _asm(_TLO, k8), _asm(_THI, k8)
+            m = _asm(_TSEL, w_)
+            regs[j] = _asm(_TA, m, w_, lo, hi)                   # register j: row g (j = 0) or g + 8, 16-block 2q
+            regs[j + 2] = _asm(_TB, m, w_, lo, hi)               # register j + 2: the same row, 16-block 2q + 1
+        return regs
+
+    @cute.jit
     def load_codes(self, sW, cw, idx, t):
         "This thread's code words (K blocks 0-3, 4-7) and scale words of the slab in ring stage idx: three 16-byte LDS."
         base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, idx].iterator, dtype=cutlass.Uint32),
@@ -253,7 +279,9 @@ class _Consumer:
             d0 = smem_descriptor_to_int(tCrB[None, None, 0, bi].iterator)
             c0, c1, sc = self.load_codes(sW, cw, bi, t)
             for kb in cutlass.range_constexpr(nk):
-                if cutlass.const_expr(self.fp8):
+                if cutlass.const_expr(self.table):
+                    d = self.decode_q_fp8_table(c0, c1, sc, kb)
+                elif cutlass.const_expr(self.fp8):
                     d = self.decode_q_fp8(c0, c1, sc, kb, add)
                 else:
                     d = self.decode_kb(c0, c1, sc, kb)
@@ -413,6 +441,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.dump = cfg.dump and cfg.epilogue.fp4_out
         self.limit = cfg.swiglu_limit
         self.fp8 = cfg.fp8                          # W4A8: E4M3 weights (decoded) x E4M3 activations, k32 WGMMA
+        self.table = cfg.fp8 and cfg.table          # W4A8: the PRMT table decode (power-of-two block scales)
         self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
@@ -434,6 +463,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if k is not None and (k <= 0 or k % 16):
             return False, f"K must be a positive multiple of 16 (NVFP4 blocks), got {k}"
         if cfg.dump and not cfg.epilogue.fp4_out: return False, "dump is a debug output of the SWIGLU_NVFP4 epilogue only"
+        if cfg.table and not cfg.fp8:
+            return False, "table is the W4A8 loop's table decode (tile_weights_w4a8_table's slabs): it needs fp8=True"
         if cfg.fp8 and cfg.epilogue not in (Epilogue.BF16_ROW_GS, Epilogue.SWIGLU_BF16):
             return False, ("W4A8 (fp8) runs with the BF16_ROW_GS and SWIGLU_BF16 epilogues (one activation scale per row), "
                            f"got {cfg.epilogue.name}")
@@ -574,7 +605,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
                 add = cutlass.Uint32(0)
-                if cutlass.const_expr(self.fp8):                   # W4A8: (6 - c) << 10 for this thread's rows g, g + 8
+                if cutlass.const_expr(self.fp8 and not self.table):   # W4A8: (6 - c) << 10 for this thread's rows g, g + 8
                     ng = mt * self.m_tile + WG_ROWS * cw + 16 * (t // 32) + (t % 32) // 4
                     cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: 2^c (E, Np)
                     cg8 = ((_f32_bits(mSfC[e, ng + 8]) >> 23) & 0xFF).to(cutlass.Int32) - 127

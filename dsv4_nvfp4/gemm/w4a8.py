@@ -13,8 +13,9 @@ import torch
 from .. import runtime as rt
 from ..formats import E4M3_MAX, check_float, e2m1_decode
 from . import EpilogueArgs, ExpertWeights, Problem
-from .sm90 import (CONFIGS, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, Epilogue, GemmConfig,
-                                  Sm90Backend, Sm90Plan, decode_words, encode_words, pad_experts)
+from .sm90 import (CONFIGS, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, W4A8_TABLE, W4A8_TABLE_BIAS,
+                                  W4A8_TABLE_K, W4A8_TABLE_STEP, Epilogue, GemmConfig, Sm90Backend, Sm90Plan,
+                                  decode_words, encode_words, pad_experts)
 from .reference import PerExpert, grouped_rows, one_expert, unscaled
 from ..quant import FP8Activations, NVFP4Experts
 
@@ -22,9 +23,9 @@ FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_
 
 # %% auto #0
 __all__ = ['FP8_CU', 'W4A8_ACC_BITS', 'e2m1_as_e4m3', 'ref_quantize_fp8_act', 'quantize_fp8_act_cuda', 'quantize_fp8_act',
-           'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8', 'w4a8_row_scales', 'ref_grouped_gemm_w4a8',
-           'w4a8_experts_matrices', 'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model', 'Sm90W4A8Weights',
-           'Sm90W4A8Backend']
+           'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8', 'w4a8_row_scales', 'w4a8_table_ok',
+           'tile_weights_w4a8_table', 'emulate_decode_w4a8_table', 'ref_grouped_gemm_w4a8', 'w4a8_experts_matrices',
+           'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model', 'Sm90W4A8Weights', 'Sm90W4A8Backend']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -247,6 +248,155 @@ def w4a8_row_scales(c: torch.Tensor,            # int32 (E, N) row exponents fro
     out[:, :N] = torch.exp2(c.float())
     return out
 
+# %% ../../nbs/04e_w4a8.ipynb #b83e0f61
+def _prmt(a: torch.Tensor, b: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """PTX `prmt.b32 d, a, b, sel` (default mode) on int64 tensors of 32-bit words: byte j of d is byte (nibble j of
+    sel) & 7 of {a: bytes 0-3, b: bytes 4-7}, or that byte's sign bit copied into all 8 bits when the nibble's bit 3 is
+    set; sel's upper 16 bits are not read."""
+    out = torch.zeros_like(a)
+    for j in range(4):
+        n = (sel >> (4 * j)) & 0xF
+        i = n & 7
+        byte = torch.where(i < 4, a >> (8 * (i & 3)), b >> (8 * (i & 3))) & 0xFF
+        byte = torch.where((n & 8) != 0, (byte >> 7) * 0xFF, byte)
+        out |= byte << (8 * j)
+    return out
+
+def _table_words(k8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "The two table registers (lo, hi) from the stored k + 8, as the kernel's two IMADs make them (mod 2^32)."
+    base = [(t - W4A8_TABLE_BIAS * s) % 2 ** 32 for t, s in zip(W4A8_TABLE, W4A8_TABLE_STEP)]
+    return tuple((k8 * s + b) & 0xFFFFFFFF for s, b in zip(W4A8_TABLE_STEP, base))
+
+def _table_blocks(codes: torch.Tensor, s: torch.Tensor) -> dict:
+    """The table path's view of some experts' 16-blocks: codes uint8 (E, N, B, 16), scales float32 (E, N, B), B even.
+    Returns dead (E, N, B), c int32 (E, N) (`w4a8_weights`' row exponents), k16 int32 (E, N, B) each block's
+    log2(s) - c, k int32 (E, N, B/2) the offset of each 32-group (from its live 16-blocks, 0 where both are dead) and
+    three masks of the blocks that keep the table path
+    from these weights: a live block whose scale is no power of two, a live 32-group whose two halves differ, and a
+    live block whose k = log2(s) - c is outside W4A8_TABLE_K."""
+    mag = e2m1_decode(codes).abs().amax(-1)                       # the block's largest |e2m1|
+    dead = (s == 0) | (mag == 0)
+    c = _row_exponents((mag * s).amax(-1))
+    m, ex = torch.frexp(s)                                        # s = m 2^ex, m in [0.5, 1): a power of two iff m = 0.5
+    live = ~dead
+    k16 = (ex - 1).to(torch.int32) - c[..., None]
+    l0, l1 = live[..., 0::2], live[..., 1::2]
+    k = torch.where(l0, k16[..., 0::2], torch.where(l1, k16[..., 1::2], torch.zeros_like(k16[..., 0::2])))
+    pow2 = live & (m == 0.5)
+    lo, hi = W4A8_TABLE_K
+    return dict(dead=dead, c=c, k=k, k16=k16, not_pow2=live & (m != 0.5),
+                unequal=(l0 & l1 & (s[..., 0::2] != s[..., 1::2])).repeat_interleave(2, -1) & live,
+                out_of_range=pow2 & ((k16 < lo) | (k16 > hi)))
+
+_TABLE_WHY = {"not_pow2": "a block scale that is not a power of two",
+              "unequal": "a block scale unlike the other half of its 32-group",
+              "out_of_range": f"k = log2(scale) - c outside [{W4A8_TABLE_K[0]}, {W4A8_TABLE_K[1]}]"}
+
+def _table_pass(experts: NVFP4Experts, what: str, tile: bool) -> tuple:
+    """One pass over the experts, a few at a time (<= 2^27 weights): (the table slabs or None, c, reason); the slabs
+    are made while every block so far qualifies (`tile`), the reason is "" when all do."""
+    E, N, half = experts.data.shape
+    Kt = 2 * half
+    if tile and (N % 64 or Kt % 128): raise ValueError(f"{what}: need N % 64 == 0 and K % 128 == 0, got N={N}, K={Kt}")
+    s = experts.scale.float()
+    if not torch.isfinite(s).all() or (s < 0).any(): raise ValueError(f"{what}: block scales must be finite and >= 0")
+    nb = Kt // 16
+    per = max(1, (1 << 27) // max(1, N * Kt))
+    counts, first = {key: 0 for key in _TABLE_WHY}, {}
+    tiles, cs = [], []
+    for e in range(0, E, per):
+        d = experts.data[e:e + per]
+        codes = torch.stack([d & 0xF, d >> 4], -1).view(d.shape[0], N, nb, 16)
+        se = s[e:e + per]
+        if nb % 2:                                                # an odd last 16-block pairs with a dead one
+            codes = torch.nn.functional.pad(codes, (0, 0, 0, 1)); se = torch.nn.functional.pad(se, (0, 1))
+        t = _table_blocks(codes, se)
+        for key in _TABLE_WHY:
+            n = int(t[key].sum())
+            if n and key not in first:
+                x, r, b = (int(v) for v in t[key].nonzero()[0])
+                first[key] = f"expert {e + x}, row {r}, K {16 * b}..{16 * b + 15}, scale {float(se[x, r, b])}"
+                if key == "unequal": first[key] += f" against {float(se[x, r, b ^ 1])}"
+                if key == "out_of_range": first[key] += f", k = {int(t['k16'][x, r, b])}"
+            counts[key] += n
+        cs.append(t["c"])
+        if tile and not any(counts.values()):
+            zero = (codes & 8) ^ (torch.signbit(se).to(torch.uint8) << 3)[..., None]   # the zero e2m1 x s is: a -0 scale flips it
+            cleared = torch.where(t["dead"][..., None], zero, codes)[:, :, :nb].reshape(d.shape[0], N, Kt)
+            tiles.append(_tile_chunk_w4a8_table(cleared, t["k"]))
+    why = "; ".join(f"{counts[key]} live 16-blocks with {_TABLE_WHY[key]} (the first: {first[key]})"
+                    for key in _TABLE_WHY if counts[key])
+    return (torch.cat(tiles).contiguous() if tile and not why else None), torch.cat(cs), why
+
+def w4a8_table_ok(experts: NVFP4Experts) -> tuple[bool, str]:
+    """Whether the W4A8 table decode (`tile_weights_w4a8_table`, `GemmConfig.table`) takes these weights: every live
+    16-block (a nonzero scale over a nonzero code) has a power-of-two scale, equal to the other half of its 32-group
+    where that is live too, and k = log2(scale) - c in W4A8_TABLE_K (c: the row exponent of `w4a8_weights`). MXFP4
+    weights carried to NVFP4 (`quant.mxfp4_experts_to_nvfp4`) are of this kind. Returns (ok, "" or the reason: per kind
+    of offence, the number of blocks and the first). ValueError for negative or non-finite block scales."""
+    _, _, why = _table_pass(experts, "w4a8_table_ok", tile=False)
+    return not why, why
+
+def _tile_chunk_w4a8_table(codes: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    "The table slab rows of a few experts: codes uint8 (E, Np, Kt) 0..15 (dead blocks cleared), k int32 (E, Np, Kt/32)."
+    E, Np, Kt = codes.shape
+    MT, KT = Np // 64, Kt // 128
+    dev = codes.device
+    cv = codes.view(E, MT, 64, KT, 128).permute(0, 1, 3, 2, 4)       # (E, MT, KT, 64, 128)
+    row, col = _frag_coords_fp8()
+    g = cv[:, :, :, row.to(dev), col.to(dev)].to(torch.int64)         # (E, MT, KT, 128 t, 4 q, 4 r, 4 b)
+    a, b = g[..., 0:2, :], g[..., 2:4, :]                             # registers 0, 1 and 2, 3: (..., 2 rows g / g+8, 4 b)
+    i = torch.arange(4, device=dev)
+    w = (((a & 7) << (4 * i)) | ((b & 7) << (16 + 4 * i)) | ((a >> 3) << (8 * i + 7)) | ((b >> 3) << (8 * i + 3))).sum(-1)
+    w = w.reshape(E, MT, KT, 128, 2, 4).permute(0, 1, 2, 4, 3, 5)    # word 2q + row; chunk 0: q 0-1, chunk 1: q 2-3
+    by = torch.stack([(w >> (8 * j)) & 0xFF for j in range(4)], -1).to(torch.uint8)
+    kv = (k + W4A8_TABLE_BIAS).to(torch.uint8).view(E, MT, 64, KT, 4).permute(0, 1, 3, 2, 4)   # (E, MT, KT, 64 rows, 4 q)
+    qd = torch.arange(32, device=dev)
+    r0 = 16 * (qd // 8) + qd % 8                                      # the quad's first row
+    sc = torch.zeros(E, MT, KT, 32, 4, 4, dtype=torch.uint8, device=dev)   # (quad, word q, byte)
+    sc[..., 0], sc[..., 2] = kv[:, :, :, r0], kv[:, :, :, r0 + 8]     # word q = k8(row g) | k8(row g + 8) << 16
+    return torch.cat([by.reshape(E, MT, KT, 4096), sc.reshape(E, MT, KT, 512)], -1).reshape(-1, 256)
+
+def tile_weights_w4a8_table(experts: NVFP4Experts,  # (E, N, K): N % 64 == 0 and K % 128 == 0, `w4a8_table_ok`
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W4A8 slabs of the table decode (`GemmConfig.table`): the same (E N/64 K/128 18, 256) uint8 tensor of
+    4608-byte slabs as `tile_weights_w4a8`, and the same row exponents c int32 (E, N), so the epilogue is unchanged.
+    Per thread, code word 2q + j (j = 0: row g, 1: row g + 8) of k32 block q holds A registers j (the first 16-block
+    of the 32-group) and j + 2 (the second): nibble i the magnitude of register j's byte i, nibble 4 + i register
+    j + 2's, their signs at bits 8i + 7 and 8i + 3. Scale word q of a quad holds k + 8 of row g in its byte 0 and of
+    row g + 8 in its byte 2. Dead blocks are cleared to zeros of the sign `e2m1 * s` has (the code's sign, flipped
+    under a -0 scale byte: `w4a8_weights`' bytes); a 32-group takes k from its live halves, 0 when both are dead. One pass, on the weights' device, a few experts at a time.
+    ValueError with `w4a8_table_ok`'s reason for weights it refuses."""
+    tiled, c, why = _table_pass(experts, "tile_weights_w4a8_table", tile=True)
+    if why: raise ValueError(f"tile_weights_w4a8_table: the table decode does not take these weights: {why}")
+    return tiled, c
+
+def emulate_decode_w4a8_table(tiled: torch.Tensor,  # uint8 slabs of tile_weights_w4a8_table
+                              E: int, Np: int, Kt: int,
+                             ) -> torch.Tensor:     # float8_e4m3fn (E, Np, Kt)
+    """A CPU model of the table decode (`GemmConfig.table`), instruction by instruction as the kernel runs it: per
+    code word w and its scale byte k8, `lo = k8 * STEP_LO + (LO - 8 STEP_LO)`, `hi` likewise, `m = w & 0x77777777`,
+    register j = `prmt(lo, hi, m) | (w & 0x80808080)`, register j + 2 = `prmt(lo, hi, m >> 16) | ((w << 4) &
+    0x80808080)`; each byte placed at its (row, K). On weights `w4a8_table_ok` takes it equals `w4a8_weights`' w8."""
+    MT, KT = Np // 64, Kt // 128
+    if Np % 64 or Kt % 128 or tiled.numel() != E * MT * KT * SLAB_BYTES:
+        raise ValueError(f"emulate_decode_w4a8_table: slabs {tuple(tiled.shape)} are not those of (E, N, K) = ({E}, {Np}, {Kt})")
+    b = tiled.view(E, MT, KT, SLAB_BYTES).to(torch.int64)
+    word = lambda x: x[..., 0::4] | x[..., 1::4] << 8 | x[..., 2::4] << 16 | x[..., 3::4] << 24
+    cw = word(b[..., :4096]).view(E, MT, KT, 2, 128, 4).permute(0, 1, 2, 4, 3, 5).reshape(E, MT, KT, 128, 4, 2)  # (t, q, j)
+    sw = word(b[..., 4096:]).view(E, MT, KT, 32, 4)[:, :, :, torch.arange(128) // 4]      # (E, MT, KT, 128 t, 4 q)
+    k8 = torch.stack([sw & 0xFF, sw >> 16], -1)                      # (t, q, j): and / shr, one instruction each
+    lo, hi = _table_words(k8)
+    m = cw & 0x77777777
+    ra = _prmt(lo, hi, m) | (cw & 0x80808080)                         # register j
+    rb = _prmt(lo, hi, m >> 16) | ((cw << 4) & 0x80808080)            # register j + 2
+    reg = torch.cat([ra, rb], -1)                                    # (E, MT, KT, 128, 4 q, 4 r)
+    wb = torch.stack([(reg >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+    out = torch.empty(E, MT, KT, 64, 128, dtype=torch.uint8)
+    row, col = _frag_coords_fp8()
+    out[:, :, :, row, col] = wb
+    return out.permute(0, 1, 3, 2, 4).reshape(E, Np, Kt).view(torch.float8_e4m3fn)
+
 # %% ../../nbs/04e_w4a8.ipynb #cecc7e73
 def ref_grouped_gemm_w4a8(a: FP8Activations,           # (R, K) FP8 rows, expert-major
                           w8: torch.Tensor,            # float8_e4m3fn (E, N, K) from w4a8_weights
@@ -320,23 +470,30 @@ def fp8_wgmma_model(a: FP8Activations, w8: torch.Tensor, c: torch.Tensor, gs_w: 
 # %% ../../nbs/04e_w4a8.ipynb #d015812d
 @dataclass(eq=False, repr=False)
 class Sm90W4A8Weights(ExpertWeights):
-    """The sm90_w4a8 backend's weights: the W4A8 slabs of `tile_weights_w4a8` (N padded to 128, K to 128) and the
-    weight rows' `2^c` (`w4a8_row_scales`), with the global scales."""
+    """The sm90_w4a8 backend's weights: the W4A8 slabs (N padded to 128, K to 128) of `tile_weights_w4a8_table` where
+    `w4a8_table_ok` takes the weights (`table`), else of `tile_weights_w4a8`, and the weight rows' `2^c`
+    (`w4a8_row_scales`, the same for both), with the global scales."""
     backend: ClassVar[str] = "sm90_w4a8"
     w_w4a8: torch.Tensor = None          # uint8 (E * Np/64 * Kt/128 * 18, 256)
     w_rows: torch.Tensor = None          # fp32 (E, Np): 2^c per weight row, padded rows 1
+    table: bool = False                  # w_w4a8 holds the table decode's slabs: launched with GemmConfig.table
 
 _W4A8_KIND = {"bf16": "BF16_ROW_GS", "swiglu_bf16": "SWIGLU_BF16"}
 
 class Sm90W4A8Backend(Sm90Backend):
     """Hopper (sm_90a) W4A8: the weights decoded in registers to E4M3 and multiplied with E4M3 rows on the FP8 tensor
     cores (`GroupedGemmSm90` with `GemmConfig.fp8`), each 128-K tile promoted into fp32; the plain (per-row scale) and
-    fused SwiGLU bf16 epilogues. The same devices and padding as `Sm90Backend`; its own slabs, plan and launch."""
+    fused SwiGLU bf16 epilogues. The same devices and padding as `Sm90Backend`; its own slabs, plan and launch. Weights
+    with power-of-two block scales (`w4a8_table_ok`: MXFP4 carried to NVFP4) get the table decode's slabs and run
+    with `GemmConfig.table`; the others the F2FP loop's."""
     weights_type = Sm90W4A8Weights
 
     def prepare(self, experts: NVFP4Experts, a_gs) -> Sm90W4A8Weights:
-        tiled, c = tile_weights_w4a8(pad_experts(experts))
-        return Sm90W4A8Weights(tuple(experts.shape), experts.global_scale.float().contiguous(), a_gs, tiled, w4a8_row_scales(c))
+        padded = pad_experts(experts)
+        tiled, c, why = _table_pass(padded, "sm90_w4a8 prepare", tile=True)       # the table slabs, or why not
+        if tiled is None: tiled, c = tile_weights_w4a8(padded)
+        return Sm90W4A8Weights(tuple(experts.shape), experts.global_scale.float().contiguous(), a_gs, tiled,
+                               w4a8_row_scales(c), table=not why)
     def can_implement(self, p: Problem) -> tuple[bool, str]:
         if p.act != "fp8": return False, f"the sm90_w4a8 backend takes FP8 rows (FP8Activations), not {p.act!r} activations"
         if p.epilogue not in _W4A8_KIND:
@@ -354,6 +511,7 @@ class Sm90W4A8Backend(Sm90Backend):
     def run(self, plan: Sm90Plan, a, w: Sm90W4A8Weights, offsets, out, epi: EpilogueArgs, workspace=None):
         from dsv4_nvfp4.gemm.sm90_kernel import run_sm90
         cfg, free = plan
+        if w.table: cfg = cfg._replace(table=True)                  # the slabs' decode: the plan is made without the weights
         scales = epi.row_scales if cfg.epilogue.swiglu else epi.gs_a.reshape(-1, 1)   # (R, 2) (gs_a, p), or (R, 1)
         run_sm90(cfg, w.w_w4a8, a.data, out, offsets, w.w_gs, scales, sf_c=w.w_rows, sms_free=free)
         return out
