@@ -16,7 +16,7 @@ from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, deq
 from .gemm import backend_for, get_backend, grouped_gemm_nvfp4, prepare_weights
 from .runtime import define_op, op_object, register_op_object
 from .quant import (GS_MIN, FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
-                              ref_quantize_nvfp4, stack_experts)
+                              ref_quantize_mxfp4, ref_quantize_nvfp4, stack_experts)
 from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, group_sizes,
                                 local_groups, permute_rows, ref_dsv4_router, route_buffers, route_permute_fused, route_rows, route_topk,
                                 router_logits, ROUTE_FUSED_MAX_T)
@@ -442,12 +442,16 @@ def _heavy(shape, g, scale, device):
 def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w4a16", hash_vocab: int = 0,
                calib_tokens: int = 64, device="cpu", keep_bf16: bool = True,
                progress: bool | None = None,   # a tqdm bar over the experts; None: for a layer of more than 2^27 weights on the CPU
+               mxfp4: bool = False,            # the routed experts as DeepSeek-V4 releases them: MXFP4, carried onto NVFP4
               ):
     """A realistic random layer: heavy-tailed weights, the shared expert, a selection bias (or, with `hash_vocab`, a
     tid2eid table), W4A4's static scales of x and h calibrated on `calib_tokens` sample tokens; keeps its unquantized
     weights. The weights are drawn and quantized on `device` and the layer is returned on the CPU (move it with
     `.to`): a GPU (`device="cuda"`) builds a DSV4-Flash layer in seconds, a CPU takes minutes (a progress bar shows the
-    experts done)."""
+    experts done). `mxfp4`: the routed experts are quantized to MXFP4 (`ref_quantize_mxfp4`) and carried onto NVFP4
+    with the same values (`mxfp4_to_nvfp4`, an expert's w1 and w3 under one global scale, blocks out of NVFP4's range
+    re-rounded), the shared expert to NVFP4 with one global scale for its w1 and w3: the form `from_dsv4` gives a
+    released checkpoint (power-of-two block scales, which W4A8's table decode takes)."""
     from tqdm.auto import tqdm
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -457,7 +461,16 @@ def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w
     bar = tqdm(range(E + 1), desc=f"DSV4MoE.synthetic: {E} + 1 experts on {dev}", unit="expert", disable=not progress)
     for e in bar:                                      # one expert at a time: a Flash layer never sits in fp32 at once
         a, b, c = _heavy((I, H), g, H ** -0.5, dev), _heavy((I, H), g, H ** -0.5, dev), _heavy((H, I), g, I ** -0.5, dev)
-        q1.append(ref_quantize_nvfp4(a)); q3.append(ref_quantize_nvfp4(b)); q2.append(ref_quantize_nvfp4(c))
+        if mxfp4 and e < E:                            # a routed expert: MXFP4, w1 and w3 under one global scale
+            ma, mb, mc = ref_quantize_mxfp4(a), ref_quantize_mxfp4(b), ref_quantize_mxfp4(c)
+            m = mxfp4_global_exp(ma, mb)
+            q1.append(mxfp4_to_nvfp4(ma, False, m)[0]); q3.append(mxfp4_to_nvfp4(mb, False, m)[0])
+            q2.append(mxfp4_to_nvfp4(mc, False)[0])
+        elif mxfp4:                                    # the shared expert: NVFP4, one global scale for w1 and w3
+            gs = global_scale_from_amax(torch.maximum(a.abs().amax(), b.abs().amax()))
+            q1.append(ref_quantize_nvfp4(a, gs)); q3.append(ref_quantize_nvfp4(b, gs)); q2.append(ref_quantize_nvfp4(c))
+        else:
+            q1.append(ref_quantize_nvfp4(a)); q3.append(ref_quantize_nvfp4(b)); q2.append(ref_quantize_nvfp4(c))
         if keep_bf16: w1.append(a.cpu()); w3.append(b.cpu()); w2.append(c.cpu())
     # stacked and fused (unify re-quantizes the experts whose w1 and w3 scales differ) where they were quantized: on a
     # GPU this is the same arithmetic in seconds, not the CPU's minutes for a Flash layer; then the layer's home, the CPU

@@ -10,10 +10,13 @@ DEV = torch.device("cuda")
 CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
 
 
-@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8", "w4a8_mxfp4"])
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_layer_against_float64_reference(act, T):
-    layer = M.DSV4MoE.synthetic(CFG, seed=T, act=act, device=DEV).to(DEV)
+    # w4a8_mxfp4: DeepSeek-V4's form (MXFP4-carried routed experts: W4A8's table loop; an NVFP4 shared expert: its F2FP loop)
+    mx = act == "w4a8_mxfp4"
+    layer = M.DSV4MoE.synthetic(CFG, seed=T, act="w4a8" if mx else act, device=DEV, mxfp4=mx).to(DEV)
+    if mx: assert all(w.table for w in layer.prepared(DEV))
     x = torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
     y = layer(x.to(DEV))
     assert y.dtype == torch.bfloat16 and y.shape == (T, CFG.hidden)

@@ -181,3 +181,13 @@ def test_w4a8_table_loop(cfg, epi):
     assert S.wgmma_hazards(body) == []
     n, n_f2fp = sum(ops.values()), sum(S.sass_opcodes(S.mainloop_sass(f2fp)).values())
     assert n <= n_f2fp - 50, (n, n_f2fp, ops)
+    # the table kernel holds both K loops (each expert by its own decode, one uniform branch per unit outside them):
+    # its other one is the F2FP kernel's loop (measured: one LOP3 became an ISETP), with no hazard either
+    loops = S.mainloop_sass(f2fp._replace(table=True), every=True)
+    plain = S.sass_opcodes(S.mainloop_sass(f2fp))
+    k_loops = [l for l in loops if len(l) <= sum(plain.values()) + 2]     # not the unit loop (several hundred)
+    assert len(k_loops) == 2 and body in k_loops, [len(l) for l in loops]
+    other = [l for l in k_loops if l != body]
+    o = S.sass_opcodes(other[0])
+    assert all(o.get(k) == plain.get(k) for k in ("F2FP", "HMUL2", "QGMMA", "LDS", "WARPGROUP", "FADD")), (o, plain)
+    assert abs(sum(o.values()) - sum(plain.values())) <= 2 and S.wgmma_hazards(other[0]) == [], (o, plain)

@@ -264,7 +264,8 @@ def test_w4a8_table_path_is_the_same_bits(tt):
             cfg = S90.CONFIGS[tt]._replace(fp8=True, table=table, epilogue=epi)
             out = torch.full((R, N // 2 if epi.swiglu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
             sc = torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale
-            S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), sc.cuda(), sf_c=rows)
+            r = -rows if table else rows                              # a table kernel runs the table loop for -2^c rows
+            S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), sc.cuda(), sf_c=r)
             torch.cuda.synchronize()
             outs.append(out.cpu())
         assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1]), (tt, epi.name)
@@ -279,3 +280,51 @@ def test_w4a8_table_path_is_the_same_bits(tt):
     want = W.ref_grouped_gemm_w4a8(a, w8, c, ex.global_scale, offs)
     assert_w4a8_close(out.cpu().double(), want, W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c, ex.global_scale, offs)),
                       f"sm90_w4a8 table weights, {R} rows", 2e-3)
+
+
+_MIXED = [S90.CONFIGS[tt] for tt in sorted(S90.CONFIGS)] + [S90.WIDE_CONFIG] + [S90.DECODE_WIDE[tt] for tt in sorted(S90.DECODE_WIDE)]
+
+
+@pytest.mark.parametrize("cfg", _MIXED, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _MIXED])
+def test_w4a8_mixed_experts_are_the_same_bits(cfg):
+    """Each expert by its own decode in one launch (GemmConfig.table, every configuration a plan can pick): MXFP4-carried
+    experts in table slabs around a general NVFP4 expert in F2FP slabs (tile_weights_w4a8_mixed, the sign of the row
+    table choosing the loop per unit) give every output bit for bit as the F2FP loop on all of them, both epilogues,
+    ragged rows with an empty expert; and prepare_weights' weights take the same path through grouped_gemm_nvfp4."""
+    from dsv4_nvfp4.gemm import grouped_gemm_nvfp4, prepare_weights
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
+    g = torch.Generator().manual_seed(90 + cfg.tok_tile + cfg.wgs)
+    E, N, K = 4, 256, 512
+    w = torch.randn(E, N, K, generator=g) * torch.logspace(-1, 1, N).view(1, N, 1)
+    mx, _ = Q.mxfp4_experts_to_nvfp4([Q.ref_quantize_mxfp4(w[e]) for e in range(E)])
+    nv = Q.quantize_experts(w[2:3])
+    ex = Q.NVFP4Experts(mx.data.clone(), mx.scale.clone(), mx.global_scale.clone(), mx.shape)
+    ex.data[2], ex.scale[2], ex.global_scale[2] = nv.data[0], nv.scale[0], nv.global_scale[0]
+    tiled_m, cm, table = W.tile_weights_w4a8_mixed(ex)
+    assert table.tolist() == [True, True, False, True]
+    tiled_f, cf = W.tile_weights_w4a8(ex)
+    assert torch.equal(cm, cf)
+    tt = cfg.tok_tile
+    offs = torch.tensor([tt + 5, 2 * tt + 3, 0, 3 * tt + 1]).cumsum(0).to(torch.int32)
+    R = int(offs[-1])
+    a = W.ref_quantize_fp8_act(torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R).view(R, 1))
+    p = torch.rand(R, generator=g) + 0.5
+    for epi in (S90.Epilogue.BF16_ROW_GS, S90.Epilogue.SWIGLU_BF16):
+        outs = []
+        for mixed in (True, False):
+            c = cfg._replace(fp8=True, table=mixed, epilogue=epi)
+            out = torch.full((R, N // 2 if epi.swiglu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            sc = torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale
+            rows = W.w4a8_row_scales(cm, table=table if mixed else None).cuda()
+            S90K.run_sm90(c, (tiled_m if mixed else tiled_f).cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(),
+                          sc.cuda(), sf_c=rows)
+            torch.cuda.synchronize()
+            outs.append(out.cpu())
+        assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1]), (cfg, epi.name)
+    wp = prepare_weights(ex, device="cuda", backend="sm90_w4a8")
+    assert wp.table
+    out = grouped_gemm_nvfp4(Q.FP8Activations(a.data.cuda(), a.scale.cuda()), wp, offs.cuda(), check=True)
+    w8, c8, _ = W.w4a8_weights(ex)
+    want = W.ref_grouped_gemm_w4a8(a, w8, c8, ex.global_scale, offs)
+    assert_w4a8_close(out.cpu().double(), want, W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c8, ex.global_scale, offs)),
+                      f"sm90_w4a8 mixed weights, {R} rows", 2e-3)

@@ -173,7 +173,8 @@ def test_backend_picks_the_table_for_mxfp4_carried_weights(monkeypatch):
     assert wt.w_w4a8.shape == wf.w_w4a8.shape == (2 * 2 * 3 * 18, 256)
     dec = W.emulate_decode_w4a8_table(wt.w_w4a8, 2, 128, 384)
     assert torch.equal(dec[:, :96, :320].view(torch.uint8), W.w4a8_weights(mx)[0].view(torch.uint8))
-    assert torch.equal(torch.log2(wt.w_rows[:, :96]).int(), W.w4a8_weights(mx)[1])
+    assert torch.equal(torch.log2(-wt.w_rows[:, :96]).int(), W.w4a8_weights(mx)[1])   # table experts: -2^c
+    assert (wt.w_rows < 0).all() and (wf.w_rows > 0).all()
     dec = W.emulate_decode_w4a8(wf.w_w4a8, torch.log2(wf.w_rows).int(), 2, 128, 384)
     assert torch.equal(dec[:, :96, :320].view(torch.uint8), W.w4a8_weights(nv)[0].view(torch.uint8))
     # the launch: the plan is made from the problem alone (table False), run() adds the weights' decode
@@ -200,3 +201,44 @@ def test_kernel_refuses_table_without_fp8():
     assert not ok and "fp8=True" in why
     assert S90K.GroupedGemmSm90.can_implement(S90.CONFIGS[64]._replace(table=True, fp8=True, epilogue=S90.Epilogue.BF16_ROW_GS),
                                               8, smem_limit=S90.HOPPER_SMEM_PER_BLOCK) == (True, "")
+
+
+def test_the_decode_is_chosen_per_expert():
+    """A layer of MXFP4-carried experts with one general NVFP4 expert among them (DeepSeek-V4's routed experts and its
+    re-quantized shared expert): w4a8_table_experts marks each expert alone, tile_weights_w4a8_mixed lays each out for
+    its own decode (each expert's slabs decode to its w4a8_weights bytes), the row table is negated exactly for the table
+    experts, and the backend's weights say a table launch is needed. All general: no table expert, all positive rows."""
+    mx = mx_experts(6, 3, 64, 256)
+    nv = quantize_experts(torch.randn(1, 64, 256, generator=gen(7)))
+    cat = lambda *xs: torch.cat(xs)
+    ex = NVFP4Experts(cat(mx.data[:2], nv.data, mx.data[2:]), cat(mx.scale[:2], nv.scale, mx.scale[2:]),
+                      cat(mx.global_scale[:2], nv.global_scale, mx.global_scale[2:]), (4, 64, 256))
+    table = W.w4a8_table_experts(ex)
+    assert table.tolist() == [True, True, False, True]
+    assert not W.w4a8_table_ok(ex)[0] and all(W.w4a8_table_ok(one)[0] for one in (mx,))
+    tiled, c, t2 = W.tile_weights_w4a8_mixed(ex)
+    assert torch.equal(t2, table) and torch.equal(c, W.w4a8_weights(ex)[1])
+    want = W.w4a8_weights(ex)[0].view(torch.uint8)
+    per = tiled.view(4, -1, 256)
+    for e in range(4):
+        dec = (W.emulate_decode_w4a8_table(per[e], 1, 64, 256) if table[e] else
+               W.emulate_decode_w4a8(per[e], c[e:e + 1], 1, 64, 256))
+        assert torch.equal(dec[0].view(torch.uint8), want[e]), e
+    rows = W.w4a8_row_scales(c, table=table)
+    assert torch.equal(rows.abs(), W.w4a8_row_scales(c)) and torch.equal(rows[:, 0] < 0, table)
+    with pytest.raises(ValueError, match="table must be"): W.w4a8_row_scales(c, table=table[:3])
+    b = get_backend("sm90_w4a8")
+    w = b.prepare(ex, None)
+    tp, cp, _ = W.tile_weights_w4a8_mixed(S90.pad_experts(ex))                # the backend pads N to 128
+    assert w.table and torch.equal(w.w_w4a8, tp) and torch.equal(w.w_rows, W.w4a8_row_scales(cp, table=table))
+    w = b.prepare(NVFP4Experts(nv.data.repeat(2, 1, 1), nv.scale.repeat(2, 1, 1), nv.global_scale.repeat(2), (2, 64, 256)), None)
+    assert not w.table and (w.w_rows > 0).all()
+
+
+def test_synthetic_mxfp4_layer_is_deepseek_v4s_form():
+    "DSV4MoE.synthetic(mxfp4=True): every routed expert of W13 and W2 is a table expert, the shared expert (last) is not."
+    from dsv4_nvfp4.moe import DSV4MoE, MoEConfig
+    lay = DSV4MoE.synthetic(MoEConfig(256, 128, 8, 2, 1.5), seed=3, act="w4a8", mxfp4=True)
+    for w in (lay.w13, lay.w2):
+        assert W.w4a8_table_experts(w).tolist() == [True] * 8 + [False]
+    assert not W.w4a8_table_experts(DSV4MoE.synthetic(MoEConfig(256, 128, 8, 2, 1.5), seed=3).w13).any()

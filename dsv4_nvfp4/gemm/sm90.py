@@ -219,7 +219,7 @@ class GemmConfig(NamedTuple):
     swiglu_limit: float = 10.0         # SwiGLU kinds: L (compiled in; math.inf: no clamp)
     dump: bool = False                 # SWIGLU_NVFP4: also store the fp32 h before quantization (the bit-exactness test)
     fp8: bool = False                  # W4A8: gemm.w4a8's slabs decoded to E4M3, E4M3 activations, FP8 WGMMA (k32)
-    table: bool = False                # W4A8 only: the PRMT table decode of gemm.w4a8.tile_weights_w4a8_table's slabs
+    table: bool = False                # W4A8 only: also the PRMT table loop, for the experts whose row table is negative
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more

@@ -41,6 +41,13 @@ def _f32_bits(x, *, loc=None, ip=None):
                         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return cutlass.Uint32(r)
 
+@dsl_user_op
+def _bits_f32(x, *, loc=None, ip=None):
+    "The fp32 value of 32 bits (a move, not a conversion): the inverse of `_f32_bits`."
+    r = llvm.inline_asm(T.f32(), [cutlass.Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
+                        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return cutlass.Float32(r)
+
 
 # The decode of one code word w (sm90.DECODE_ROTATIONS): register j = BF16_CODE_MASK & XOR of rotl(w, s), each half a
 # code's bf16 bits times 2^-126, then times the half of the scale pair {S_r0, S_r1} for its row (j even: r0, odd: r1),
@@ -245,6 +252,19 @@ class _Consumer:
         return regs
 
     @cute.jit
+    def decode_tile(self, c0, c1, sc, a_u32, add, table: cutlass.Constexpr):
+        "The A fragment of one K tile (a_u32: 8 K blocks x 4 bf16x2 words, or 4 k32 blocks x 4 E4M3x4 words) by one decode."
+        for kb in cutlass.range_constexpr(4 if self.fp8 else 8):
+            if cutlass.const_expr(table):
+                d = self.decode_q_fp8_table(c0, c1, sc, kb)
+            elif cutlass.const_expr(self.fp8):
+                d = self.decode_q_fp8(c0, c1, sc, kb, add)
+            else:
+                d = self.decode_kb(c0, c1, sc, kb)
+            for j in cutlass.range_constexpr(4):
+                a_u32[j + 4 * kb] = d[j]
+
+    @cute.jit
     def load_codes(self, sW, cw, idx, t):
         "This thread's code words (K blocks 0-3, 4-7) and scale words of the slab in ring stage idx: three 16-byte LDS."
         base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, idx].iterator, dtype=cutlass.Uint32),
@@ -259,7 +279,7 @@ class _Consumer:
         return c0, c1, sc
 
     @cute.jit
-    def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add):
+    def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, table: cutlass.Constexpr):
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
         # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage: no fragment
@@ -278,15 +298,7 @@ class _Consumer:
             bi = cs.index
             d0 = smem_descriptor_to_int(tCrB[None, None, 0, bi].iterator)
             c0, c1, sc = self.load_codes(sW, cw, bi, t)
-            for kb in cutlass.range_constexpr(nk):
-                if cutlass.const_expr(self.table):
-                    d = self.decode_q_fp8_table(c0, c1, sc, kb)
-                elif cutlass.const_expr(self.fp8):
-                    d = self.decode_q_fp8(c0, c1, sc, kb, add)
-                else:
-                    d = self.decode_kb(c0, c1, sc, kb)
-                for j in cutlass.range_constexpr(4):
-                    a_u32[j + 4 * kb] = d[j]
+            self.decode_tile(c0, c1, sc, a_u32, add, table)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(nk):
                 b_kb = cute.make_tensor(int_to_smem_descriptor(d0 + cutlass.Int64(koff[kb])), tCrB[None, None, kb, 0].layout)
@@ -316,6 +328,8 @@ class _EpilogueStore:
         g = mGw[e] * cutlass.Float32(DECODE_SCALE)          # DECODE_SCALE: a Python constant, an exact power of two
         if cutlass.const_expr(self.fp8):
             g = mGw[e]                                      # W4A8: the weights are e2m1 s 2^-c; 2^c per row below
+        if cutlass.const_expr(self.table):                  # a table expert's rows hold -2^c: g takes the sign back
+            g = g * _bits_f32((_f32_bits(mSfC[e, 0]) & 0x80000000) | 0x3F800000)
         row0 = rb + ti * self.tt
         rend = rb + cnt
         n0 = mt * self.m_tile
@@ -605,12 +619,21 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
                 add = cutlass.Uint32(0)
-                if cutlass.const_expr(self.fp8 and not self.table):   # W4A8: (6 - c) << 10 for this thread's rows g, g + 8
+                tb = cutlass.Uint32(0)
+                if cutlass.const_expr(self.fp8):                   # W4A8: (6 - c) << 10 for this thread's rows g, g + 8
                     ng = mt * self.m_tile + WG_ROWS * cw + 16 * (t // 32) + (t % 32) // 4
-                    cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: 2^c (E, Np)
+                    cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: +-2^c (E, Np)
                     cg8 = ((_f32_bits(mSfC[e, ng + 8]) >> 23) & 0xFF).to(cutlass.Int32) - 127
                     add = (((6 - cg) << 10) | ((6 - cg8) << 26)).to(cutlass.Uint32)
-                cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add)
+                if cutlass.const_expr(self.table):                 # W4A8 table kernel: this expert's loop, from its
+                    tb = _f32_bits(mSfC[e, 0]) >> 31                # row table's sign (negative: table slabs)
+                if cutlass.const_expr(self.table):
+                    if tb != 0:                                     # one uniform branch per unit, outside the K loop
+                        cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, 1)
+                    else:
+                        cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, 0)
+                else:
+                    cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, 0)
                 self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump)
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
@@ -742,9 +765,11 @@ def kernel_artifact(cfg: GemmConfig, ext: str = "ptx", arch: str = "sm_90a") -> 
         (f,) = Path(d).glob(f"*.{ext}")
         return f.read_bytes()
 
-def mainloop_sass(cfg: GemmConfig, arch: str = "sm_90a") -> list[str]:
+def mainloop_sass(cfg: GemmConfig, arch: str = "sm_90a", every: bool = False) -> list[str] | list[list[str]]:
     """The SASS of the K loop of `cfg`'s kernel (compiled here, no GPU; disassembled by nvdisasm): the shortest loop
-    (a backward branch to a label) that holds the HGMMAs, one string per instruction, predicates kept."""
+    (a backward branch to a label) that holds the HGMMAs, one string per instruction, predicates kept. `every`: every
+    innermost loop that holds HGMMAs, in code order: the K loops (a `GemmConfig.table` kernel has two) and the unit
+    loop, whose span holds HGMMAs of its own where ptxas lays the K loop out of it."""
     import re, subprocess, tempfile
     from pathlib import Path
     with tempfile.TemporaryDirectory() as d:
@@ -754,9 +779,12 @@ def mainloop_sass(cfg: GemmConfig, arch: str = "sm_90a") -> list[str]:
     for line in text.splitlines():
         if m := re.match(r"^(\.L_x_\d+):", line): labels[m.group(1)] = len(ins)
         elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line): ins.append(m.group(1))
-    loops = [ins[labels[m.group(1)]:i + 1] for i, s in enumerate(ins)
+    spans = [(labels[m.group(1)], i + 1) for i, s in enumerate(ins)
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", s)) and labels.get(m.group(1), i + 1) <= i]
-    return min((l for l in loops if any("GMMA" in s for s in l)), key=len)
+    mma = [(a, b) for a, b in spans if any("GMMA" in s for s in ins[a:b])]
+    if not every: return ins[slice(*min(mma, key=lambda ab: ab[1] - ab[0]))]
+    inner = [(a, b) for a, b in mma if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in mma)]
+    return [ins[a:b] for a, b in sorted(set(inner))]
 
 def _unpredicated(s: str) -> str:
     "A SASS instruction without its guard predicate: `@!P0 SYNCS.ARRIVE.TRANS64 ...` -> `SYNCS.ARRIVE.TRANS64 ...`."

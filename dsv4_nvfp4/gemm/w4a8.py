@@ -24,8 +24,9 @@ FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_
 # %% auto #0
 __all__ = ['FP8_CU', 'W4A8_ACC_BITS', 'e2m1_as_e4m3', 'ref_quantize_fp8_act', 'quantize_fp8_act_cuda', 'quantize_fp8_act',
            'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8', 'w4a8_row_scales', 'w4a8_table_ok',
-           'tile_weights_w4a8_table', 'emulate_decode_w4a8_table', 'ref_grouped_gemm_w4a8', 'w4a8_experts_matrices',
-           'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model', 'Sm90W4A8Weights', 'Sm90W4A8Backend']
+           'tile_weights_w4a8_table', 'emulate_decode_w4a8_table', 'w4a8_table_experts', 'tile_weights_w4a8_mixed',
+           'ref_grouped_gemm_w4a8', 'w4a8_experts_matrices', 'ref_w4a8_magnitude', 'w4a8_error_bound',
+           'fp8_wgmma_model', 'Sm90W4A8Weights', 'Sm90W4A8Backend']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -237,15 +238,21 @@ def emulate_decode_w4a8(tiled: torch.Tensor,  # uint8 slabs of tile_weights_w4a8
 
 def w4a8_row_scales(c: torch.Tensor,            # int32 (E, N) row exponents from tile_weights_w4a8
                     n_pad: int | None = None,   # rows of the slabs (N padded); None: N
+                    table: torch.Tensor | None = None,   # bool (E,): the experts in table slabs (tile_weights_w4a8_mixed)
                    ) -> torch.Tensor:           # fp32 (E, n_pad)
-    """The W4A8 kernel's row table: 2^c per weight row in fp32 (exact), padded rows 1.0 (c = 0). The epilogue multiplies
-    each output column by it; the mainloop reads each row's c back from its exponent bits."""
+    """The W4A8 kernel's row table: 2^c per weight row in fp32 (exact), padded rows 1.0 (c = 0), and for the experts
+    marked in `table` the same negated: a kernel compiled with `GemmConfig.table` runs the table loop for an expert whose
+    first row is negative and the F2FP loop otherwise, and its epilogue takes the sign back. The epilogue multiplies
+    each output column by it; the F2FP loop reads each row's c back from its exponent bits."""
     E, N = c.shape
     n_pad = N if n_pad is None else n_pad
     if n_pad < N or n_pad % 64: raise ValueError(f"w4a8_row_scales: n_pad must be a multiple of 64 and >= N = {N}, got {n_pad}")
     if c.min() < -126 or c.max() > 127: raise ValueError("w4a8_row_scales: row exponents outside fp32's normal range")
     out = torch.ones(E, n_pad, dtype=torch.float32, device=c.device)
     out[:, :N] = torch.exp2(c.float())
+    if table is not None:
+        if tuple(table.shape) != (E,): raise ValueError(f"w4a8_row_scales: table must be (E,) = ({E},), got {tuple(table.shape)}")
+        out[table.to(out.device).bool()] *= -1
     return out
 
 # %% ../../nbs/04e_w4a8.ipynb #b83e0f61
@@ -397,6 +404,45 @@ def emulate_decode_w4a8_table(tiled: torch.Tensor,  # uint8 slabs of tile_weight
     out[:, :, :, row, col] = wb
     return out.permute(0, 1, 3, 2, 4).reshape(E, Np, Kt).view(torch.float8_e4m3fn)
 
+def w4a8_table_experts(experts: NVFP4Experts) -> torch.Tensor:
+    """bool (E,): the experts the table decode takes, each judged alone as `w4a8_table_ok` would judge it (a layer
+    whose routed experts are MXFP4-carried and whose shared expert is not has every routed expert True). One pass, a
+    few experts at a time, on the weights' device. ValueError for negative or non-finite block scales."""
+    E, N, half = experts.data.shape
+    Kt, nb_ = 2 * half, half // 8
+    s = experts.scale.float()
+    if not torch.isfinite(s).all() or (s < 0).any(): raise ValueError("w4a8_table_experts: block scales must be finite and >= 0")
+    per = max(1, (1 << 27) // max(1, N * Kt))
+    ok = []
+    for e in range(0, E, per):
+        d = experts.data[e:e + per]
+        codes = torch.stack([d & 0xF, d >> 4], -1).view(d.shape[0], N, nb_, 16)
+        se = s[e:e + per]
+        if nb_ % 2: codes = torch.nn.functional.pad(codes, (0, 0, 0, 1)); se = torch.nn.functional.pad(se, (0, 1))
+        t = _table_blocks(codes, se)
+        ok.append(~(t["not_pow2"] | t["unequal"] | t["out_of_range"]).flatten(1).any(1))
+    return torch.cat(ok)
+
+def tile_weights_w4a8_mixed(experts: NVFP4Experts,  # (E, N, K): N % 64 == 0 and K % 128 == 0
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert in the slabs of its own decode: `tile_weights_w4a8_table`'s for the experts `w4a8_table_experts`
+    takes, `tile_weights_w4a8`'s for the others (the slabs of one expert are contiguous, so the two interleave by
+    expert). Returns (slabs uint8 (E N/64 K/128 18, 256), c int32 (E, N) (the same row exponents for both), table bool
+    (E,) on the weights' device). A kernel compiled with `GemmConfig.table` picks each expert's loop from the sign of
+    its row table (`w4a8_row_scales(c, table=...)`)."""
+    E, N, half = experts.data.shape
+    table = w4a8_table_experts(experts)
+    flags = table.tolist()
+    tiles, cs, e = [], [], 0
+    while e < E:
+        f = e
+        while f < E and flags[f] == flags[e]: f += 1
+        sub = NVFP4Experts(experts.data[e:f], experts.scale[e:f], experts.global_scale[e:f], (f - e, N, 2 * half))
+        tiled, c = (tile_weights_w4a8_table if flags[e] else tile_weights_w4a8)(sub)
+        tiles.append(tiled); cs.append(c)
+        e = f
+    return torch.cat(tiles).contiguous(), torch.cat(cs), table
+
 # %% ../../nbs/04e_w4a8.ipynb #cecc7e73
 def ref_grouped_gemm_w4a8(a: FP8Activations,           # (R, K) FP8 rows, expert-major
                           w8: torch.Tensor,            # float8_e4m3fn (E, N, K) from w4a8_weights
@@ -470,30 +516,30 @@ def fp8_wgmma_model(a: FP8Activations, w8: torch.Tensor, c: torch.Tensor, gs_w: 
 # %% ../../nbs/04e_w4a8.ipynb #d015812d
 @dataclass(eq=False, repr=False)
 class Sm90W4A8Weights(ExpertWeights):
-    """The sm90_w4a8 backend's weights: the W4A8 slabs (N padded to 128, K to 128) of `tile_weights_w4a8_table` where
-    `w4a8_table_ok` takes the weights (`table`), else of `tile_weights_w4a8`, and the weight rows' `2^c`
-    (`w4a8_row_scales`, the same for both), with the global scales."""
+    """The sm90_w4a8 backend's weights: the W4A8 slabs (N padded to 128, K to 128) of `tile_weights_w4a8_mixed` (each
+    expert in the table decode's layout where `w4a8_table_experts` takes it, else in the F2FP loop's), the weight rows'
+    `2^c`, negated for the table experts (`w4a8_row_scales(c, table=...)`), and the global scales. `table`: some expert
+    is a table expert, so the launch needs `GemmConfig.table`."""
     backend: ClassVar[str] = "sm90_w4a8"
     w_w4a8: torch.Tensor = None          # uint8 (E * Np/64 * Kt/128 * 18, 256)
-    w_rows: torch.Tensor = None          # fp32 (E, Np): 2^c per weight row, padded rows 1
-    table: bool = False                  # w_w4a8 holds the table decode's slabs: launched with GemmConfig.table
+    w_rows: torch.Tensor = None          # fp32 (E, Np): 2^c per weight row, padded rows 1; negated for table experts
+    table: bool = False                  # some expert is in the table decode's slabs: launched with GemmConfig.table
 
 _W4A8_KIND = {"bf16": "BF16_ROW_GS", "swiglu_bf16": "SWIGLU_BF16"}
 
 class Sm90W4A8Backend(Sm90Backend):
     """Hopper (sm_90a) W4A8: the weights decoded in registers to E4M3 and multiplied with E4M3 rows on the FP8 tensor
     cores (`GroupedGemmSm90` with `GemmConfig.fp8`), each 128-K tile promoted into fp32; the plain (per-row scale) and
-    fused SwiGLU bf16 epilogues. The same devices and padding as `Sm90Backend`; its own slabs, plan and launch. Weights
-    with power-of-two block scales (`w4a8_table_ok`: MXFP4 carried to NVFP4) get the table decode's slabs and run
-    with `GemmConfig.table`; the others the F2FP loop's."""
+    fused SwiGLU bf16 epilogues. The same devices and padding as `Sm90Backend`; its own slabs, plan and launch. Experts
+    with power-of-two block scales (`w4a8_table_experts`: MXFP4 carried to NVFP4) get the table decode's slabs, the
+    others the F2FP loop's, and a launch holding any table expert runs with `GemmConfig.table` (both loops, chosen per
+    expert)."""
     weights_type = Sm90W4A8Weights
 
     def prepare(self, experts: NVFP4Experts, a_gs) -> Sm90W4A8Weights:
-        padded = pad_experts(experts)
-        tiled, c, why = _table_pass(padded, "sm90_w4a8 prepare", tile=True)       # the table slabs, or why not
-        if tiled is None: tiled, c = tile_weights_w4a8(padded)
+        tiled, c, table = tile_weights_w4a8_mixed(pad_experts(experts))            # each expert by its own decode
         return Sm90W4A8Weights(tuple(experts.shape), experts.global_scale.float().contiguous(), a_gs, tiled,
-                               w4a8_row_scales(c), table=not why)
+                               w4a8_row_scales(c, table=table), table=bool(table.any()))
     def can_implement(self, p: Problem) -> tuple[bool, str]:
         if p.act != "fp8": return False, f"the sm90_w4a8 backend takes FP8 rows (FP8Activations), not {p.act!r} activations"
         if p.epilogue not in _W4A8_KIND:
