@@ -10,13 +10,10 @@ DEV = torch.device("cuda")
 CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
 
 
-@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8", "w4a8_mxfp4"])
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_layer_against_float64_reference(act, T):
-    # w4a8_mxfp4: DeepSeek-V4's form (MXFP4-carried routed experts: W4A8's table loop; an NVFP4 shared expert: its F2FP loop)
-    mx = act == "w4a8_mxfp4"
-    layer = M.DSV4MoE.synthetic(CFG, seed=T, act="w4a8" if mx else act, device=DEV, mxfp4=mx).to(DEV)
-    if mx: assert all(w.table for w in layer.prepared(DEV))
+    layer = M.DSV4MoE.synthetic(CFG, seed=T, act=act, device=DEV).to(DEV)
     x = torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
     y = layer(x.to(DEV))
     assert y.dtype == torch.bfloat16 and y.shape == (T, CFG.hidden)
@@ -163,3 +160,42 @@ def test_expert_rows_copy_and_view():
     assert torch.equal(v, y) and v.data_ptr() == bufs[3].data_ptr() and y.data_ptr() != v.data_ptr()
     layer.expert_rows(xr.flip(0), rs, offs, bufs, copy=False)                  # another call: the view changes, the copy not
     assert not torch.equal(v, y) and torch.equal(y, layer.expert_rows(xr, rs, offs, bufs))
+
+
+@pytest.mark.parametrize("T", [7, 64])
+def test_w4a8_layer_on_mxfp4_weights(T, monkeypatch):
+    """The W4A8 layer in DeepSeek-V4's weight form (MXFP4-carried routed experts on the table loop, the NVFP4 shared
+    expert on the F2FP loop, in the same launches): its output is the all-F2FP layer's bit for bit, and each stage
+    matches its float64 reference: the L1's bf16 h within the GEMM tolerance (relative Frobenius <= 2e-3), and the
+    output within 5e-3 of the L2's reference on the kernel's own h. Why the stages and not the end-to-end 5e-3: the L2
+    input's FP8 scale is amax / 448 per row, so a row whose bf16 amax the kernel rounds one ulp away from the
+    reference's gets a different scale and every value of the row re-rounds (seed 7, T = 7: one row 2.3% off, the
+    layer 1.07e-2 end to end, with the L2 on the kernel's own h at 1.7e-3; notebook 04e)."""
+    from dsv4_nvfp4.gemm import w4a8 as W
+    from dsv4_nvfp4.gemm.reference import grouped_rows
+    from dsv4_nvfp4.swiglu import expert_mlp_nvfp4, mlp_workspace, ref_expert_mlp, ref_swiglu_out
+    lc = M.DSV4MoE.synthetic(CFG, seed=T, act="w4a8", device=DEV, mxfp4=True)     # built on the GPU, held on the CPU
+    x = torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
+    w, ids = lc.route(x)                                # the references first, on the CPU (.to moves the layer)
+    rt, p = M.route_with_shared(ids, w, CFG.num_experts)
+    a = W.ref_quantize_fp8_act(x[rt.token])
+    _, h_ref = ref_expert_mlp(a, lc.w13, lc.w2, rt.expert_offsets, act="w4a8", swiglu_limit=CFG.swiglu_limit,
+                              route_weight=p, return_h=True)
+    w2_cpu = lc.w2
+    lf = M.DSV4MoE(CFG, lc.w13, lc.w2, lc.gate_weight, lc.gate_bias, act="w4a8")
+    layer = lc.to(DEV)
+    assert all(w.table for w in layer.prepared(DEV))
+    y = layer(x.to(DEV))
+    monkeypatch.setattr(W, "w4a8_table_experts", lambda ex: torch.zeros(ex.shape[0], dtype=torch.bool, device=ex.data.device))
+    lf = lf.to(DEV)
+    assert not any(w.table for w in lf.prepared(DEV))
+    assert torch.equal(lf(x.to(DEV)), y), "table and F2FP loops: the same bits"
+    w13p, w2p = layer.prepared(DEV)
+    ws = mlp_workspace(a.shape[0], w13p, w2p, "w4a8", DEV)
+    yr = expert_mlp_nvfp4(a.to(DEV), w13p, w2p, rt.expert_offsets.to(DEV), act="w4a8", swiglu_limit=CFG.swiglu_limit,
+                          route_weight=p.to(DEV), workspace=ws).cpu().double()
+    hk, hb = ws.h.cpu().double(), ref_swiglu_out(h_ref, "swiglu_bf16", rt.expert_offsets)
+    assert ((hk - hb).norm() / hb.norm()).item() <= 2e-3
+    want = grouped_rows(W.ref_quantize_fp8_act(ws.h.cpu()).dequantize(), W.w4a8_experts_matrices(w2_cpu),
+                        rt.expert_offsets, w2_cpu.global_scale)
+    assert ((yr - want).norm() / want.norm()).item() <= 5e-3
