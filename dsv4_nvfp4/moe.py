@@ -466,11 +466,9 @@ def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w
             m = mxfp4_global_exp(ma, mb)
             q1.append(mxfp4_to_nvfp4(ma, False, m)[0]); q3.append(mxfp4_to_nvfp4(mb, False, m)[0])
             q2.append(mxfp4_to_nvfp4(mc, False)[0])
-        elif mxfp4:                                    # the shared expert: NVFP4, one global scale for w1 and w3
-            gs = global_scale_from_amax(torch.maximum(a.abs().amax(), b.abs().amax()))
+        else:                                          # NVFP4 (mxfp4: the shared expert's w1 and w3 under one global scale)
+            gs = global_scale_from_amax(torch.maximum(a.abs().amax(), b.abs().amax())) if mxfp4 else None
             q1.append(ref_quantize_nvfp4(a, gs)); q3.append(ref_quantize_nvfp4(b, gs)); q2.append(ref_quantize_nvfp4(c))
-        else:
-            q1.append(ref_quantize_nvfp4(a)); q3.append(ref_quantize_nvfp4(b)); q2.append(ref_quantize_nvfp4(c))
         if keep_bf16: w1.append(a.cpu()); w3.append(b.cpu()); w2.append(c.cpu())
     # stacked and fused (unify re-quantizes the experts whose w1 and w3 scales differ) where they were quantized: on a
     # GPU this is the same arithmetic in seconds, not the CPU's minutes for a Flash layer; then the layer's home, the CPU

@@ -35,18 +35,13 @@ def _asm(text: str, *ins, loc=None, ip=None):
     return cutlass.Uint32(r)
 
 @dsl_user_op
-def _f32_bits(x, *, loc=None, ip=None):
-    "The bits of an fp32 value as a Uint32 (a move, not a conversion)."
-    r = llvm.inline_asm(T.i32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+def _f32_bits(x, inverse: bool = False, *, loc=None, ip=None):
+    "The bits of an fp32 value as a Uint32, or with `inverse` the fp32 value of a Uint32's bits (a move, not a conversion)."
+    src, dst, ty, cons = (cutlass.Uint32, cutlass.Float32, T.f32(), "=f,r") if inverse else \
+                         (cutlass.Float32, cutlass.Uint32, T.i32(), "=r,f")
+    r = llvm.inline_asm(ty, [src(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", cons,
                         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return cutlass.Uint32(r)
-
-@dsl_user_op
-def _bits_f32(x, *, loc=None, ip=None):
-    "The fp32 value of 32 bits (a move, not a conversion): the inverse of `_f32_bits`."
-    r = llvm.inline_asm(T.f32(), [cutlass.Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
-                        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return cutlass.Float32(r)
+    return dst(r)
 
 
 # The decode of one code word w (sm90.DECODE_ROTATIONS): register j = BF16_CODE_MASK & XOR of rotl(w, s), each half a
@@ -329,7 +324,7 @@ class _EpilogueStore:
         if cutlass.const_expr(self.fp8):
             g = mGw[e]                                      # W4A8: the weights are e2m1 s 2^-c; 2^c per row below
         if cutlass.const_expr(self.table):                  # a table expert's rows hold -2^c: g takes the sign back
-            g = g * _bits_f32((_f32_bits(mSfC[e, 0]) & 0x80000000) | 0x3F800000)
+            g = g * _f32_bits((_f32_bits(mSfC[e, 0]) & 0x80000000) | 0x3F800000, True)
         row0 = rb + ti * self.tt
         rend = rb + cnt
         n0 = mt * self.m_tile
@@ -619,16 +614,14 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
                 add = cutlass.Uint32(0)
-                tb = cutlass.Uint32(0)
                 if cutlass.const_expr(self.fp8):                   # W4A8: (6 - c) << 10 for this thread's rows g, g + 8
                     ng = mt * self.m_tile + WG_ROWS * cw + 16 * (t // 32) + (t % 32) // 4
                     cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: +-2^c (E, Np)
                     cg8 = ((_f32_bits(mSfC[e, ng + 8]) >> 23) & 0xFF).to(cutlass.Int32) - 127
                     add = (((6 - cg) << 10) | ((6 - cg8) << 26)).to(cutlass.Uint32)
-                if cutlass.const_expr(self.table):                 # W4A8 table kernel: this expert's loop, from its
-                    tb = _f32_bits(mSfC[e, 0]) >> 31                # row table's sign (negative: table slabs)
-                if cutlass.const_expr(self.table):
-                    if tb != 0:                                     # one uniform branch per unit, outside the K loop
+                if cutlass.const_expr(self.table):                 # W4A8 table kernel: this expert's loop, from its row
+                    if (_f32_bits(mSfC[e, 0]) >> 31) != 0:          # table's sign (negative: table slabs), one uniform
+                                                                    # branch per unit, outside the K loop
                         cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, 1)
                     else:
                         cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, 0)

@@ -300,8 +300,9 @@ _TABLE_WHY = {"not_pow2": "a block scale that is not a power of two",
               "out_of_range": f"k = log2(scale) - c outside [{W4A8_TABLE_K[0]}, {W4A8_TABLE_K[1]}]"}
 
 def _table_pass(experts: NVFP4Experts, what: str, tile: bool) -> tuple:
-    """One pass over the experts, a few at a time (<= 2^27 weights): (the table slabs or None, c, reason); the slabs
-    are made while every block so far qualifies (`tile`), the reason is "" when all do."""
+    """One pass over the experts, a few at a time (<= 2^27 weights): (the table slabs or None, c, reason, ok bool (E,):
+    the experts that qualify each on its own); the slabs are made while every block so far qualifies (`tile`), the
+    reason is "" when all do."""
     E, N, half = experts.data.shape
     Kt = 2 * half
     if tile and (N % 64 or Kt % 128): raise ValueError(f"{what}: need N % 64 == 0 and K % 128 == 0, got N={N}, K={Kt}")
@@ -310,7 +311,7 @@ def _table_pass(experts: NVFP4Experts, what: str, tile: bool) -> tuple:
     nb = Kt // 16
     per = max(1, (1 << 27) // max(1, N * Kt))
     counts, first = {key: 0 for key in _TABLE_WHY}, {}
-    tiles, cs = [], []
+    tiles, cs, ok = [], [], []
     for e in range(0, E, per):
         d = experts.data[e:e + per]
         codes = torch.stack([d & 0xF, d >> 4], -1).view(d.shape[0], N, nb, 16)
@@ -327,13 +328,14 @@ def _table_pass(experts: NVFP4Experts, what: str, tile: bool) -> tuple:
                 if key == "out_of_range": first[key] += f", k = {int(t['k16'][x, r, b])}"
             counts[key] += n
         cs.append(t["c"])
+        ok.append(~torch.stack([t[key] for key in _TABLE_WHY]).flatten(2).any(-1).any(0))
         if tile and not any(counts.values()):
             zero = (codes & 8) ^ (torch.signbit(se).to(torch.uint8) << 3)[..., None]   # the zero e2m1 x s is: a -0 scale flips it
             cleared = torch.where(t["dead"][..., None], zero, codes)[:, :, :nb].reshape(d.shape[0], N, Kt)
             tiles.append(_tile_chunk_w4a8_table(cleared, t["k"]))
     why = "; ".join(f"{counts[key]} live 16-blocks with {_TABLE_WHY[key]} (the first: {first[key]})"
                     for key in _TABLE_WHY if counts[key])
-    return (torch.cat(tiles).contiguous() if tile and not why else None), torch.cat(cs), why
+    return (torch.cat(tiles).contiguous() if tile and not why else None), torch.cat(cs), why, torch.cat(ok)
 
 def w4a8_table_ok(experts: NVFP4Experts) -> tuple[bool, str]:
     """Whether the W4A8 table decode (`tile_weights_w4a8_table`, `GemmConfig.table`) takes these weights: every live
@@ -341,7 +343,7 @@ def w4a8_table_ok(experts: NVFP4Experts) -> tuple[bool, str]:
     where that is live too, and k = log2(scale) - c in W4A8_TABLE_K (c: the row exponent of `w4a8_weights`). MXFP4
     weights carried to NVFP4 (`quant.mxfp4_experts_to_nvfp4`) are of this kind. Returns (ok, "" or the reason: per kind
     of offence, the number of blocks and the first). ValueError for negative or non-finite block scales."""
-    _, _, why = _table_pass(experts, "w4a8_table_ok", tile=False)
+    why = _table_pass(experts, "w4a8_table_ok", tile=False)[2]
     return not why, why
 
 def _tile_chunk_w4a8_table(codes: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -374,7 +376,7 @@ def tile_weights_w4a8_table(experts: NVFP4Experts,  # (E, N, K): N % 64 == 0 and
     row g + 8 in its byte 2. Dead blocks are cleared to zeros of the sign `e2m1 * s` has (the code's sign, flipped
     under a -0 scale byte: `w4a8_weights`' bytes); a 32-group takes k from its live halves, 0 when both are dead. One pass, on the weights' device, a few experts at a time.
     ValueError with `w4a8_table_ok`'s reason for weights it refuses."""
-    tiled, c, why = _table_pass(experts, "tile_weights_w4a8_table", tile=True)
+    tiled, c, why, _ = _table_pass(experts, "tile_weights_w4a8_table", tile=True)
     if why: raise ValueError(f"tile_weights_w4a8_table: the table decode does not take these weights: {why}")
     return tiled, c
 
@@ -408,20 +410,7 @@ def w4a8_table_experts(experts: NVFP4Experts) -> torch.Tensor:
     """bool (E,): the experts the table decode takes, each judged alone as `w4a8_table_ok` would judge it (a layer
     whose routed experts are MXFP4-carried and whose shared expert is not has every routed expert True). One pass, a
     few experts at a time, on the weights' device. ValueError for negative or non-finite block scales."""
-    E, N, half = experts.data.shape
-    Kt, nb_ = 2 * half, half // 8
-    s = experts.scale.float()
-    if not torch.isfinite(s).all() or (s < 0).any(): raise ValueError("w4a8_table_experts: block scales must be finite and >= 0")
-    per = max(1, (1 << 27) // max(1, N * Kt))
-    ok = []
-    for e in range(0, E, per):
-        d = experts.data[e:e + per]
-        codes = torch.stack([d & 0xF, d >> 4], -1).view(d.shape[0], N, nb_, 16)
-        se = s[e:e + per]
-        if nb_ % 2: codes = torch.nn.functional.pad(codes, (0, 0, 0, 1)); se = torch.nn.functional.pad(se, (0, 1))
-        t = _table_blocks(codes, se)
-        ok.append(~(t["not_pow2"] | t["unequal"] | t["out_of_range"]).flatten(1).any(1))
-    return torch.cat(ok)
+    return _table_pass(experts, "w4a8_table_experts", tile=False)[3]
 
 def tile_weights_w4a8_mixed(experts: NVFP4Experts,  # (E, N, K): N % 64 == 0 and K % 128 == 0
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
