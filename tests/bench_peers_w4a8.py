@@ -10,8 +10,8 @@
   8 tokens, which also shows that FlashInfer got the [up, gate] row order and the SwiGLU limit the way DSV4 has them.
 * gemm: DeepGEMM's FP8 grouped GEMM (`deep_gemm.m_grouped_fp8_gemm_nt_contiguous`: E4M3 weights with 128x128 fp32
   scales, E4M3 activations with 1x128 scales, each expert's rows padded to its M alignment, as its contiguous layout
-  asks), the FP8-weight anchor, on Flash L1's shape (E 256, N 4096, K 4096), against our sm90 kernel's W4A16 and W4A8
-  loops on the same rows per expert.
+  asks), the FP8-weight anchor, on the four peer shapes, against our sm90 kernel's W4A16 loop and both W4A8 loops (the
+  F2FP loop on E4M3 block scales, the table loop on power-of-two ones) on the same rows per expert.
 
 A peer that does not import, build or run is reported with its exception text (`error`), never skipped silently.
 Run with the staged peers on the path (`source .peer2/env.sh`, after tests/stage_peers_w4a8.sh's staging). argv:
@@ -112,65 +112,91 @@ def layer_rows(Ts, timer, log=print) -> dict:
     return out
 
 
-def gemm_rows(Ts, timer, log=print) -> dict:
-    "DeepGEMM's FP8 grouped GEMM (E4M3 weights) against our W4A16 and W4A8 loops, Flash L1 shape, the same rows per expert."
-    from dsv4_nvfp4.gemm import sm90 as S90, sm90_kernel as K, w4a8 as W
+SHAPES = (("Flash L1 K=4096 N=4096", 256, 4096, 4096), ("Flash L2 K=2048 N=4096", 256, 4096, 2048),
+          ("Pro EP48 K=3072 N=7168", 48, 7168, 3072), ("Pro EP48 K=7168 N=6144", 48, 6144, 7168))
+
+
+def _experts(E, N, Kd, pow2, g, dev):
+    "Random NVFP4 experts: E4M3 block scales drawn from 0x28-0x38, or (pow2) powers of two shared by each 32-group (MXFP4 carried)."
     from dsv4_nvfp4.quant import NVFP4Experts
-    dev = torch.device("cuda")
-    E, N, Kd = 256, 4096, 4096
-    out = dict(rows=[], errors={})
-    g = torch.Generator(device=dev).manual_seed(0)
     codes = torch.randint(0, 256, (E, N, Kd // 2), generator=g, device=dev, dtype=torch.uint8)
-    sb = torch.randint(0x28, 0x39, (E, N, Kd // 16), generator=g, device=dev, dtype=torch.uint8)
-    ex = NVFP4Experts(codes, sb.view(torch.float8_e4m3fn), torch.ones(E, device=dev), (E, N, Kd))
-    w16 = S90.tile_weights_sm90(codes, sb.view(torch.float8_e4m3fn))
-    w8t, c = W.tile_weights_w4a8(ex)
-    rs, gs = W.w4a8_row_scales(c), torch.ones(E, device=dev)
-    dg = None
+    if pow2: sb = (torch.randint(3, 9, (E, N, Kd // 32), generator=g, device=dev, dtype=torch.uint8) << 3).repeat_interleave(2, -1)
+    else: sb = torch.randint(0x28, 0x39, (E, N, Kd // 16), generator=g, device=dev, dtype=torch.uint8)
+    return NVFP4Experts(codes, sb.view(torch.float8_e4m3fn), torch.ones(E, device=dev), (E, N, Kd))
+
+
+def gemm_rows(Ts, timer, log=print) -> dict:
+    """DeepGEMM's FP8 grouped GEMM (E4M3 weights, twice our weight bytes) against our W4A16 loop and both W4A8 loops
+    (F2FP on E4M3 block scales, the table loop on MXFP4-carried ones), the four peer shapes, the same rows per expert."""
+    from dsv4_nvfp4.gemm import sm90 as S90, sm90_kernel as K, w4a8 as W
+    dev = torch.device("cuda")
+    out = dict(rows=[], errors={})
     try:
         import deep_gemm
         from deep_gemm.utils.math import per_block_cast_to_fp8, per_token_cast_to_fp8
-        bw = torch.empty(E, N, Kd, dtype=torch.float8_e4m3fn, device=dev)
-        bs = torch.empty(E, N // 128, Kd // 128, dtype=torch.float32, device=dev)
-        for e in range(E):
-            q, s = per_block_cast_to_fp8((torch.randn(N, Kd, generator=g, device=dev) * 0.02).to(torch.bfloat16), use_ue8m0=False)
-            bw[e], bs[e] = q, s
-        align = deep_gemm.get_theoretical_mk_alignment_for_contiguous_layout()
-        deep_gemm.set_mk_alignment_for_contiguous_layout(align)
-        dg = (deep_gemm, per_token_cast_to_fp8, bw, bs, align)
+        torch.zeros(1, device=dev)                                            # a CUDA context before DeepGEMM's runtime looks
+        align = deep_gemm.get_mk_alignment_for_contiguous_layout()           # (its "theoretical" query crashed on an H100)
     except Exception as e:
+        deep_gemm = None
         out["errors"]["deepgemm"] = "build or import: " + _err(e) + "\n" + traceback.format_exc()[-1500:]; log(out["errors"]["deepgemm"])
-    for T in Ts:
-        ids = torch.rand(T, E, generator=torch.Generator().manual_seed(T)).topk(6, dim=1).indices
-        cnt = torch.bincount(ids.flatten(), minlength=E)
-        offs = cnt.cumsum(0).to(torch.int32).to(dev); R = int(cnt.sum())
-        a16 = (torch.randn(R, Kd, generator=g, device=dev) * 0.5).to(torch.bfloat16)
-        a8 = W.ref_quantize_fp8_act(a16.float())
-        o = torch.empty(R, N, dtype=torch.bfloat16, device=dev)
-        cfg = S90.pick_config(R, E, Kd, N)._replace(epilogue=S90.Epilogue.BF16_ROW_GS)
-        row = dict(T=T, rows=R, config=str(tuple(cfg[:3])))
-        gr, ea = timer(lambda: K.run_sm90(cfg, w16, a16, o, offs, gs, a8.scale))
-        row["ours_w4a16_us"] = round(gr or ea, 1)
-        gr, ea = timer(lambda: K.run_sm90(cfg._replace(fp8=True), w8t, a8.data, o, offs, gs, a8.scale, sf_c=rs))
-        row["ours_w4a8_us"] = round(gr or ea, 1)
-        if dg is not None:
+    for name, E, N, Kd in SHAPES:
+        g = torch.Generator(device=dev).manual_seed(0)
+        ex = _experts(E, N, Kd, False, g, dev)
+        w16 = S90.tile_weights_sm90(ex.data, ex.scale)
+        w8f, c = W.tile_weights_w4a8(ex)
+        rs_f, gs = W.w4a8_row_scales(c), torch.ones(E, device=dev)
+        ex2 = _experts(E, N, Kd, True, g, dev)
+        w8t, c2, tab = W.tile_weights_w4a8_mixed(ex2)
+        assert bool(tab.all()), "the pow2 experts must all take the table decode"
+        rs_t = W.w4a8_row_scales(c2, table=tab)
+        del ex, ex2
+        dg = None
+        if deep_gemm is not None:
             try:
-                deep_gemm, ptc, bw, bs, align = dg
-                pad = ((cnt + align - 1) // align) * align                   # each expert's rows padded to the alignment
-                Mp = int(pad.sum())
-                m_idx = torch.full((Mp,), -1, dtype=torch.int32)
-                starts = torch.cumsum(pad, 0) - pad
-                for e in range(E): m_idx[int(starts[e]):int(starts[e]) + int(cnt[e])] = e
-                m_idx = m_idx.to(dev)
-                ap = torch.zeros(Mp, Kd, dtype=torch.bfloat16, device=dev); ap[m_idx >= 0] = a16
-                af, asf = ptc(ap, use_ue8m0=False)
-                asf = deep_gemm.get_mn_major_tma_aligned_tensor(asf)         # the layout the call wants, made before timing
-                d = torch.empty(Mp, N, dtype=torch.bfloat16, device=dev)
-                gr, ea = timer(lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((af, asf), (bw, bs), d, m_idx))
-                row.update(deepgemm_fp8_us=round(gr or ea, 1), deepgemm_rows_padded=Mp, deepgemm_graph=gr is not None)
-            except Exception as e: out["errors"].setdefault("deepgemm", f"T={T}: " + _err(e))
-        row["tflops_w4a8"] = round(2 * R * N * Kd / row["ours_w4a8_us"] / 1e6, 1)
-        out["rows"].append(row); log(row)
+                bw = torch.empty(E, N, Kd, dtype=torch.float8_e4m3fn, device=dev)
+                bs = torch.empty(E, N // 128, Kd // 128, dtype=torch.float32, device=dev)
+                for e in range(E):
+                    q, s = per_block_cast_to_fp8((torch.randn(N, Kd, generator=g, device=dev) * 0.02).to(torch.bfloat16), use_ue8m0=False)
+                    bw[e], bs[e] = q, s
+                dg = (bw, bs)
+            except Exception as e: out["errors"].setdefault("deepgemm", f"{name} weights: " + _err(e))
+        for T in Ts:
+            ids = torch.rand(T, E, generator=torch.Generator().manual_seed(T)).topk(6, dim=1).indices
+            cnt = torch.bincount(ids.flatten(), minlength=E)
+            offs = cnt.cumsum(0).to(torch.int32).to(dev); R = int(cnt.sum())
+            a16 = (torch.randn(R, Kd, generator=g, device=dev) * 0.5).to(torch.bfloat16)
+            a8 = W.ref_quantize_fp8_act(a16.float())
+            o = torch.empty(R, N, dtype=torch.bfloat16, device=dev)
+            cfg = S90.pick_config(R, E, Kd, N)._replace(epilogue=S90.Epilogue.BF16_ROW_GS)
+            row = dict(problem=name, T=T, rows=R, config=str(tuple(cfg[:3])))
+            gr, ea = timer(lambda: K.run_sm90(cfg, w16, a16, o, offs, gs, a8.scale))
+            row["ours_w4a16_us"] = round(gr or ea, 1)
+            gr, ea = timer(lambda: K.run_sm90(cfg._replace(fp8=True), w8f, a8.data, o, offs, gs, a8.scale, sf_c=rs_f))
+            row["ours_w4a8_f2fp_us"] = round(gr or ea, 1)
+            gr, ea = timer(lambda: K.run_sm90(cfg._replace(fp8=True, table=True), w8t, a8.data, o, offs, gs, a8.scale, sf_c=rs_t))
+            row["ours_w4a8_table_us"] = round(gr or ea, 1)
+            if dg is not None:
+                try:
+                    bw, bs = dg
+                    pad = ((cnt + align - 1) // align) * align               # each expert's rows padded to the alignment
+                    Mp = int(pad.sum())
+                    m_idx = torch.full((Mp,), -1, dtype=torch.int32)
+                    starts = torch.cumsum(pad, 0) - pad
+                    for e in range(E): m_idx[int(starts[e]):int(starts[e]) + int(cnt[e])] = e
+                    m_idx = m_idx.to(dev)
+                    ap = torch.zeros(Mp, Kd, dtype=torch.bfloat16, device=dev); ap[m_idx >= 0] = a16
+                    af, asf = per_token_cast_to_fp8(ap, use_ue8m0=False)
+                    asf = deep_gemm.get_mn_major_tma_aligned_tensor(asf)     # the layout the call wants, made before timing
+                    d = torch.empty(Mp, N, dtype=torch.bfloat16, device=dev)
+                    gr, ea = timer(lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((af, asf), (bw, bs), d, m_idx))
+                    row.update(deepgemm_fp8_us=round(gr or ea, 1), deepgemm_rows_padded=Mp, deepgemm_graph=gr is not None)
+                except Exception as e: out["errors"].setdefault("deepgemm", f"{name} T={T}: " + _err(e))
+            best = min(row["ours_w4a8_f2fp_us"], row["ours_w4a8_table_us"])
+            row["tflops_w4a8_table"] = round(2 * R * N * Kd / row["ours_w4a8_table_us"] / 1e6, 1)
+            row["w4a16_over_w4a8_table"] = round(row["ours_w4a16_us"] / row["ours_w4a8_table_us"], 3)
+            if "deepgemm_fp8_us" in row: row["deepgemm_over_w4a8_best"] = round(row["deepgemm_fp8_us"] / best, 3)
+            out["rows"].append(row); log(row)
+        del w16, w8f, w8t, dg; torch.cuda.empty_cache()
     return out
 
 

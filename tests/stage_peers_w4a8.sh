@@ -4,13 +4,17 @@
 #     MXFP4 x bf16 and MXFP4 x FP8) and the four dependencies the GPU image lacks (cuda-tile, nccl4py,
 #     nccl-extensions, nvidia-cudnn-frontend; apache-tvm-ffi and nvidia-cutlass-dsl come with .gpu/);
 #   DeepGEMM (deepinfer-gemm 2.8.2: PyPI has only the sdist, 2.6 MB with its CUTLASS headers; one C++ extension is
-#     built on the host with DG_FORCE_BUILD=1, the kernels are JIT-built at run time).
+#     built on the host with DG_FORCE_BUILD=1 (about 2 minutes), the kernels are JIT-built at run time). Its sources
+#     include <elfutils/libdwfl.h> (loaded with dlopen at run time, so headers suffice): the libdw-dev and libelf-dev
+#     packages ride along in .peer2/dg/deb and are unpacked on the host. The extension is built by the host's g++ 13 and
+#     crashes in std::regex under the older libstdc++ the Python process loads first, so env.sh preloads the system's.
 # Writes .peer2/ (git-ignored) in three carries of at most 64 MiB each:
 #   .peer2/fi_a  the wheel's first half and nccl-extensions   (call 1: carry [".peer2/fi_a", ".peer2/env.sh"], 53 MB)
 #   .peer2/fi_b  its second half and the other three          (call 2: carry [".peer2/fi_b", ".peer2/env.sh"], 47 MB)
-#   .peer2/dg    the DeepGEMM sdist                           (call 3: carry [".peer2/dg", ".peer2/env.sh", ...])
+#   .peer2/dg    the DeepGEMM sdist and the two header packages (call 3: carry [".peer2/dg", ".peer2/env.sh", ...], 3 MB)
 # On the host, `source .peer2/env.sh` in each call: it stashes, assembles and installs into /tmp/dsv4-peer2-site
-# (logs in /tmp/dsv4-peer2-*.log) and puts that on PYTHONPATH. Not yet run on a GPU host: the first run is the test.
+# (logs in /tmp/dsv4-peer2-*.log) and puts that on PYTHONPATH. DeepGEMM's staging ran on an H100 (session 23);
+# FlashInfer's has not run on a GPU host yet.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 grep -qx '/.peer2/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.peer2/' >> .git/info/exclude; }
@@ -31,6 +35,8 @@ head -c "$half" "$whl" > ".peer2/fi_a/$name.0"; tail -c +"$((half + 1))" "$whl" 
 cp "$cache"/nccl_extensions-*.whl .peer2/fi_a/
 cp "$cache"/cuda_tile-*.whl "$cache"/nccl4py-*.whl "$cache"/nvidia_cudnn_frontend-*.whl .peer2/fi_b/
 cp "$cache/deepinfer_gemm-2.8.2.tar.gz" .peer2/dg/
+mkdir -p .peer2/dg/deb && (cd .peer2/dg/deb && apt-get download libdw-dev libelf-dev >/dev/null 2>&1) ||
+  { echo "apt-get download libdw-dev libelf-dev failed: DeepGEMM will not build on the host" >&2; }
 cat > .peer2/env.sh <<'ENV'
 # source on the GPU host in each call (see tests/stage_peers_w4a8.sh)
 _s=/tmp/dsv4-peer2-site; _t=/tmp/dsv4-peer2-stash; mkdir -p $_t
@@ -45,12 +51,16 @@ if [ -d .peer2/fi_b ] && [ ! -f $_s/.fi ]; then
       echo "peer2: FlashInfer install failed: /tmp/dsv4-peer2-fi.log" >&2
   else echo "peer2: FlashInfer's first half missing on this host: a call with .peer2/fi_a first" >&2; fi
 fi
+if [ -d .peer2/dg/deb ]; then mkdir -p /tmp/dsv4-peer2-inc && for _d in .peer2/dg/deb/*.deb; do dpkg -x "$_d" /tmp/dsv4-peer2-inc; done; fi
+[ -d /tmp/dsv4-peer2-inc/usr/include ] && export CPATH=/tmp/dsv4-peer2-inc/usr/include${CPATH:+:$CPATH}
+[ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null && export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
 if [ -d .peer2/dg ] && [ ! -f $_s/.dg ]; then
   mkdir -p $_s && (cd $_t && rm -rf deepinfer_gemm-2.8.2 && tar xzf "$OLDPWD/.peer2/dg/deepinfer_gemm-2.8.2.tar.gz" &&
-    cd deepinfer_gemm-2.8.2 && DG_FORCE_BUILD=1 python3 -m pip install --no-index --no-deps --no-build-isolation \
+    cd deepinfer_gemm-2.8.2 && MAX_JOBS=${MAX_JOBS:-16} DG_FORCE_BUILD=1 python3 -m pip install --no-index --no-deps --no-build-isolation \
       --no-cache-dir --target $_s . ) > /tmp/dsv4-peer2-dg.log 2>&1 && touch $_s/.dg && echo "peer2: DeepGEMM built in $_s" ||
     echo "peer2: DeepGEMM build failed: /tmp/dsv4-peer2-dg.log" >&2
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$_s
+[ -f $_s/.dg ] && _l=$(g++ -print-file-name=libstdc++.so.6 2>/dev/null) && [ -f "$_l" ] && export LD_PRELOAD=$_l${LD_PRELOAD:+:$LD_PRELOAD}
 ENV
 du -sh .peer2/*; echo "staged .peer2/ (three carries; see this script's header)"
