@@ -5,12 +5,15 @@
 # %% ../nbs/07b_sparse_attention.ipynb #9f370ddb
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .kv import DSV4_ROPE, RopeConfig, apply_rope
 
 # %% auto #0
-__all__ = ['WINDOW', 'window_slots', 'compressed_count', 'ref_sparse_attention']
+__all__ = ['WINDOW', 'ATTN_CU', 'ATTN_HEADS', 'ATTN_TILE', 'window_slots', 'compressed_count', 'ref_sparse_attention',
+           'attn_splits', 'sparse_attention_decode', 'attend_gathered_bf16', 'sparse_attention_decode_op']
 
 # %% ../nbs/07b_sparse_attention.ipynb #60719d64
 WINDOW = 128          # raw tokens every layer attends: the query's own token and the 127 before it
@@ -57,3 +60,161 @@ def ref_sparse_attention(q: torch.Tensor,           # (B, H, D) queries, normali
         out[b] = (p / den) @ kv
     if out_pos is not None: out = apply_rope(out, -out_pos.view(B, 1).expand(B, H), rope)
     return out
+
+# %% ../nbs/07b_sparse_attention.ipynb #7acbc8ed
+from . import runtime as rt
+from .kv import KV_DIM, NVFP4KVPool, rope_freqs
+
+ATTN_CU = "nvfp4_sparse_attn.cu"
+ATTN_HEADS = 16        # heads per CTA: one m16 MMA tile
+ATTN_TILE = 32         # slots per shared-memory tile
+
+def attn_splits(B: int, H: int, S: int, sms: int = 132, splits: int | None = None) -> tuple[int, int]:
+    """(nsplit, chunk) of the flash-decoding split for B sequences of H heads over S slots: each CTA takes `chunk`
+    slots (a multiple of 32) of one sequence and 16 heads. By default enough splits that the B * H/16 * nsplit CTAs
+    cover `sms` SMs about twice, none shorter than one tile; `splits` asks for that many (fewer where S is short)."""
+    if min(B, H, S) < 1 or H % ATTN_HEADS: raise ValueError(f"attn_splits: need B, S >= 1 and H a multiple of {ATTN_HEADS}, got {B}, {H}, {S}")
+    tiles = -(-S // ATTN_TILE)
+    want = splits if splits is not None else -(-2 * sms // (B * (H // ATTN_HEADS)))
+    if want < 1: raise ValueError(f"attn_splits: splits must be >= 1, got {splits}")
+    chunk = -(-tiles // max(1, min(tiles, want))) * ATTN_TILE
+    return -(-S // chunk), chunk
+
+_FREQS = {}
+
+def _freqs_on(rope: RopeConfig, device) -> torch.Tensor:
+    "rope_freqs on the device, cached (the first call per device and RoPE copies it there: not inside a graph capture)."
+    key = (tuple(vars(rope).values()), str(device))
+    if key not in _FREQS: _FREQS[key] = rope_freqs(rope).to(device)
+    return _FREQS[key]
+
+def _check_attention(what, q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, out, bad_count):
+    "Every argument of the decode attention checked on the host (no sync): TypeError / ValueError before any launch."
+    rt.check_tensor(q, what, "q", (torch.bfloat16,), dim=3)
+    B, H, D = q.shape
+    dev = q.device
+    if D != KV_DIM or H % ATTN_HEADS or B < 1:
+        raise ValueError(f"{what}: q must be (B, H, {KV_DIM}) with B >= 1 and H a multiple of {ATTN_HEADS}, got {tuple(q.shape)}")
+    rt.check_tensor(codes, what, "pool.data", (torch.uint8,), device=dev, dim=2)
+    cap = codes.shape[0]
+    if tuple(codes.shape) != (cap, KV_DIM // 2): raise ValueError(f"{what}: pool entries must be {KV_DIM} wide, got codes {tuple(codes.shape)}")
+    rt.check_tensor(scales, what, "pool.scale", (torch.float8_e4m3fn,), device=dev, dim=2, align=4)
+    rt.check_tensor(gs, what, "pool.global_scale", (torch.float32,), device=dev, dim=1, align=4)
+    if tuple(scales.shape) != (cap, KV_DIM // 16) or tuple(gs.shape) != (cap,):
+        raise ValueError(f"{what}: pool scales {tuple(scales.shape)} / global scales {tuple(gs.shape)} do not match {cap} entries")
+    rt.check_tensor(indices, what, "indices", (torch.int32,), device=dev, dim=2, align=4)
+    if indices.shape[0] != B: raise ValueError(f"{what}: indices must be (B={B}, K), got {tuple(indices.shape)}")
+    W = 0
+    if window is not None:
+        rt.check_tensor(window, what, "window", (torch.bfloat16,), device=dev, dim=3)
+        if window.shape[0] != B or window.shape[2] != KV_DIM: raise ValueError(f"{what}: window must be (B={B}, W, {KV_DIM}), got {tuple(window.shape)}")
+        W = window.shape[1]
+        if window_len is None: raise ValueError(f"{what}: window_len (int32 (B,)) is needed with a window")
+        rt.check_tensor(window_len, what, "window_len", (torch.int32,), device=dev, dim=1, align=4)
+        if window_len.shape[0] != B: raise ValueError(f"{what}: window_len must be ({B},), got {tuple(window_len.shape)}")
+    elif window_len is not None: raise ValueError(f"{what}: window_len given without a window")
+    if W + indices.shape[1] < 1: raise ValueError(f"{what}: nothing to attend: no window rows and no indices")
+    if sink is not None:
+        rt.check_tensor(sink, what, "sink", (torch.float32,), device=dev, dim=1, align=4)
+        if sink.shape[0] != H: raise ValueError(f"{what}: sink must be ({H},), got {tuple(sink.shape)}")
+    if out_pos is not None:
+        rt.check_tensor(out_pos, what, "out_pos", (torch.int32,), device=dev, dim=1, align=4)
+        if out_pos.shape[0] != B: raise ValueError(f"{what}: out_pos must be ({B},), got {tuple(out_pos.shape)}")
+    if not (isinstance(scale, float) and math.isfinite(scale) and scale > 0): raise ValueError(f"{what}: scale must be a finite float > 0, got {scale!r}")
+    if out is not None:
+        rt.check_tensor(out, what, "out", (torch.bfloat16,), device=dev, dim=3)
+        if tuple(out.shape) != (B, H, D): raise ValueError(f"{what}: out must be {(B, H, D)}, got {tuple(out.shape)}")
+    if bad_count is not None:
+        rt.check_tensor(bad_count, what, "bad_count", (torch.int32,), device=dev, dim=1, align=4)
+        if bad_count.numel() != 1: raise ValueError(f"{what}: bad_count must be an int32 (1,) tensor")
+    return B, H, W, indices.shape[1], cap
+
+def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, rope, out, bad_count, splits):
+    B, H, W, K, cap = _check_attention("sparse_attention_decode", q, codes, scales, gs, indices, window, window_len,
+                                       sink, out_pos, scale, out, bad_count)
+    dev = q.device
+    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+                                if dev.type == "cuda" else 132, splits)
+    o_part = torch.empty(B, nsplit, H, KV_DIM, dtype=torch.float32, device=dev)
+    ml_part = torch.empty(B, nsplit, H, 2, dtype=torch.float32, device=dev)
+    out = torch.empty_like(q) if out is None else out
+    freqs = _freqs_on(rope, dev) if out_pos is not None else None
+    rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial", (nsplit, H // ATTN_HEADS, B), (128, 1, 1),
+              [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
+               rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),
+               rt.ptr(ml_part), rt.ptr(bad_count)])
+    rt.launch(ATTN_CU, "nvfp4_sparse_attn_combine", (B * H, 1, 1), (128, 1, 1),
+              [rt.ptr(o_part), rt.ptr(ml_part), rt.i32(nsplit), rt.i32(H), rt.ptr(sink), rt.ptr(out_pos), rt.ptr(freqs), rt.ptr(out)])
+    return out
+
+def sparse_attention_decode(q: torch.Tensor,                      # bf16 (B, H, 512): rotated queries, H % 16 == 0
+                            pool: NVFP4KVPool,                    # the layer's compressed entries, on q's device
+                            indices: torch.Tensor,                # int32 (B, K): pool slots per sequence, -1: none (K may be 0)
+                            window: torch.Tensor | None = None,   # bf16 (B, W, 512): the window's raw latents (rotated)
+                            window_len: torch.Tensor | None = None,   # int32 (B,): valid window rows (the first ones)
+                            *,
+                            sink: torch.Tensor | None = None,     # fp32 (H,): per-head sink logit
+                            scale: float | None = None,           # default 512 ** -0.5
+                            out_pos: torch.Tensor | None = None,  # int32 (B,): rotate the output's RoPE dims back to these
+                            rope: RopeConfig = DSV4_ROPE,         # the layer's RoPE (with out_pos)
+                            out: torch.Tensor | None = None,      # bf16 (B, H, 512), contiguous
+                            bad_count: torch.Tensor | None = None,   # int32 (1,): += indices outside [-1, capacity)
+                            splits: int | None = None,            # slot splits per sequence (None: `attn_splits`' choice)
+                           ) -> torch.Tensor:                     # bf16 (B, H, 512)
+    """DeepSeek-V4's decode attention (`ref_sparse_attention`) read straight from the NVFP4 pool: per sequence one
+    softmax over its first `window_len[b]` window rows and the pool entries `indices[b]`, every head reading each
+    latent as key and value, the sink in the denominator, the output rotated back to `out_pos`. Two launches on the
+    current stream (the split slots, then their merge in split order); no host sync; bit-identical run to run and
+    across CUDA-graph replays for a fixed `splits` (the default depends only on the shapes and the GPU's SM count). Indices -1 or outside the pool
+    contribute nothing and are never read (`bad_count` counts the latter once per slot); a sequence with no valid
+    slot returns zeros; a NaN in an entry reaches only the sequences that read it. Allocates its split workspace
+    (B x splits x H x 2 KB) per call; the first call with `out_pos` per device copies the RoPE table there, so make it
+    before a graph capture. TypeError / ValueError for wrong dtypes, shapes or devices, before any launch."""
+    if not isinstance(pool, NVFP4KVPool): raise TypeError(f"sparse_attention_decode: pool must be an NVFP4KVPool, got {type(pool).__name__}")
+    scale = KV_DIM ** -0.5 if scale is None else float(scale)
+    return _attention(q, pool.data, pool.scale, pool.global_scale, indices, window, window_len, sink, out_pos, scale,
+                      rope, out, bad_count, splits)
+
+# %% ../nbs/07b_sparse_attention.ipynb #ca7fff5c
+def attend_gathered_bf16(q: torch.Tensor, pool: NVFP4KVPool, indices: torch.Tensor, window: torch.Tensor | None = None,
+                         window_len: torch.Tensor | None = None, *, sink: torch.Tensor | None = None,
+                         scale: float | None = None, out_pos: torch.Tensor | None = None,
+                         rope: RopeConfig = DSV4_ROPE) -> torch.Tensor:   # bf16 (B, H, 512)
+    """The path the fused kernel replaces, for the benchmark and as a second opinion: the selected entries gathered to
+    bf16 (`gather.gather_kv_topk`, dequantized with the global scale), concatenated after the window, then bf16
+    batched matmuls for the scores and the output with an fp32 softmax (sink as an extra column). Same arguments as
+    `sparse_attention_decode`; the RoPE rotation back is done in fp32 torch."""
+    from dsv4_nvfp4.gather import gather_kv_topk
+    scale = KV_DIM ** -0.5 if scale is None else float(scale)
+    B, H, D = q.shape
+    rows, valid = [], []
+    if window is not None:
+        rows.append(window)
+        valid.append(torch.arange(window.shape[1], device=q.device).view(1, -1) < window_len.view(B, 1))
+    if indices.shape[1]:
+        rows.append(gather_kv_topk(pool, indices))
+        valid.append((indices >= 0) & (indices < pool.capacity))
+    kv, ok = torch.cat(rows, 1), torch.cat(valid, 1)                       # (B, S, D) bf16, (B, S)
+    s = torch.bmm(q, kv.transpose(1, 2)).float() * scale                  # (B, H, S)
+    s = s.masked_fill(~ok.view(B, 1, -1), float("-inf"))
+    if sink is not None: s = torch.cat([s, sink.view(1, H, 1).expand(B, H, 1)], -1)
+    p = torch.softmax(s, -1)
+    p = torch.nan_to_num(p[..., :kv.shape[1]], nan=0.0) if sink is None else p[..., :kv.shape[1]]   # no slot: zeros
+    o = torch.bmm(p.to(torch.bfloat16), kv).float()
+    o = o.masked_fill(~ok.any(1).view(B, 1, 1), 0.0)
+    if out_pos is not None:
+        f = _freqs_on(rope, q.device)
+        ang = out_pos.double().view(B, 1, 1) * -f.view(1, 1, -1)
+        c, sn = torch.cos(ang).float(), torch.sin(ang).float()
+        a, b2 = o[..., -rope.dim::2].clone(), o[..., -rope.dim + 1::2].clone()
+        o[..., -rope.dim::2], o[..., -rope.dim + 1::2] = a * c - b2 * sn, a * sn + b2 * c
+    return o.to(torch.bfloat16)
+
+@rt.define_op("dsv4_nvfp4::sparse_attention_decode",
+              "(Tensor q, Tensor codes, Tensor scales, Tensor global_scale, Tensor indices, Tensor? window, "
+              "Tensor? window_len, Tensor? sink, Tensor? out_pos, float scale) -> Tensor",
+              lambda q, codes, scales, global_scale, indices, window, window_len, sink, out_pos, scale: torch.empty_like(q))
+def sparse_attention_decode_op(q, codes, scales, global_scale, indices, window, window_len, sink, out_pos, scale):
+    "`sparse_attention_decode` as a torch custom op (the pool passed as its three tensors; DSV4's RoPE): a new bf16 (B, H, 512) tensor."
+    return _attention(q, codes, scales, global_scale, indices, window, window_len, sink, out_pos, float(scale),
+                      DSV4_ROPE, None, None, None)

@@ -208,6 +208,10 @@ def _bench(what: str, sizes_mb, out: Path, tokens=None) -> int:
         from dsv4_nvfp4.bench.kv import bench_kv_and_gather, kv_goals, kv_table, plot_kv
         res, plot = bench_kv_and_gather(log=log), plot_kv
         table = lambda r: kv_table(r) + "\n\n" + kv_goals(r)
+    elif what == "attn":
+        from dsv4_nvfp4.bench.attn import attn_goals, attn_table, bench_attn, plot_attn
+        res, plot = bench_attn(log=log), plot_attn
+        table = lambda r: attn_table(r) + "\n\n" + attn_goals(r)
     elif what == "moe":
         from dsv4_nvfp4.bench.moe import bench_moe, moe_goals, moe_table
         res, plot = bench_moe(log=log), None
@@ -326,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--checkpoint", type=Path, help="an NVFP4 checkpoint (ModelOpt or compressed-tensors): a .safetensors file or a folder")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     bn = sub.add_parser("bench", help="benchmark on a CUDA GPU: the memory-bound kernels, the grouped GEMM, the expert MLP, the MoE layer or the KV compressor")
-    bn.add_argument("what", choices=["kernels", "gemm", "mxfp4", "mlp", "moe", "kv", "ep"], help="ep: under torchrun on 2+ GPUs")
+    bn.add_argument("what", choices=["kernels", "gemm", "mxfp4", "mlp", "moe", "kv", "attn", "ep"], help="ep: under torchrun on 2+ GPUs")
     bn.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="kernels: input sizes")
     bn.add_argument("--out", type=Path, default=Path("."), help="folder for bench_<what>.{md,json,png}")
     bn.add_argument("--tokens", type=int, nargs="+", default=None, help="ep: tokens per rank (default 1 128 2048 8192)")

@@ -20,7 +20,7 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "dsv4_nvfp4"
 ORDER = ["formats", "quant", "checkpoint", "layout", "bench.core", "runtime", "quantize_cuda", "norm", "bench.kernels",
          "routing", "gemm", "gemm.sm90", "gemm.reference", "gemm.sm90_kernel", "gemm.sm100", "gemm.w4a8", "bench.gemm", "swiglu",
-         "bench.mlp", "kv", "gather", "attention", "bench.kv", "moe", "ep.transport", "ep.layer", "ep.capture", "bench.ep", "bench.moe",
+         "bench.mlp", "kv", "gather", "attention", "bench.kv", "bench.attn", "moe", "ep.transport", "ep.layer", "ep.capture", "bench.ep", "bench.moe",
          "cli"]
 LAZY = {("gemm.sm90", "gemm.sm90_kernel"),    # a backend imports its kernel on first launch (function level only)
         ("gemm.reference", "gemm.w4a8")}       # the reference backend's W4A8 path (gemm.w4a8 imports gemm.reference)

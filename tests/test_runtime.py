@@ -59,6 +59,7 @@ EXPECTED_KERNELS = {
     "nvfp4_rmsnorm_quantize.cu": {f"nvfp4_{k}_{dt}" for k in ("rmsnorm_quantize", "mhc_rmsnorm_quantize")
                                   for dt in _DT3},
     "fp8_quantize.cu": {f"fp8_quantize_rows_{dt}" for dt in _DT3},
+    "nvfp4_sparse_attn.cu": {"nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_combine"},
 }
 assert len(EXPECTED_KERNELS["nvfp4_quantize.cu"]) == 14  # 2 + 4 kinds x 3 dtypes
 
@@ -620,6 +621,13 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
                                         meta_[:, 1].view(torch.float32), meta_[:, 0]))
     assert seq == ["ep_recv_sort", "nvfp4_gather_dequant_bf16"], seq
     seen |= set(seq)
+    from dsv4_nvfp4 import attention as AT                            # the fused decode attention over the NVFP4 pool
+    qa_, ia_ = torch.zeros(2, 64, 512, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.int32)
+    seq = run(lambda: AT.sparse_attention_decode(qa_, AT.NVFP4KVPool(16), ia_, torch.zeros(2, 4, 512, dtype=torch.bfloat16),
+                                                 torch.ones(2, dtype=torch.int32), sink=torch.zeros(64),
+                                                 out_pos=torch.zeros(2, dtype=torch.int32), bad_count=torch.zeros(1, dtype=torch.int32)))
+    assert seq == ["nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_combine"], seq
+    seen |= set(seq) | set(run(lambda: AT.sparse_attention_decode(qa_, AT.NVFP4KVPool(16), ia_)))
     # the EP kernels count on their exact block size (fixed strides, warps per CTA) and size their shared counters by
     # their key limits; the launchers hard-code the former and check the latter against the package's constants
     EPm = EPT

@@ -1,0 +1,315 @@
+// nvfp4_sparse_attn.cu -- DeepSeek-V4 sparse attention for one decode query per sequence, reading the NVFP4 KV pool
+// directly: no bf16 copy of the selected entries is written to memory. Any arch >= sm_80 (mma.sync, ldmatrix);
+// compiled for sm_90a and sm_100a.
+//
+// Semantics (normative: dsv4_nvfp4.attention.ref_sparse_attention, notebook 07b): for sequence b, the slots are the
+// window rows 0 .. W-1 (valid while j < wlen[b]) followed by the K pool slots idx[b, 0 .. K-1] (valid when
+// 0 <= idx < cap; -1 pads, anything else is counted in *bad when bad != nullptr and never read). Every head of the
+// query reads the same 512-wide latent as key and value:
+//   s[h, j] = (q[h] . kv_hat[j]) * (gs[j] * scale)        kv_hat: e2m1 * block scale (exact in bf16), gs: the entry's
+//                                                            fp32 global scale (1 for window rows)
+//   out[h]  = sum_j softmax_j(s[h, :] with the sink logit in the denominator) * gs[j] * kv_hat[j]
+// A sequence with no valid slot gives zeros; a NaN in a slot reaches only its own sequence's outputs.
+//
+// Numerics: q and kv_hat are bf16 MMA operands (kv_hat exactly: at most 6 significant bits); scores and the softmax
+// state are fp32; the global scale stays out of the operands (on the fp32 score, and on p before p * gs is rounded to
+// bf16 as the second MMA's operand), the choice notebook 07b's accuracy table makes.
+//
+// Work split (flash-decoding): grid (nsplit, H / 16, B); CTA (split, hg, b) takes heads 16 hg .. 16 hg + 15 of
+// sequence b over slots [split * chunk, min(S, (split + 1) * chunk)), S = W + K, in tiles of 32 slots decoded into
+// shared memory. Its 4 warps split the 512 dims: warp w owns dims 128 w .. 128 w + 127 for both products, so the
+// scores are summed from the 4 warps' partial dot products through shared memory in a fixed order (every warp gets the
+// same bits, so all four keep the same softmax state). nvfp4_sparse_attn_combine merges the splits in split order:
+// the result does not depend on timing (run-to-run bit-identical, graph-replay safe: no atomics on data).
+//
+// Partials: o_part (B, nsplit, H, 512) fp32 (unnormalized, relative to m), ml_part (B, nsplit, H, 2) fp32 (m, l).
+// chunk is a multiple of 32; H a multiple of 16; K >= 0, W >= 0, W + K >= 1; q, win, out rows 16-byte aligned.
+//
+// Compile-time switches: none.
+#include "nvfp4_common.cuh"
+
+using namespace nvfp4;
+
+constexpr int kD = 512;               // latent width (DSV4)
+#define kInf __int_as_float(0x7f800000)
+constexpr int kHT = 16;               // heads per CTA: one m16 tile
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kDW = kD / kWarps;      // dims per warp (128)
+constexpr int kTS = 32;               // slots per tile
+constexpr int kRow = kD + 8;          // shared row stride in bf16: 1040 B, so 8 ldmatrix rows hit 8 distinct 16-byte bank groups
+
+struct __align__(16) SmemAttn {
+    __nv_bfloat16 kv[kTS][kRow];      // the tile's 32 latents (kv_hat), zero rows for invalid slots
+    float part[kWarps][kHT][kTS];     // each warp's partial scores over its 128 dims
+    float gsv[kTS];                   // gs of each slot (0 for invalid slots)
+    int ok[kTS];                      // slot valid
+};
+
+__device__ __forceinline__ u32 ld_u32(const __nv_bfloat16* p) { return *reinterpret_cast<const u32*>(p); }
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const u32*>(&b);
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], const void* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// 8 E2M1 codes of a word (element 2i in the low nibble of byte i) times the block scale, as 4 bf16x2 words (exact:
+// the E4M3 placement trick of nvfp4_gather.cu gives code * 2^-6 exactly; times 64 * s is at most 6 significant bits).
+__device__ __forceinline__ void decode8_bf16(u32 w, float s64, u32* o) {
+    const u32 lo = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);               // elements 0, 2, 4, 6
+    const u32 hi = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);                      // elements 1, 3, 5, 7
+    const u32 p[2] = {__byte_perm(lo, hi, 0x5140u), __byte_perm(lo, hi, 0x7362u)};     // 0 1 2 3 | 4 5 6 7
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(p[j >> 1] >> (16 * (j & 1))), __NV_E4M3);
+        const float2 f = __half22float2(__half2(h));
+        o[j] = pack_bf16(__fmul_rn(f.x, s64), __fmul_rn(f.y, s64));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads)
+nvfp4_sparse_attn_partial(const __nv_bfloat16* __restrict__ q,      // (B, H, 512) bf16
+                          const __nv_bfloat16* __restrict__ win,    // (B, W, 512) bf16 window rows (unused when W == 0)
+                          const int* __restrict__ wlen,             // (B,) valid window rows
+                          int W,
+                          const u8* __restrict__ codes,             // (cap, 256) the pool's E2M1 codes
+                          const u8* __restrict__ sf,                // (cap, 32) its E4M3 block scales
+                          const float* __restrict__ gs,             // (cap,) its global scales
+                          i64 cap,
+                          const int* __restrict__ idx,              // (B, K) pool slots, -1: none
+                          int K, int H, float scale, int chunk,
+                          float* __restrict__ o_part,               // (B, nsplit, H, 512)
+                          float* __restrict__ ml_part,              // (B, nsplit, H, 2)
+                          int* __restrict__ bad) {                  // nullable: += indices outside [-1, cap)
+    __shared__ SmemAttn sm;
+    const int split = blockIdx.x, hg = blockIdx.y, b = blockIdx.z, nsplit = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int S = W + K;
+    const int j0 = split * chunk, j1 = min(S, j0 + chunk);
+    const int wl = W > 0 ? min(max(wlen[b], 0), W) : 0;   // wlen is not read without a window
+    const int h0 = hg * kHT;
+
+    // This warp's A fragments of q: rows h0 + g and h0 + g + 8, its 128 dims in 8 k16 steps.
+    u32 qa[8][4];
+    {
+        const __nv_bfloat16* qb = q + ((i64)b * H + h0) * kD + warp * kDW;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            qa[kk][0] = ld_u32(qb + g * kD + kk * 16 + 2 * t);
+            qa[kk][1] = ld_u32(qb + (g + 8) * kD + kk * 16 + 2 * t);
+            qa[kk][2] = ld_u32(qb + g * kD + kk * 16 + 8 + 2 * t);
+            qa[kk][3] = ld_u32(qb + (g + 8) * kD + kk * 16 + 8 + 2 * t);
+        }
+    }
+    float o[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_r[2] = {-kInf, -kInf};   // running max of rows g, g + 8 (-inf: nothing valid yet)
+    float l_r[2] = {0.0f, 0.0f};             // this thread's share of the running denominators (its columns)
+    const int mat = lane >> 3, mr = lane & 7;
+
+    for (int base = j0; base < j1; base += kTS) {
+        // ---- the tile: 32 slots x 32 blocks of 16 dims, 8 (slot, block) tasks per thread; a warp reads one slot per step
+#pragma unroll 2
+        for (int i = 0; i < (kTS * kD / 16) / kThreads; ++i) {
+            const int task = threadIdx.x + kThreads * i;
+            const int s = task >> 5, c = task & 31;
+            const int j = base + s;
+            uint4 v0 = make_uint4(0, 0, 0, 0), v1 = make_uint4(0, 0, 0, 0);
+            float gj = 0.0f;
+            int ok = 0;
+            if (j < j1) {
+                if (j < W) {
+                    if (j < wl) {
+                        const uint4* p = reinterpret_cast<const uint4*>(win + ((i64)b * W + j) * kD + c * 16);
+                        v0 = p[0]; v1 = p[1]; gj = 1.0f; ok = 1;
+                    }
+                } else {
+                    const int e = idx[(i64)b * K + (j - W)];
+                    if (e >= 0 && (i64)e < cap) {
+                        const uint2 cw = *reinterpret_cast<const uint2*>(codes + (i64)e * (kD / 2) + c * 8);
+                        const float s64 = __fmul_rn(e4m3_to_float(sf[(i64)e * (kD / 16) + c]), 64.0f);
+                        u32 w8[8];
+                        decode8_bf16(cw.x, s64, w8);
+                        decode8_bf16(cw.y, s64, w8 + 4);
+                        v0 = make_uint4(w8[0], w8[1], w8[2], w8[3]); v1 = make_uint4(w8[4], w8[5], w8[6], w8[7]);
+                        gj = gs[e]; ok = 1;
+                    } else if (e != -1 && bad != nullptr && hg == 0 && c == 0) {
+                        atomicAdd(bad, 1);       // once per (sequence, slot): one split owns the slot, head group 0 counts
+                    }
+                }
+            }
+            uint4* d = reinterpret_cast<uint4*>(&sm.kv[s][c * 16]);
+            d[0] = v0; d[1] = v1;
+            if (c == 0) { sm.gsv[s] = gj; sm.ok[s] = ok; }
+        }
+        __syncthreads();
+
+        // ---- partial scores: S_w (16 heads x 32 slots) over this warp's 128 dims
+        float sacc[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) sacc[n][0] = sacc[n][1] = sacc[n][2] = sacc[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {        // n tiles 2np, 2np + 1: matrices (slots 8n.., dims +0..7 | +8..15)
+                u32 r[4];
+                ldsm_x4(r, &sm.kv[8 * (2 * np + (mat >> 1)) + mr][warp * kDW + kk * 16 + (mat & 1) * 8]);
+                mma_bf16(sacc[2 * np], qa[kk], r[0], r[1]);
+                mma_bf16(sacc[2 * np + 1], qa[kk], r[2], r[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            *reinterpret_cast<float2*>(&sm.part[warp][g][8 * n + 2 * t]) = make_float2(sacc[n][0], sacc[n][1]);
+            *reinterpret_cast<float2*>(&sm.part[warp][g + 8][8 * n + 2 * t]) = make_float2(sacc[n][2], sacc[n][3]);
+        }
+        __syncthreads();
+
+        // ---- the full scores (the four partials in warp order: the same bits in every warp), online softmax
+        float sv[4][4];
+        float mx[2] = {m_r[0], m_r[1]};
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = g + 8 * (e >> 1), col = 8 * n + 2 * t + (e & 1);
+                const float a = __fadd_rn(__fadd_rn(__fadd_rn(sm.part[0][row][col], sm.part[1][row][col]),
+                                                    sm.part[2][row][col]), sm.part[3][row][col]);
+                sv[n][e] = sm.ok[col] ? __fmul_rn(a, __fmul_rn(sm.gsv[col], scale)) : -kInf;
+                mx[e >> 1] = fmaxf(mx[e >> 1], sv[n][e]);
+            }
+        }
+        float mref[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            mref[r] = (mx[r] == -kInf) ? 0.0f : mx[r];                 // never -inf: no (-inf) - (-inf)
+            alpha[r] = __expf(m_r[r] - mref[r]);                           // m_r = -inf -> 0 (o and l are 0 then)
+            m_r[r] = mx[r];
+            l_r[r] *= alpha[r];
+        }
+        u32 pa[2][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * n + 2 * t + (e & 1);
+                p[e] = sm.ok[col] ? __expf(sv[n][e] - mref[e >> 1]) : 0.0f;   // a NaN score stays NaN
+                l_r[e >> 1] += p[e];
+                p[e] = __fmul_rn(p[e], sm.gsv[col]);                          // the entry's global scale, on p
+            }
+            // C fragment of n tile n -> A fragment of k step n / 2 (slots 16 (n/2) ..): registers (n & 1) * 2 + {0, 1}
+            pa[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p[0], p[1]);
+            pa[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p[2], p[3]);
+        }
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+            o[n][0] *= alpha[0]; o[n][1] *= alpha[0]; o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        }
+        // ---- o (16 heads x this warp's 128 dims) += P (16 x 32 slots) . kv (32 slots x 128 dims)
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+            for (int np = 0; np < 8; ++np) {        // dim tiles 2np, 2np + 1: matrices (slots 16ks + 0..7 | 8..15) x 2 tiles
+                u32 r[4];
+                ldsm_x4_t(r, &sm.kv[16 * ks + (mat & 1) * 8 + mr][warp * kDW + 8 * (2 * np + (mat >> 1))]);
+                mma_bf16(o[2 * np], pa[ks], r[0], r[1]);
+                mma_bf16(o[2 * np + 1], pa[ks], r[2], r[3]);
+            }
+        }
+        __syncthreads();                           // the tile and the partials are rewritten next
+    }
+
+    // ---- the split's partials: o relative to m, the quad's l
+    const i64 row0 = (((i64)b * nsplit + split) * H + h0);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
+        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
+    }
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const int d = warp * kDW + 8 * n + 2 * t;
+        *reinterpret_cast<float2*>(o_part + (row0 + g) * kD + d) = make_float2(o[n][0], o[n][1]);
+        *reinterpret_cast<float2*>(o_part + (row0 + g + 8) * kD + d) = make_float2(o[n][2], o[n][3]);
+    }
+    if (warp == 0 && t == 0) {
+        *reinterpret_cast<float2*>(ml_part + (row0 + g) * 2) = make_float2(m_r[0], l_r[0]);
+        *reinterpret_cast<float2*>(ml_part + (row0 + g + 8) * 2) = make_float2(m_r[1], l_r[1]);
+    }
+}
+
+// Merge the splits of one (sequence, head) in split order, add the sink to the denominator, rotate the last 64 dims back
+// by the query position (pos != nullptr: pair k turned by -pos * freqs[k], in float64), and store bf16.
+// grid B * H, 128 threads, 4 dims each.
+extern "C" __global__ void __launch_bounds__(128)
+nvfp4_sparse_attn_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part, int nsplit, int H,
+                          const float* __restrict__ sink,      // (H,) or nullptr
+                          const int* __restrict__ pos,         // (B,) or nullptr
+                          const double* __restrict__ freqs,    // (32,) pair frequencies of the last 64 dims (with pos)
+                          __nv_bfloat16* __restrict__ out) {   // (B, H, 512)
+    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
+    const int d = 4 * threadIdx.x;
+    float M = -kInf;
+    bool any = false;
+    for (int i = 0; i < nsplit; ++i) {
+        const float2 ml = *reinterpret_cast<const float2*>(ml_part + (((i64)b * nsplit + i) * H + h) * 2);
+        M = fmaxf(M, ml.x);
+        any |= (ml.y != 0.0f);                     // a valid slot (or a NaN) in this split
+    }
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (any) {
+        float mref = (M == -kInf) ? 0.0f : M;
+        const float sk = sink != nullptr ? sink[h] : -kInf;
+        mref = fmaxf(mref, sk);
+        float den = 0.0f;
+        for (int i = 0; i < nsplit; ++i) {
+            const i64 r = ((i64)b * nsplit + i) * H + h;
+            const float2 ml = *reinterpret_cast<const float2*>(ml_part + r * 2);
+            if (ml.y == 0.0f) continue;            // nothing valid here (its o is 0)
+            const float w = __expf(ml.x - mref);
+            const float4 x = *reinterpret_cast<const float4*>(o_part + r * kD + d);
+            v[0] += w * x.x; v[1] += w * x.y; v[2] += w * x.z; v[3] += w * x.w;
+            den += w * ml.y;
+        }
+        if (sink != nullptr) den += __expf(sk - mref);
+        const float inv = 1.0f / den;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[k] *= inv;
+        if (pos != nullptr && d >= kD - 64) {
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                double sn, cs;
+                sincos(-(double)pos[b] * freqs[(d - (kD - 64)) / 2 + k], &sn, &cs);
+                const float x0 = v[2 * k], x1 = v[2 * k + 1], c = (float)cs, s = (float)sn;
+                v[2 * k] = x0 * c - x1 * s;
+                v[2 * k + 1] = x0 * s + x1 * c;
+            }
+        }
+    }
+    uint2 w;
+    w.x = pack_bf16(v[0], v[1]);
+    w.y = pack_bf16(v[2], v[3]);
+    *reinterpret_cast<uint2*>(out + ((i64)b * H + h) * kD + d) = w;
+}
