@@ -37,11 +37,12 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kDW = kD / kWarps;      // dims per warp (128)
 constexpr int kTS = 32;               // slots per tile
+constexpr int kTPT = kTS / kWarps;     // tile slots per warp (8): the tasks of one thread, 16 dims of one slot each
 constexpr int kRow = kD + 8;          // shared row stride in bf16: 1040 B, so 8 ldmatrix rows hit 8 distinct 16-byte bank groups
 
 struct __align__(16) SmemAttn {
     __nv_bfloat16 kv[kTS][kRow];      // the tile's 32 latents (kv_hat), zero rows for invalid slots
-    float part[kWarps][kHT][kTS];     // each warp's partial scores over its 128 dims
+    float part[kWarps][kHT][kTS + 8]; // each warp's partial scores over its 128 dims (rows padded: 2-way, not 8-way, bank conflicts)
     float gsv[kTS];                   // gs of each slot (0 for invalid slots)
     int ok[kTS];                      // slot valid
 };
@@ -126,42 +127,75 @@ nvfp4_sparse_attn_partial(const __nv_bfloat16* __restrict__ q,      // (B, H, 51
     float l_r[2] = {0.0f, 0.0f};             // this thread's share of the running denominators (its columns)
     const int mat = lane >> 3, mr = lane & 7;
 
+    // The tile pipeline: the pool rows of the next tile are loaded into registers (codes, scale byte, global scale)
+    // while this tile computes, and their indices one tile earlier still, so no load waits on another inside the loop.
+    // Window rows (bf16 already) go straight to shared memory by cp.async when their tile is stored.
+    // Thread task i (0..7) of a tile: slot warp + 4 i, 16-block `lane`.
+    auto pool_index = [&](int j) -> int {                // the pool slot a tile slot names (-1 for window / past-the-end)
+        return (j >= W && j < j1) ? idx[(i64)b * K + (j - W)] : -1;
+    };
+    int e_cur[kTPT], e_nxt[kTPT];
+    uint2 cw[kTPT];
+    u32 sb[kTPT];
+    float gv[kTPT];
+    auto load_raw = [&]() {
+#pragma unroll
+        for (int i = 0; i < kTPT; ++i) {
+            const int e = e_cur[i];
+            cw[i] = make_uint2(0, 0); sb[i] = 0; gv[i] = 0.0f;
+            if (e >= 0 && (i64)e < cap) {
+                cw[i] = *reinterpret_cast<const uint2*>(codes + (i64)e * (kD / 2) + lane * 8);
+                sb[i] = sf[(i64)e * (kD / 16) + lane];
+                gv[i] = gs[e];
+            }
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < kTPT; ++i) { e_cur[i] = pool_index(j0 + warp + 4 * i); e_nxt[i] = pool_index(j0 + kTS + warp + 4 * i); }
+    load_raw();
+
     for (int base = j0; base < j1; base += kTS) {
-        // ---- the tile: 32 slots x 32 blocks of 16 dims, 8 (slot, block) tasks per thread; a warp reads one slot per step
-#pragma unroll 2
-        for (int i = 0; i < (kTS * kD / 16) / kThreads; ++i) {
-            const int task = threadIdx.x + kThreads * i;
-            const int s = task >> 5, c = task & 31;
-            const int j = base + s;
-            uint4 v0 = make_uint4(0, 0, 0, 0), v1 = make_uint4(0, 0, 0, 0);
+        // ---- store the tile: window rows by cp.async, pool rows decoded from the registers, zero rows for the rest
+        bool async = false;
+#pragma unroll
+        for (int i = 0; i < kTPT; ++i) {
+            const int s = warp + 4 * i, j = base + s, e = e_cur[i];
+            __nv_bfloat16* dst = &sm.kv[s][lane * 16];
             float gj = 0.0f;
             int ok = 0;
-            if (j < j1) {
-                if (j < W) {
-                    if (j < wl) {
-                        const uint4* p = reinterpret_cast<const uint4*>(win + ((i64)b * W + j) * kD + c * 16);
-                        v0 = p[0]; v1 = p[1]; gj = 1.0f; ok = 1;
-                    }
-                } else {
-                    const int e = idx[(i64)b * K + (j - W)];
-                    if (e >= 0 && (i64)e < cap) {
-                        const uint2 cw = *reinterpret_cast<const uint2*>(codes + (i64)e * (kD / 2) + c * 8);
-                        const float s64 = __fmul_rn(e4m3_to_float(sf[(i64)e * (kD / 16) + c]), 64.0f);
-                        u32 w8[8];
-                        decode8_bf16(cw.x, s64, w8);
-                        decode8_bf16(cw.y, s64, w8 + 4);
-                        v0 = make_uint4(w8[0], w8[1], w8[2], w8[3]); v1 = make_uint4(w8[4], w8[5], w8[6], w8[7]);
-                        gj = gs[e]; ok = 1;
-                    } else if (e != -1 && bad != nullptr && hg == 0 && c == 0) {
-                        atomicAdd(bad, 1);       // once per (sequence, slot): one split owns the slot, head group 0 counts
-                    }
+            if (j < j1 && j < W) {
+                if (j < wl) {
+                    const __nv_bfloat16* src = win + ((i64)b * W + j) * kD + lane * 16;
+                    const u32 d = (u32)__cvta_generic_to_shared(dst);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d + 16), "l"(src + 8));
+                    async = true; gj = 1.0f; ok = 1;
                 }
+            } else if (j < j1 && e >= 0 && (i64)e < cap) {
+                const float s64 = __fmul_rn(e4m3_to_float(sb[i]), 64.0f);
+                u32 w8[8];
+                decode8_bf16(cw[i].x, s64, w8);
+                decode8_bf16(cw[i].y, s64, w8 + 4);
+                uint4* d = reinterpret_cast<uint4*>(dst);
+                d[0] = make_uint4(w8[0], w8[1], w8[2], w8[3]); d[1] = make_uint4(w8[4], w8[5], w8[6], w8[7]);
+                gj = gv[i]; ok = 1;
+            } else if (j < j1 && j >= W && e != -1 && bad != nullptr && hg == 0 && lane == 0) {
+                atomicAdd(bad, 1);       // once per (sequence, slot): one split owns the slot, head group 0 counts
             }
-            uint4* d = reinterpret_cast<uint4*>(&sm.kv[s][c * 16]);
-            d[0] = v0; d[1] = v1;
-            if (c == 0) { sm.gsv[s] = gj; sm.ok[s] = ok; }
+            if (!ok) {
+                uint4* d = reinterpret_cast<uint4*>(dst);
+                d[0] = make_uint4(0, 0, 0, 0); d[1] = make_uint4(0, 0, 0, 0);
+            }
+            if (lane == 0) { sm.gsv[s] = gj; sm.ok[s] = ok; }
         }
+        if (async) asm volatile("cp.async.wait_all;\n" ::: "memory");
         __syncthreads();
+        // ---- the next tile's pool rows into registers, the one after's indices: in flight while this tile computes
+        if (base + kTS < j1) {
+#pragma unroll
+            for (int i = 0; i < kTPT; ++i) { e_cur[i] = e_nxt[i]; e_nxt[i] = pool_index(base + 2 * kTS + warp + 4 * i); }
+            load_raw();
+        }
 
         // ---- partial scores: S_w (16 heads x 32 slots) over this warp's 128 dims
         float sacc[4][4];
