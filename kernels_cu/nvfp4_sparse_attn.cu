@@ -224,12 +224,17 @@ nvfp4_sparse_attn_partial(const __nv_bfloat16* __restrict__ q,      // (B, H, 51
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = g + 8 * (e >> 1), col = 8 * n + 2 * t + (e & 1);
-                const float a = __fadd_rn(__fadd_rn(__fadd_rn(sm.part[0][row][col], sm.part[1][row][col]),
-                                                    sm.part[2][row][col]), sm.part[3][row][col]);
-                sv[n][e] = sm.ok[col] ? __fmul_rn(a, __fmul_rn(sm.gsv[col], scale)) : -kInf;
-                mx[e >> 1] = fmaxf(mx[e >> 1], sv[n][e]);
+            for (int h = 0; h < 2; ++h) {               // row g + 8 h, columns 8 n + 2 t and + 1: one 8-byte read per warp's partial
+                const int row = g + 8 * h, col = 8 * n + 2 * t;
+                float2 a = *reinterpret_cast<const float2*>(&sm.part[0][row][col]);
+#pragma unroll
+                for (int w = 1; w < kWarps; ++w) {
+                    const float2 x = *reinterpret_cast<const float2*>(&sm.part[w][row][col]);
+                    a.x = __fadd_rn(a.x, x.x); a.y = __fadd_rn(a.y, x.y);
+                }
+                sv[n][2 * h] = sm.ok[col] ? __fmul_rn(a.x, __fmul_rn(sm.gsv[col], scale)) : -kInf;
+                sv[n][2 * h + 1] = sm.ok[col + 1] ? __fmul_rn(a.y, __fmul_rn(sm.gsv[col + 1], scale)) : -kInf;
+                mx[h] = fmaxf(mx[h], fmaxf(sv[n][2 * h], sv[n][2 * h + 1]));
             }
         }
         float mref[2], alpha[2];
