@@ -5,6 +5,7 @@
 # %% ../nbs/07b_sparse_attention.ipynb #9f370ddb
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -47,7 +48,7 @@ def ref_sparse_attention(q: torch.Tensor,           # (B, H, D) queries, normali
     scale = D ** -0.5 if scale is None else scale
     out = torch.zeros(B, H, D, dtype=torch.float64, device=q.device)
     for b in range(B):
-        rows = [kv_window[b, :int(window_len[b])].double()]
+        rows = [kv_window[b, :max(0, int(window_len[b]))].double()]
         ids = [int(i) for i in comp_idx[b].tolist() if 0 <= int(i) < kv_comp.shape[1]]
         if ids: rows.append(kv_comp[b, ids].double())
         kv = torch.cat(rows)                                          # (S, D) the slots of this query
@@ -88,13 +89,13 @@ def _freqs_on(rope: RopeConfig, device) -> torch.Tensor:
     if key not in _FREQS: _FREQS[key] = rope_freqs(rope).to(device)
     return _FREQS[key]
 
-def _check_attention(what, q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, out, bad_count):
+def _check_attention(what, q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, out, bad_count, rope=DSV4_ROPE):
     "Every argument of the decode attention checked on the host (no sync): TypeError / ValueError before any launch."
     rt.check_tensor(q, what, "q", (torch.bfloat16,), dim=3)
     B, H, D = q.shape
     dev = q.device
-    if D != KV_DIM or H % ATTN_HEADS or B < 1:
-        raise ValueError(f"{what}: q must be (B, H, {KV_DIM}) with B >= 1 and H a multiple of {ATTN_HEADS}, got {tuple(q.shape)}")
+    if D != KV_DIM or H % ATTN_HEADS or not 1 <= B <= 65535:
+        raise ValueError(f"{what}: q must be (B, H, {KV_DIM}) with 1 <= B <= 65535 and H a multiple of {ATTN_HEADS}, got {tuple(q.shape)}")
     rt.check_tensor(codes, what, "pool.data", (torch.uint8,), device=dev, dim=2)
     cap = codes.shape[0]
     if tuple(codes.shape) != (cap, KV_DIM // 2): raise ValueError(f"{what}: pool entries must be {KV_DIM} wide, got codes {tuple(codes.shape)}")
@@ -120,6 +121,7 @@ def _check_attention(what, q, codes, scales, gs, indices, window, window_len, si
     if out_pos is not None:
         rt.check_tensor(out_pos, what, "out_pos", (torch.int32,), device=dev, dim=1, align=4)
         if out_pos.shape[0] != B: raise ValueError(f"{what}: out_pos must be ({B},), got {tuple(out_pos.shape)}")
+        if rope.dim != 64: raise ValueError(f"{what}: the kernel rotates the last 64 dims back (DSV4's RoPE), got rope.dim = {rope.dim}")
     if not (isinstance(scale, float) and math.isfinite(scale) and scale > 0): raise ValueError(f"{what}: scale must be a finite float > 0, got {scale!r}")
     if out is not None:
         rt.check_tensor(out, what, "out", (torch.bfloat16,), device=dev, dim=3)
@@ -131,7 +133,7 @@ def _check_attention(what, q, codes, scales, gs, indices, window, window_len, si
 
 def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, rope, out, bad_count, splits):
     B, H, W, K, cap = _check_attention("sparse_attention_decode", q, codes, scales, gs, indices, window, window_len,
-                                       sink, out_pos, scale, out, bad_count)
+                                       sink, out_pos, scale, out, bad_count, rope)
     dev = q.device
     nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
                                 if dev.type == "cuda" else 132, splits)
@@ -139,12 +141,13 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
     ml_part = torch.empty(B, nsplit, H, 2, dtype=torch.float32, device=dev)
     out = torch.empty_like(q) if out is None else out
     freqs = _freqs_on(rope, dev) if out_pos is not None else None
-    rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial", (nsplit, H // ATTN_HEADS, B), (128, 1, 1),
-              [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
-               rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),
-               rt.ptr(ml_part), rt.ptr(bad_count)])
-    rt.launch(ATTN_CU, "nvfp4_sparse_attn_combine", (B * H, 1, 1), (128, 1, 1),
-              [rt.ptr(o_part), rt.ptr(ml_part), rt.i32(nsplit), rt.i32(H), rt.ptr(sink), rt.ptr(out_pos), rt.ptr(freqs), rt.ptr(out)])
+    with (torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()):   # q on cuda:1 launches there
+        rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial", (nsplit, H // ATTN_HEADS, B), (128, 1, 1),
+                  [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
+                   rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),
+                   rt.ptr(ml_part), rt.ptr(bad_count)])
+        rt.launch(ATTN_CU, "nvfp4_sparse_attn_combine", (B * H, 1, 1), (128, 1, 1),
+                  [rt.ptr(o_part), rt.ptr(ml_part), rt.i32(nsplit), rt.i32(H), rt.ptr(sink), rt.ptr(out_pos), rt.ptr(freqs), rt.ptr(out)])
     return out
 
 def sparse_attention_decode(q: torch.Tensor,                      # bf16 (B, H, 512): rotated queries, H % 16 == 0
@@ -162,14 +165,15 @@ def sparse_attention_decode(q: torch.Tensor,                      # bf16 (B, H, 
                             splits: int | None = None,            # slot splits per sequence (None: `attn_splits`' choice)
                            ) -> torch.Tensor:                     # bf16 (B, H, 512)
     """DeepSeek-V4's decode attention (`ref_sparse_attention`) read straight from the NVFP4 pool: per sequence one
-    softmax over its first `window_len[b]` window rows and the pool entries `indices[b]`, every head reading each
+    softmax over its first `window_len[b]` window rows (clamped to [0, W]) and the pool entries `indices[b]`, every head reading each
     latent as key and value, the sink in the denominator, the output rotated back to `out_pos`. Two launches on the
     current stream (the split slots, then their merge in split order); no host sync; bit-identical run to run and
     across CUDA-graph replays for a fixed `splits` (the default depends only on the shapes and the GPU's SM count). Indices -1 or outside the pool
     contribute nothing and are never read (`bad_count` counts the latter once per slot); a sequence with no valid
     slot returns zeros; a NaN in an entry reaches only the sequences that read it. Allocates its split workspace
     (B x splits x H x 2 KB) per call; the first call with `out_pos` per device copies the RoPE table there, so make it
-    before a graph capture. TypeError / ValueError for wrong dtypes, shapes or devices, before any launch."""
+    before a graph capture. TypeError / ValueError for wrong dtypes, shapes or devices, more than 65535 sequences, or a
+    `rope` whose `dim` is not 64 with `out_pos`, before any launch."""
     if not isinstance(pool, NVFP4KVPool): raise TypeError(f"sparse_attention_decode: pool must be an NVFP4KVPool, got {type(pool).__name__}")
     scale = KV_DIM ** -0.5 if scale is None else float(scale)
     return _attention(q, pool.data, pool.scale, pool.global_scale, indices, window, window_len, sink, out_pos, scale,
@@ -199,7 +203,7 @@ def attend_gathered_bf16(q: torch.Tensor, pool: NVFP4KVPool, indices: torch.Tens
     s = s.masked_fill(~ok.view(B, 1, -1), float("-inf"))
     if sink is not None: s = torch.cat([s, sink.view(1, H, 1).expand(B, H, 1)], -1)
     p = torch.softmax(s, -1)
-    p = torch.nan_to_num(p[..., :kv.shape[1]], nan=0.0) if sink is None else p[..., :kv.shape[1]]   # no slot: zeros
+    p = p[..., :kv.shape[1]]                                              # (a row with no slot is NaN here: zeroed below)
     o = torch.bmm(p.to(torch.bfloat16), kv).float()
     o = o.masked_fill(~ok.any(1).view(B, 1, 1), 0.0)
     if out_pos is not None:

@@ -74,3 +74,13 @@ def test_slot_counts():
     assert A.window_slots(0) == [0] and A.window_slots(200)[0] == 73 and len(A.window_slots(200)) == A.WINDOW
     assert [A.compressed_count(p, CSA_RATIO) for p in range(9)] == [0, 0, 0, 1, 1, 1, 1, 2, 2]
     assert A.compressed_count(255, HCA_RATIO) == 2 and A.compressed_count(254, HCA_RATIO) == 1
+
+
+def test_negative_window_length_reads_no_window_rows():
+    "window_len < 0 means no window rows (as the kernel clamps it), not Python's slice from the end."
+    g = torch.Generator().manual_seed(4)
+    q, kw, kc = torch.randn(1, 2, KV_DIM, generator=g), torch.randn(1, 8, KV_DIM, generator=g), torch.randn(1, 5, KV_DIM, generator=g)
+    idx = torch.tensor([[0, 3]])
+    neg = A.ref_sparse_attention(q, kw, torch.tensor([-3]), kc, idx)
+    assert torch.equal(neg, A.ref_sparse_attention(q, kw, torch.tensor([0]), kc, idx))
+    assert torch.equal(A.ref_sparse_attention(q, kw, torch.tensor([-3]), kc, torch.tensor([[-1, -1]])), torch.zeros(1, 2, KV_DIM, dtype=torch.float64))

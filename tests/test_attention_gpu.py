@@ -144,3 +144,39 @@ def test_bf16_peer_path():
     other = rel_per_query(peer, want).max().item()
     print(f"relative error per query: fused {fused:.2e}, gather + bf16 attention {other:.2e}")
     assert other < 3e-2 and fused <= 5e-3
+
+
+def test_without_sink_and_rotation_ragged_lengths_and_bad_indices():
+    "The kernel's no-sink and no-rotation paths; window lengths below 0 and above W clamp; an index below -1 is counted."
+    c = case(4, 64, 128, 256, seed=11)
+    c["window_len"][1], c["window_len"][2] = -3, 128 + 50
+    c["indices"][0, 5] = -7
+    bad = torch.zeros(1, dtype=torch.int32, device=DEV)
+    got = A.sparse_attention_decode(c["q"], c["pool"], c["indices"], c["window"], c["window_len"], bad_count=bad)
+    rel = rel_per_query(got, reference(c, sink=False, pos=False))
+    assert rel.max().item() <= 5e-3, f"relative error per query {rel.tolist()}"
+    assert bad.item() == 2                                   # -7 and the out-of-range slot of case()
+
+
+def test_bf16_peer_edge_cases():
+    "The peer keeps the fused op's promises too: no slot gives zeros, a NaN stays in the sequence that read it."
+    c = case(3, 64, 128, 128, seed=13)
+    c["window_len"][2] = 0
+    c["indices"][2] = -1
+    e = int(c["indices"][0, 0])
+    rest = c["indices"][1:]
+    rest[rest == e] = (e + 1) % c["pool"].capacity
+    c["pool"].global_scale[e] = float("nan")
+    for sink in (None, c["sink"]):
+        peer = A.attend_gathered_bf16(c["q"], c["pool"], c["indices"], c["window"], c["window_len"], sink=sink)
+        assert torch.equal(peer[2], torch.zeros_like(peer[2]))
+        assert peer[0].isnan().all() and not peer[1].isnan().any()
+
+
+def test_refuses_a_rope_it_does_not_rotate_and_host_tensors():
+    from dsv4_nvfp4.kv import RopeConfig
+    c = case(2, 64, 128, 64)
+    with pytest.raises(ValueError, match="rope.dim"):
+        run(c, rope=RopeConfig(dim=32))
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        run(dict(c, indices=c["indices"].cpu()))
