@@ -64,16 +64,19 @@ def _bench_moe_problem(timer, name, cfg, T, layers):
                          a1_scales=torch.full((E1,), 3.0 / 2688), a2_scales=torch.full((E1,), 1e-3)).to(dev)
         layer4._prepared = layer._prepared
         layer8 = DSV4MoE(cfg, layer.w13, layer.w2, layer.gate_weight, layer.gate_bias, act="w4a8").to(dev)  # own layout
-        layers[name] = (layer, layer4, layer8)
+        # W4A8 on DeepSeek-V4's own weight form: the same draw with the routed experts quantized to MXFP4 and carried onto
+        # NVFP4 (power-of-two block scales: the table decode), the shared expert in NVFP4 (the F2FP loop), one launch
+        layer8m = DSV4MoE.synthetic(cfg, seed=0, act="w4a8", mxfp4=True, keep_bf16=False, device=dev).to(dev)
+        layers[name] = (layer, layer4, layer8, layer8m)
         m0 = torch.cuda.memory_allocated(dev)
         held = sum(w.nbytes for w in layer.prepared(dev))                # the backend's layout of w13 and w2, on the GPU
         grown = torch.cuda.memory_allocated(dev) - m0                    # what preparing put on the device, measured
         nv = sum(t.numel() * t.element_size() for w in (layer.w13, layer.w2) for t in (w.data, w.scale, w.global_scale))
         layers[name + " bytes"] = dict(prepared=held, allocated=grown, nvfp4=nv, backend=layer.prepared(dev)[0].backend)
-    layer, layer4, layer8 = layers[name]
+    layer, layer4, layer8, layer8m = layers[name]
     row["held"] = layers[name + " bytes"]
-    for act, lay in (("w4a16", layer), ("w4a4", layer4), ("w4a8", layer8)):
-        if act == "w4a8" and T < W4A8_MIN_T: row["w4a8_us"] = None; continue   # W4A8 is the prefill path
+    for act, lay in (("w4a16", layer), ("w4a4", layer4), ("w4a8", layer8), ("w4a8_mxfp4", layer8m)):
+        if act.startswith("w4a8") and T < W4A8_MIN_T: row[f"{act}_us"] = None; continue   # W4A8 is the prefill path
         cap = lay.capture(T)
         row[f"{act}_us"] = timer(lambda: cap(x))[1]                  # replays of the captured layer (x copied in)
         del cap
@@ -109,7 +112,8 @@ def _bench_moe_problem(timer, name, cfg, T, layers):
     return row
 
 def bench_moe(problems=None, log=print) -> dict:
-    "The DSV4 MoE layer, ours (W4A16, W4A4, and W4A8 from `W4A8_MIN_T` tokens; captured) vs the torch bf16 / fp8 layers, with a breakdown of ours."
+    """The DSV4 MoE layer, ours (W4A16, W4A4, and from `W4A8_MIN_T` tokens W4A8 on NVFP4 weights and on DeepSeek-V4's
+    MXFP4-carried ones; captured) vs the torch bf16 / fp8 layers, with a breakdown of ours."""
     timer = Timer()
     res, layers = dict(info=gpu_info(), rows=[]), {}
     for name, cfg, T in problems or MOE_PROBLEMS:
@@ -118,7 +122,7 @@ def bench_moe(problems=None, log=print) -> dict:
         gemm = r["t_l1"] + r["t_l2"]
         r["outside_pct"] = 100 * max(0.0, r["w4a16_us"] - gemm) / r["w4a16_us"]
         res["rows"].append(r)
-        w8 = "" if r["w4a8_us"] is None else f"  w4a8 {r['w4a8_us']:9.1f}"
+        w8 = "" if r["w4a8_us"] is None else f"  w4a8 {r['w4a8_us']:9.1f}  w4a8 mxfp4 {r['w4a8_mxfp4_us']:9.1f}"
         log(f"  {name:9s} T={T:5d} w4a16 {r['w4a16_us']:9.1f} us  w4a4 {r['w4a4_us']:9.1f}{w8}  bf16 {r['bf16_us']:9.1f}  fp8 {r['fp8_us']:9.1f}")
     return res
 
@@ -126,7 +130,8 @@ def moe_table(res: dict) -> str:
     "The layer benchmark and our breakdown as Markdown (rendered from the measured rows)."
     i = res["info"]
     text = table(res["rows"], [("problem", "problem"), ("tokens", "tokens"), ("ours W4A16", fmt("w4a16_us")),
-                               ("ours W4A4", fmt("w4a4_us")), ("ours W4A8", fmt("w4a8_us", none="")), ("torch bf16", fmt("bf16_us")), ("torch fp8", fmt("fp8_us")),
+                               ("ours W4A4", fmt("w4a4_us")), ("ours W4A8", fmt("w4a8_us", none="")),
+                               ("ours W4A8, MXFP4 weights", fmt("w4a8_mxfp4_us", none="")), ("torch bf16", fmt("bf16_us")), ("torch fp8", fmt("fp8_us")),
                                ("x bf16", fmt("x_bf16", ".2f")), ("x fp8", fmt("x_fp8", ".2f")), ("router", fmt("t_router")),
                                ("permute", fmt("t_permute", none="(in router)")), ("L1", fmt("t_l1")), ("L2", fmt("t_l2")),
                                ("combine", fmt("t_combine")), ("outside the GEMMs", fmt("outside_pct", ".0f", "%"))],
@@ -159,6 +164,12 @@ def moe_goals(res: dict) -> str:
     big = [r for r in rows if r["tokens"] == 8192]
     if big:
         out.append("* **T = 8192: >= 1.1x the torch bf16 layer**: " + ", ".join(f"{r['problem']} {r['x_bf16']:.2f}x" for r in big) + ".")
+    goal8 = {("Flash", 2048): 3.0, ("Flash", 8192): 2.7, ("Pro EP48", 8192): 2.0}    # W4A8 on DeepSeek-V4's weight form
+    w8 = [(r, goal8[(r["problem"], r["tokens"])]) for r in rows if (r["problem"], r["tokens"]) in goal8 and r.get("w4a8_mxfp4_us")]
+    if w8:
+        out.append("* **W4A8 on MXFP4 weights vs the torch bf16 layer (Flash T = 2048 >= 3x, T = 8192 >= 2.7x; Pro EP48 T = 8192 "
+                   ">= 2x)**: " + ", ".join(f"{r['problem']} T={r['tokens']} {r['bf16_us'] / r['w4a8_mxfp4_us']:.2f}x "
+                                            f"({'met' if r['bf16_us'] / r['w4a8_mxfp4_us'] >= g else 'missed'})" for r, g in w8) + ".")
     return "\n".join(out)
 
 # %% ../../nbs/08e_bench_moe.ipynb #a3c91e07
@@ -170,7 +181,7 @@ def plot_moe(res: dict,   # `bench_moe`'s result or its JSON record: rows with p
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for name in dict.fromkeys(r["problem"] for r in res["rows"]):        # the problems in the rows' order
         rr = sorted((r for r in res["rows"] if r["problem"] == name), key=lambda r: r["tokens"])
-        for key, st in (("w4a16", "o-"), ("w4a4", "s--"), ("w4a8", "^:")):
+        for key, st in (("w4a16", "o-"), ("w4a4", "s--"), ("w4a8", "^:"), ("w4a8_mxfp4", "v-.")):
             pts = [r for r in rr if r.get(key + "_us")]
             if not pts: continue
             T = [r["tokens"] for r in pts]
