@@ -5,7 +5,6 @@
 # %% ../nbs/07b_sparse_attention.ipynb #9f370ddb
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -89,7 +88,7 @@ def _freqs_on(rope: RopeConfig, device) -> torch.Tensor:
     if key not in _FREQS: _FREQS[key] = rope_freqs(rope).to(device)
     return _FREQS[key]
 
-def _check_attention(what, q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, out, bad_count, rope=DSV4_ROPE):
+def _check_attention(what, q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, rope, out, bad_count):
     "Every argument of the decode attention checked on the host (no sync): TypeError / ValueError before any launch."
     rt.check_tensor(q, what, "q", (torch.bfloat16,), dim=3)
     B, H, D = q.shape
@@ -133,15 +132,14 @@ def _check_attention(what, q, codes, scales, gs, indices, window, window_len, si
 
 def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, rope, out, bad_count, splits):
     B, H, W, K, cap = _check_attention("sparse_attention_decode", q, codes, scales, gs, indices, window, window_len,
-                                       sink, out_pos, scale, out, bad_count, rope)
+                                       sink, out_pos, scale, rope, out, bad_count)
     dev = q.device
-    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-                                if dev.type == "cuda" else 132, splits)
+    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index) if dev.type == "cuda" else 132, splits)
     o_part = torch.empty(B, nsplit, H, KV_DIM, dtype=torch.float32, device=dev)
     ml_part = torch.empty(B, nsplit, H, 2, dtype=torch.float32, device=dev)
     out = torch.empty_like(q) if out is None else out
     freqs = _freqs_on(rope, dev) if out_pos is not None else None
-    with (torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()):   # q on cuda:1 launches there
+    with rt.on_device(dev):
         rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial", (nsplit, H // ATTN_HEADS, B), (128, 1, 1),
                   [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
                    rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),

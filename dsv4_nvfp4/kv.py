@@ -5,7 +5,6 @@
 # %% ../nbs/06_kv_compress.ipynb #86d3737a
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -309,10 +308,6 @@ def _check_state(state, what, B, ratio, coff, D, dev, split):
     if tuple(state.chains.shape) != (B, coff, split, 3, D):
         raise ValueError(f"{what}: state.chains must be {(B, coff, split, 3, D)} (compress_state({B}, {ratio})), got {tuple(state.chains.shape)}")
 
-def _on(dev):
-    "The launch's device as the current one (a pool on cuda:1 launches there); nothing for CPU tensors (the recorded-launch tests)."
-    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
-
 def _check_bad(bad, what, dev):
     if bad is None: return 0
     rt.check_tensor(bad, what, "bad", (torch.int32,), dev, align=4)
@@ -369,7 +364,7 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
         if len(_CU) > 256: _CU.clear()
         _CU[key] = (torch.tensor(cu, dtype=torch.int32, device=dev), torch.tensor(cw, dtype=torch.int32, device=dev))
     cu_d, cw_d = _CU[key]
-    with _on(dev):
+    with rt.on_device(dev):
         if n:
             rt.launch(KV_CU, "nvfp4_kv_compress_prefill", (n,), (D // 4 * defs["SPLIT"],),
                       (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(cw_d), rt.i32(B), rt.ptr(ape), rt.ptr(norm_weight),
@@ -407,7 +402,7 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
     sl, dbg = _slots_arg(slots, B, what, dev), _debug_arg(debug_entries, B, D, what, dev)
     bad_p = _check_bad(bad, what, dev)
     if B:
-        with _on(dev):
+        with rt.on_device(dev):
             rt.launch(KV_CU, "nvfp4_kv_compress_decode", (B,), (D // 4 * defs["SPLIT"],),
                       (rt.ptr(kv), rt.ptr(score), rt.ptr(pos), rt.ptr(ape), rt.ptr(norm_weight), rt.ptr(_freqs(rope, dev)), rt.f32(eps),
                        sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale), rt.i32(pool.capacity), bad_p,

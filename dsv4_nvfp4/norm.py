@@ -117,7 +117,7 @@ def _fused(what, kernel, x, lead, N, weight, eps, global_scale, round_to_bf16, s
     # NB 16-blocks per thread, as the kernel's (a mismatch would leave blocks of the row unowned)
     nbt = _MHC_NB if kernel == "nvfp4_mhc_rmsnorm_quantize" else _RMS_NB if x.element_size() < 4 else _RMS_NB32
     if grid and N:
-        with torch.cuda.device(dev):
+        with rt.on_device(dev):
             rt.launch_1d(RN_CU, f"{kernel}_{rt.DTYPE_SUFFIX[x.dtype]}", grid, max(32, rt.round_up(rt.cdiv(kb, nbt), 32)),
                          [rt.ptr(x), *extra_args, rt.i64(M), rt.i64(N), rt.ptr(weight), rt.f32(eps),
                           rt.i32(int(round_to_bf16)), rt.ptr(gs_in), rt.i64(gs_stride), rt.ptr(gs), rt.ptr(inv),

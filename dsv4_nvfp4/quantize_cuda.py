@@ -120,7 +120,7 @@ def quantize_nvfp4_cuda(x: torch.Tensor,           # (..., K) bf16/fp16/fp32 CUD
         gs, gs_stride = global_scale_arg(global_scale, what, lead, dev, per_row)
     data, sf, sfv = codes_scales_out(out_data, out_scale, what, lead, M, K, swizzle, dev)
     dt = rt.DTYPE_SUFFIX[x.dtype]
-    with torch.cuda.device(dev):
+    with rt.on_device(dev):
         if M * K == 0:
             if computed: gs.fill_(1.0)   # reference: amax of nothing is 0 -> gs 1
             if sfv.numel(): sfv.zero_()
@@ -205,7 +205,7 @@ def dequantize_nvfp4_cuda(t,                          # NVFP4Tensor / SwizzledNV
         raise TypeError(f"{what}: dtype must be torch.bfloat16 or torch.float32, got {dtype}")
     out = out_tensor(out, what, "out", (*lead, K), (dtype,), dev)
     if M * K:
-        with torch.cuda.device(dev):
+        with rt.on_device(dev):
             rt.launch_1d(DQ_CU, f"nvfp4_dequantize_{rt.DTYPE_SUFFIX[dtype]}", rt.cdiv(M * kb, _THREADS), _THREADS,
                          [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i64(M), rt.i64(K),
                           rt.i32(int(swizzled)), rt.ptr(out), rt.i64(K), *_magic(kb)])
@@ -315,7 +315,7 @@ def _gather_launch(what, src, n_out, out, *, index=None, row_start=0, bad_count=
     _check_threads(n_out * (K // 16), what)
     out = _gather_out(out, what, n_out, K, dev)
     if n_out and K:
-        with torch.cuda.device(dev):
+        with rt.on_device(dev):
             rt.launch_1d(G_CU, "nvfp4_gather_dequant_bf16", rt.cdiv(n_out * (K // 16), _THREADS), _THREADS,
                          [rt.ptr(data), rt.ptr(sfv), rt.ptr(g), rt.i64(stride), rt.i32(int(swizzled)), rt.i64(n_src),
                           rt.i64(K), rt.ptr(index), rt.i64(row_start), rt.i64(n_out), rt.ptr(out),

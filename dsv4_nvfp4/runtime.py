@@ -28,8 +28,8 @@ __all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'Ker
            'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir', 'show_cu',
            'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult', 'compile_cubin',
            'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'i64', 'i32', 'u32', 'f32',
-           'launch_device_type', 'check_tensor', 'out_tensor', 'check_k16', 'launch_1d', 'register_op_object',
-           'op_object', 'define_op']
+           'launch_device_type', 'on_device', 'check_tensor', 'out_tensor', 'check_k16', 'launch_1d',
+           'register_op_object', 'op_object', 'define_op']
 
 # %% ../nbs/03_runtime.ipynb #2ee0e57b
 class KernelCompileError(RuntimeError):
@@ -461,6 +461,12 @@ _DEVICE_TYPE = "cuda"  # the device launchers accept (tests/test_runtime.py sets
 def launch_device_type() -> str:
     "The device type the launchers accept (`\"cuda\"`; the tests point it at the CPU to record launches): what a GEMM backend's `supports` compares with."
     return _DEVICE_TYPE
+
+def on_device(dev: torch.device):
+    """A context making `dev` the current CUDA device for a launch (tensors on cuda:1 launch there, on its stream);
+    a no-op for any other device type (the tests' recorded launches on CPU tensors)."""
+    import contextlib
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 

@@ -13,7 +13,7 @@
 #   .peer2/fi_b  its second half and the other three          (call 2: carry [".peer2/fi_b", ".peer2/env.sh"], 47 MB)
 #   .peer2/dg    the DeepGEMM sdist and the two header packages (call 3: carry [".peer2/dg", ".peer2/env.sh", ...], 3 MB)
 # On the host, `source .peer2/env.sh` in each call: it stashes, assembles and installs into /tmp/dsv4-peer2-site
-# (logs in /tmp/dsv4-peer2-*.log) and puts that on PYTHONPATH. DeepGEMM's staging ran on an H100 (session 23);
+# (logs in /tmp/dsv4-peer2-*.log) and puts that on PYTHONPATH. DeepGEMM's staging has run on an H100;
 # FlashInfer's has not run on a GPU host yet.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"

@@ -89,7 +89,7 @@ def quantize_fp8_act_cuda(x: torch.Tensor,                        # (R, K) bf16 
     data = rt.out_tensor(out_data, what, "out_data", (R, K), (torch.float8_e4m3fn,), x.device)
     scale = rt.out_tensor(out_scale, what, "out_scale", (R, 1), (torch.float32,), x.device, align=4)
     if R * K:
-        with torch.cuda.device(x.device):
+        with rt.on_device(x.device):
             rt.launch_1d(FP8_CU, f"fp8_quantize_rows_{rt.DTYPE_SUFFIX[x.dtype]}", R, 256,
                          [rt.ptr(x), rt.i64(K), rt.ptr(data), rt.ptr(scale)])
     elif R:
