@@ -86,6 +86,21 @@ __device__ __forceinline__ float e4m3_to_float(u32 b) {
     return __half2float(__half(h));
 }
 
+// 8 E2M1 codes of a 32-bit word (element 2i in the low nibble of byte i) -> f[j] = (code 2j, code 2j+1) * 2^-6,
+// exact. Each code's sign goes to bit 7 and its three magnitude bits to bits 4..2 of an E4M3 byte (exponent e1 e0,
+// mantissa m0 0 0), which is worth code * 2^-6; one cvt per pair turns two such bytes into f16, exact, then f32.
+// The gather (times 64 * scale, then the global scale) and the attention kernel (times 64 * scale, to bf16) share it.
+__device__ __forceinline__ void e2m1x8_to_float_pairs(u32 w, float2 (&f)[4]) {
+    const u32 lo = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);               // elements 0, 2, 4, 6
+    const u32 hi = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);                      // elements 1, 3, 5, 7
+    const u32 p[2] = {__byte_perm(lo, hi, 0x5140u), __byte_perm(lo, hi, 0x7362u)};     // 0 1 2 3 | 4 5 6 7
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(p[j >> 1] >> (16 * (j & 1))), __NV_E4M3);
+        f[j] = __half22float2(__half2(h));
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 32_4_4 swizzle: byte offset of scale (r, c) of a matrix whose padded column count is `cp`
 // (= round_up(cols, 4)); the buffer is (round_up(rows,128), cp) bytes.

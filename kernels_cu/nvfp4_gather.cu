@@ -48,24 +48,15 @@ __device__ __forceinline__ void store16_bf16(__nv_bfloat16* __restrict__ p, cons
     q[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-// Four E2M1 codes (low nibble of each byte) -> the E4M3 bytes worth code * 2^-6 (sign to bit 7, the three
-// magnitude bits to bits 4..2: exponent e1 e0, mantissa m0 0 0).
-__device__ __forceinline__ u32 e2m1x4_to_e4m3x4(u32 c) {
-    return ((c << 4) & 0x80808080u) | ((c << 2) & 0x1C1C1C1Cu);
-}
-
 // 8 codes of a 32-bit word (element 2j in the low nibble of byte j) -> v[0..7] = code * s64 * g,
 // where s64 = 64 * scale (exact) and each element is rounded once (the product with g).
 __device__ __forceinline__ void decode8(u32 w, float s64, float g, float* v) {
-    const u32 lo = e2m1x4_to_e4m3x4(w & 0x0F0F0F0Fu);          // elements 0, 2, 4, 6
-    const u32 hi = e2m1x4_to_e4m3x4((w >> 4) & 0x0F0F0F0Fu);   // elements 1, 3, 5, 7
-    const u32 p[2] = {__byte_perm(lo, hi, 0x5140u), __byte_perm(lo, hi, 0x7362u)};   // 0 1 2 3 | 4 5 6 7
+    float2 f[4];
+    e2m1x8_to_float_pairs(w, f);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(p[j >> 1] >> (16 * (j & 1))), __NV_E4M3);
-        const float2 f = __half22float2(__half2(h));
-        v[2 * j] = __fmul_rn(__fmul_rn(f.x, s64), g);
-        v[2 * j + 1] = __fmul_rn(__fmul_rn(f.y, s64), g);
+        v[2 * j] = __fmul_rn(__fmul_rn(f[j].x, s64), g);
+        v[2 * j + 1] = __fmul_rn(__fmul_rn(f[j].y, s64), g);
     }
 }
 

@@ -73,17 +73,12 @@ __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], const void* p) {
 }
 
 // 8 E2M1 codes of a word (element 2i in the low nibble of byte i) times the block scale, as 4 bf16x2 words (exact:
-// the E4M3 placement trick of nvfp4_gather.cu gives code * 2^-6 exactly; times 64 * s is at most 6 significant bits).
+// e2m1x8_to_float_pairs gives code * 2^-6 exactly; times 64 * s is at most 6 significant bits).
 __device__ __forceinline__ void decode8_bf16(u32 w, float s64, u32* o) {
-    const u32 lo = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);               // elements 0, 2, 4, 6
-    const u32 hi = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);                      // elements 1, 3, 5, 7
-    const u32 p[2] = {__byte_perm(lo, hi, 0x5140u), __byte_perm(lo, hi, 0x7362u)};     // 0 1 2 3 | 4 5 6 7
+    float2 f[4];
+    e2m1x8_to_float_pairs(w, f);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(p[j >> 1] >> (16 * (j & 1))), __NV_E4M3);
-        const float2 f = __half22float2(__half2(h));
-        o[j] = pack_bf16(__fmul_rn(f.x, s64), __fmul_rn(f.y, s64));
-    }
+    for (int j = 0; j < 4; ++j) o[j] = pack_bf16(__fmul_rn(f[j].x, s64), __fmul_rn(f[j].y, s64));
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads)
