@@ -139,13 +139,13 @@ __device__ __forceinline__ u64 order_key(float v, int e) {
     const u32 o = (v != v) ? 0u : ((b & 0x80000000u) ? ~b : (b | 0x80000000u));
     return ((u64)o << 32) | (u64)(0xffffffffu - (u32)e);
 }
+// The warp's largest 64-bit key, in every lane: the largest high word (one warp reduction), then the largest low
+// word among the lanes holding it (a second): the order of u64 max, in two REDUX instead of ten shuffles.
 __device__ __forceinline__ u64 warp_max_u64(u64 v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = w > v ? w : v;
-    }
-    return v;
+    const u32 hi = (u32)(v >> 32);
+    const u32 mhi = __reduce_max_sync(0xffffffffu, hi);
+    const u32 mlo = __reduce_max_sync(0xffffffffu, hi == mhi ? (u32)v : 0u);
+    return ((u64)mhi << 32) | (u64)mlo;
 }
 // DSV4's score: sqrt(softplus(l)) with torch's softplus (threshold 20: l > 20 -> l), IEEE sqrt.
 __device__ __forceinline__ float dsv4_score(float l) {
@@ -175,15 +175,17 @@ __device__ __forceinline__ void route_token(int t, int lt, int lane,
             key[i] = e < NE ? (bias ? __fadd_rn(s[i], bias[e]) : s[i]) : 0.0f;
         }
         u32 taken = 0u;
+        u64 ok[kNPL];
 #pragma unroll
-        for (int i = 0; i < kNPL; ++i) if (lane + 32 * i >= NE) taken |= 1u << i;
+        for (int i = 0; i < kNPL; ++i) {
+            if (lane + 32 * i >= NE) taken |= 1u << i;
+            ok[i] = order_key(key[i], lane + 32 * i);
+        }
         for (int j = 0; j < TOPK; ++j) {
             u64 best = 0ull; float bs = 0.0f;
 #pragma unroll
-            for (int i = 0; i < kNPL; ++i) {
-                const u64 k = order_key(key[i], lane + 32 * i);
-                if (!((taken >> i) & 1u) && k > best) { best = k; bs = s[i]; }
-            }
+            for (int i = 0; i < kNPL; ++i)
+                if (!((taken >> i) & 1u) && ok[i] > best) { best = ok[i]; bs = s[i]; }
             const u64 win = warp_max_u64(best);
             const int e = (int)(0xffffffffu - (u32)win);
             const float se = __shfl_sync(0xffffffffu, bs, e & 31);
@@ -450,6 +452,9 @@ moe_route_small(const bf16* __restrict__ x,          // (T, HID)
     __shared__ int pos[kSmallMaxT][TOPK + 1];
     __shared__ float gsa[kSmallMaxT][TOPK + 1];
     if (T > kSmallMaxT) __trap();                // the launcher never does this
+    // the bias into L2 while the logits are computed: the last CTA reads it right after arriving
+    if (blockIdx.x == 0 && bias != nullptr && 32 * (int)threadIdx.x < NE)
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(bias + 32 * threadIdx.x));
     router_logits_cta(x, w_gate, T, NE, logits, part);
     if (!arrive_last(ticket)) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
