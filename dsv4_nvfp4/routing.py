@@ -229,6 +229,7 @@ class RouteBuffers:
     inv: torch.Tensor               # int32 (capacity, k + 1): row of (t, j), -1 when not here; slot k is the shared expert
     rows: torch.Tensor              # bf16 (capacity * (k + 1), hidden): expert-major activations
     row_scales: torch.Tensor        # fp32 (capacity * (k + 1), 2): per row (gs_a, routing weight) for the L1
+    score_keys: torch.Tensor        # fp32 (min(capacity, 4), E, 2): route_permute_fused's (score + bias, score) per logit
     routed_tokens: int = -1         # T of the last `route_rows` (-1: none yet, or `route_permute_fused`, which writes no ranks)
 
 def local_groups(num_experts: int,
@@ -273,7 +274,8 @@ def route_buffers(capacity: int, num_experts: int, top_k: int, hidden: int, devi
                         z(capacity, top_k, dt=torch.float32), z(capacity, top_k), z(capacity, k1), z(nch, G), z(nch, G),
                         z(G), z(1), z(1), z(capacity if with_rows else 0, k1),
                         z(capacity * k1 if with_rows else 0, hidden, dt=torch.bfloat16),
-                        z(capacity * k1 if with_rows else 0, 2, dt=torch.float32))
+                        z(capacity * k1 if with_rows else 0, 2, dt=torch.float32),
+                        z(min(capacity, ROUTE_FUSED_MAX_T), num_experts, 2, dt=torch.float32))
 
 def _defines(buf: RouteBuffers) -> dict: return dict(HID=buf.hidden, TOPK=buf.top_k, NE=buf.num_experts)
 
@@ -436,8 +438,8 @@ def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
               (rt.ptr(x), rt.ptr(w_gate), arg(n_tokens, "n_tokens", torch.int64, ()), rt.i32(T), arg(bias, "bias", torch.float32, (E,)),
                *hash_args, rt.f32(routed_scaling_factor),
                0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups), rt.i32(buf.shared_group),
-               arg(a1_scales, "a1_scales", torch.float32, (buf.groups,)), rt.ptr(buf.logits), rt.ptr(buf.topk_weights),
-               rt.ptr(buf.topk_ids), rt.ptr(buf.offsets), rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv),
+               arg(a1_scales, "a1_scales", torch.float32, (buf.groups,)), rt.ptr(buf.logits), rt.ptr(buf.score_keys),
+               rt.ptr(buf.topk_weights), rt.ptr(buf.topk_ids), rt.ptr(buf.offsets), rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv),
                rt.ptr(buf.ticket), rt.ptr(buf.bad)), defines=_defines(buf))
     R = T * (k + 1)
     return buf.rows[:R], buf.row_scales[:R]
