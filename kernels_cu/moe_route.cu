@@ -366,14 +366,24 @@ moe_route(const float* __restrict__ logits,      // (T, E) fp32
 // whole CTA striding over the row. W4A4 (a1 != nullptr): each 16-block is quantized with slot j's group's static
 // global scale gsa[j] exactly as nvfp4_quantize.cu does, and written decoded (code * block scale: at most 6
 // significant bits, exact in bf16); the GEMM applies the scale per row (row_scales).
+template <int kThreads>   // the CTA's block size: the bf16 copy issues all of a thread's loads before its first store
 __device__ __forceinline__ void permute_token(const bf16* __restrict__ src, const int* pos, const float* gsa, bool w4a4,
                                               bf16* __restrict__ xr) {
     if (!w4a4) {
+        constexpr int kC = (HID / 8 + kThreads - 1) / kThreads;    // 16-byte chunks per thread
         const uint4* s4 = reinterpret_cast<const uint4*>(src);
-        for (int c = threadIdx.x; c < HID / 8; c += blockDim.x) {
-            const uint4 v = s4[c];
+        uint4 v[kC];
 #pragma unroll
-            for (int j = 0; j <= TOPK; ++j) if (pos[j] >= 0) reinterpret_cast<uint4*>(xr + (i64)pos[j] * HID)[c] = v;
+        for (int i = 0; i < kC; ++i) {
+            const int c = threadIdx.x + i * kThreads;
+            if (c < HID / 8) v[i] = s4[c];
+        }
+#pragma unroll
+        for (int i = 0; i < kC; ++i) {
+            const int c = threadIdx.x + i * kThreads;
+            if (c >= HID / 8) continue;
+#pragma unroll
+            for (int j = 0; j <= TOPK; ++j) if (pos[j] >= 0) reinterpret_cast<uint4*>(xr + (i64)pos[j] * HID)[c] = v[i];
         }
         return;
     }
@@ -441,7 +451,7 @@ moe_permute(const bf16* __restrict__ x,          // (T, HID)
         place_slot(t, j, g, p, topk_w, a1, pos, gsa, row_scales, inv);
     }
     __syncthreads();
-    permute_token(x + (i64)t * HID, pos, gsa, a1 != nullptr, xr);
+    permute_token<kPermThreads>(x + (i64)t * HID, pos, gsa, a1 != nullptr, xr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -492,7 +502,7 @@ moe_route_small(const bf16* __restrict__ x,          // (T, HID)
         place_slot(t, j, g, p, topk_w, a1, pos[t], gsa[t], row_scales, inv);
     }
     __syncthreads();
-    for (int t = 0; t < n; ++t) permute_token(x + (i64)t * HID, pos[t], gsa[t], a1 != nullptr, xr);
+    for (int t = 0; t < n; ++t) permute_token<kLogitWarps * 32>(x + (i64)t * HID, pos[t], gsa[t], a1 != nullptr, xr);
     if (threadIdx.x == 0) *ticket = 0u;
 }
 
