@@ -196,17 +196,29 @@ class DSV4MoE(torch.nn.Module):
             return torch.ops.dsv4_nvfp4.moe_forward(x.contiguous(), input_ids, self.op_key)
         if (self.eager_graphs and 1 <= x.shape[0] <= EAGER_GRAPH_MAX_T and x.device == self.gate_weight.device
                 and not torch.cuda.is_current_stream_capturing()):   # one replay instead of four launches from Python
-            return self.decode_graph(x.device)(x, input_ids if self.tid2eid is not None else None).clone()
+            cap = self.decode_graph(x.device)
+            if x.device not in self._eager:                 # what a caller's own capture of a decode call will use
+                self._eager[x.device] = self.buffers(EAGER_GRAPH_MAX_T, x.device)
+            return cap(x, input_ids if self.tid2eid is not None else None).clone()
         return self.forward_device(x.contiguous(), input_ids)
 
     def decode_graph(self, device) -> "CapturedMoE":
-        """The cached `CapturedMoE` of `EAGER_GRAPH_MAX_T` tokens on `device` that eager decode calls replay, captured on
-        first use (one per device and backend; a copy of the layer captures its own). Like the eager buffers it is
-        one per device: one layer's eager forwards must not run concurrently on two streams."""
-        key = (torch.device(device), self.backend)
-        cap = self._graphs.get(key)
-        if cap is None: cap = self._graphs[key] = CapturedMoE(self, EAGER_GRAPH_MAX_T)
-        return cap
+        """The cached `CapturedMoE` of `EAGER_GRAPH_MAX_T` tokens on `device` that eager decode calls replay: captured on
+        first use, and again whenever what it reads has changed (the backend, the prepared weights, or the address of
+        the gate weight, bias, hash table or activation scales: a moved or reassigned buffer), never under inference
+        mode (its buffers stay writable outside it). One per device, like the eager buffers: one layer's eager
+        forwards must not run concurrently on two streams, nor beside another thread's CUDA work while it captures.
+        A copy of the layer captures its own."""
+        dev = torch.device(device)
+        w = self.prepared(dev)
+        sig = (self.backend, id(w[0]), id(w[1])) + tuple(0 if t is None else t.data_ptr() for t in
+                                                        (self.gate_weight, self.gate_bias, self.tid2eid, self.a1_scales, self.a2_scales))
+        hit = self._graphs.get(dev)
+        if hit is None or hit[0] != sig:
+            self._graphs.pop(dev, None)                     # the stale graph and its pool go first
+            with torch.inference_mode(False):
+                hit = self._graphs[dev] = (sig, CapturedMoE(self, EAGER_GRAPH_MAX_T), w)   # w: its ids stay unique
+        return hit[1]
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                        check: bool = True,  # GPU: read the bad-routing counter after the launch (a host sync)
