@@ -156,7 +156,7 @@ class DSV4MoE(torch.nn.Module):
 
     def __getstate__(self):
         "What a copy takes: everything but the cached decode graphs (a CUDA graph cannot be copied; the copy captures its own)."
-        state = self.__dict__.copy()
+        state = dict(super().__getstate__())
         state["_graphs"] = {}
         return state
 
