@@ -25,8 +25,8 @@ from .gemm.w4a8 import quantize_fp8_act, ref_quantize_fp8_act
 from .swiglu import MLP_ACTS, calibrate_input_scales, expert_mlp_nvfp4, grouped_gemm_swiglu_nvfp4, interleave_experts, ref_expert_mlp
 
 # %% auto #0
-__all__ = ['FLASH', 'PRO', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe', 'ref_moe_bf16', 'CapturedMoE',
-           'moe_forward_op', 'moe_forward_routed_op']
+__all__ = ['FLASH', 'PRO', 'EAGER_GRAPH_MAX_T', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe', 'ref_moe_bf16',
+           'CapturedMoE', 'moe_forward_op', 'moe_forward_routed_op']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
@@ -78,6 +78,8 @@ def _check_given(w, ids, T, cfg, what):
     if ids.dtype not in (torch.int32, torch.int64) or not w.is_floating_point(): raise TypeError(f"{what}: topk_ids must be int32/int64 and topk_weights float")
     if tuple(w.shape) != (T, k) or tuple(ids.shape) != (T, k): raise ValueError(f"{what}: topk_weights / topk_ids must be ({T}, {k}), got {tuple(w.shape)} / {tuple(ids.shape)}")
 
+EAGER_GRAPH_MAX_T = ROUTE_FUSED_MAX_T   # eager CUDA forwards of 1 .. this many tokens replay a cached graph
+
 class DSV4MoE(torch.nn.Module):
     """One DSV4 MoE layer on NVFP4 weights: the router (bf16 gate weight, fp32 bias or a hash table), E routed experts
     and the shared expert stacked as expert E: `w13` (E + 1, 2I, H) gate/up interleaved by 8, `w2` (E + 1, H, I).
@@ -88,7 +90,8 @@ class DSV4MoE(torch.nn.Module):
     cuts one from a whole layer.
     `forward(x (T, H) bf16, input_ids=None) -> (T, H) bf16`: on a CUDA device six launches (router logits, route,
     permute, L1, L2, combine; the first three are one launch up to `ROUTE_FUSED_MAX_T` tokens; weights prepared on
-    first use); on the CPU the same layer through the GEMM seam's CPU backend (`forward_torch`: on the reference
+    first use; an eager call of 1 .. `EAGER_GRAPH_MAX_T` tokens replays one graph of them, captured on first use,
+    unless `eager_graphs` is False or the stream is being captured); on the CPU the same layer through the GEMM seam's CPU backend (`forward_torch`: on the reference
     backend, `ref_moe` rounded to bf16).
     `act="w4a4"` quantizes x with each expert's static scale `a1_scales` and h with `a2_scales` (the checkpoint's
     `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate);
@@ -135,7 +138,8 @@ class DSV4MoE(torch.nn.Module):
         self.register_buffer("tid2eid", None if tid2eid is None else tid2eid.to(torch.int32).contiguous())
         self.register_buffer("a1_scales", None if a1_scales is None else a1_scales.float().contiguous())
         self.register_buffer("a2_scales", None if a2_scales is None else a2_scales.float().contiguous())
-        self._prepared, self._eager = {}, {}
+        self._prepared, self._eager, self._graphs = {}, {}, {}
+        self.eager_graphs = True           # eager decode calls (1 .. EAGER_GRAPH_MAX_T tokens) replay a cached graph
         self.op_key = register_op_object(self, "dsv4_moe")   # how the torch.compile ops name this layer
         self.bf16_weights = None           # (w1, w3, w2) unquantized, when the layer was built from them (synthetic)
         self.backend = None                # the expert GEMM's backend by name (None: the registry's choice per device)
@@ -150,10 +154,17 @@ class DSV4MoE(torch.nn.Module):
         held += " + shared" if self.shared else ", no shared"
         return f"cfg={self.cfg}, act={self.act!r}, experts={held}, device={self.gate_weight.device}"
 
+    def __getstate__(self):
+        "What a copy takes: everything but the cached decode graphs (a CUDA graph cannot be copied; the copy captures its own)."
+        state = dict(super().__getstate__())
+        state["_graphs"] = {}
+        return state
+
     def __setstate__(self, state):
         "A copy (copy.deepcopy, pickle) is a layer of its own: its own op key, not the original's."
         super().__setstate__(state)
         self.op_key = register_op_object(self, "dsv4_moe")
+        self.__dict__.setdefault("_graphs", {}); self.__dict__.setdefault("eager_graphs", True)   # layers pickled before these
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         "(weights fp32 (T, k), ids int32 (T, k)) from the router (hash routing when the layer has a tid2eid table)."
@@ -183,7 +194,31 @@ class DSV4MoE(torch.nn.Module):
             input_ids = input_ids.to(device=x.device, dtype=torch.int64).contiguous()
         if torch.compiler.is_compiling():           # torch.compile / export: the forward is one custom op (see below)
             return torch.ops.dsv4_nvfp4.moe_forward(x.contiguous(), input_ids, self.op_key)
+        if (self.eager_graphs and 1 <= x.shape[0] <= EAGER_GRAPH_MAX_T and x.device == self.gate_weight.device
+                and not torch.cuda.is_current_stream_capturing()):   # one replay instead of four launches from Python
+            cap = self.decode_graph(x.device)
+            if x.device not in self._eager:                 # what a caller's own capture of a decode call will use
+                self._eager[x.device] = self.buffers(EAGER_GRAPH_MAX_T, x.device)
+            return cap(x, input_ids if self.tid2eid is not None else None).clone()
         return self.forward_device(x.contiguous(), input_ids)
+
+    def decode_graph(self, device) -> "CapturedMoE":
+        """The cached `CapturedMoE` of `EAGER_GRAPH_MAX_T` tokens on `device` that eager decode calls replay: captured on
+        first use, and again whenever what it reads has changed (the backend, the prepared weights, or the address of
+        the gate weight, bias, hash table or activation scales: a moved or reassigned buffer), never under inference
+        mode (its buffers stay writable outside it). One per device, like the eager buffers: one layer's eager
+        forwards must not run concurrently on two streams, nor beside another thread's CUDA work while it captures.
+        A copy of the layer captures its own."""
+        dev = torch.device(device)
+        w = self.prepared(dev)
+        sig = (self.backend, id(w[0]), id(w[1])) + tuple(0 if t is None else t.data_ptr() for t in
+                                                        (self.gate_weight, self.gate_bias, self.tid2eid, self.a1_scales, self.a2_scales))
+        hit = self._graphs.get(dev)
+        if hit is None or hit[0] != sig:
+            self._graphs.pop(dev, None)                     # the stale graph and its pool go first
+            with torch.inference_mode(False):
+                hit = self._graphs[dev] = (sig, CapturedMoE(self, EAGER_GRAPH_MAX_T), w)   # w: its ids stay unique
+        return hit[1]
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                        check: bool = True,  # GPU: read the bad-routing counter after the launch (a host sync)

@@ -44,3 +44,18 @@ def test_synthetic_progress_does_not_change_the_layer():
     a = DSV4MoE.synthetic(SMALL, seed=3, progress=True)
     b = DSV4MoE.synthetic(SMALL, seed=3, progress=False)
     assert torch.equal(a.w13.data, b.w13.data) and torch.equal(a.w2.scale.view(torch.uint8), b.w2.scale.view(torch.uint8))
+
+
+def test_a_copy_leaves_the_cached_decode_graphs_behind():
+    "copy.deepcopy of a layer drops its cached decode graphs (a CUDA graph cannot be copied); the copy makes its own."
+    import copy
+    lay = DSV4MoE.synthetic(SMALL, seed=1)
+    class Uncopyable:
+        def __deepcopy__(self, memo): raise AssertionError("a cached graph was copied")
+        def __reduce__(self): raise AssertionError("a cached graph was pickled")
+    lay._graphs[("cuda:0", None)] = Uncopyable()
+    lay.eager_graphs = False
+    twin = copy.deepcopy(lay)
+    assert twin._graphs == {} and twin.eager_graphs is False and twin.op_key != lay.op_key
+    assert len(lay._graphs) == 1, "the original keeps its own"
+

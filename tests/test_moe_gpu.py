@@ -113,7 +113,56 @@ def test_decode_launch_and_capture_equal_the_unfused_forward(act, monkeypatch):
     cap = layer.capture(M.ROUTE_FUSED_MAX_T)
     for x, y in zip(xs, fused): assert torch.equal(cap(x), y)
     monkeypatch.setattr(M, "ROUTE_FUSED_MAX_T", 0)
+    layer.eager_graphs = False                                           # the launches themselves, not the cached graph
     for x, y in zip(xs, fused): assert torch.equal(layer(x), y)
+
+
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
+def test_eager_decode_replays_a_cached_graph(act):
+    """Eager calls of 1 .. EAGER_GRAPH_MAX_T tokens replay one cached graph: the bits of the launches, a fresh output each
+    call, hash routing through it, the launches again with eager_graphs off and past the bound; a caller's own
+    warm-up-then-capture of a decode call (no nested capture); inference mode on the first call and not after; a
+    recapture when a buffer the graph reads is reassigned; a copy of the layer captures its own."""
+    import copy
+    mk = lambda **kw: M.DSV4MoE.synthetic(CFG, seed=14, act=act, device=DEV, **kw).to(DEV)
+    layer = mk(hash_vocab=50)
+    g = torch.Generator().manual_seed(14)
+    xs = [torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV) for T in (1, 2, M.EAGER_GRAPH_MAX_T)]
+    ids = [torch.randint(0, 50, (x.shape[0],), generator=g).to(DEV) for x in xs]
+    xs.append(xs[0].clone()); ids.append(ids[0].clone())
+    want = [layer.forward_device(x, i).clone() for x, i in zip(xs, ids)]    # the launches, no graph
+    assert not layer._graphs
+    got = [layer(x, i) for x, i in zip(xs, ids)]
+    assert len(layer._graphs) == 1, "one graph per device"
+    for y, w in zip(got, want): assert torch.equal(y, w)
+    assert got[0].data_ptr() != got[3].data_ptr() and torch.equal(got[0], got[3]), "each call returns its own tensor"
+    layer.eager_graphs = False
+    assert torch.equal(layer(xs[1], ids[1]), want[1])
+    layer.eager_graphs = True
+    x5 = torch.randn(M.EAGER_GRAPH_MAX_T + 1, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV)
+    i5 = torch.randint(0, 50, (x5.shape[0],), generator=g).to(DEV)
+    assert torch.equal(layer(x5, i5), layer.forward_device(x5, i5))        # past the bound: the launches
+    twin = copy.deepcopy(layer)
+    assert not twin._graphs and twin.eager_graphs
+    assert torch.equal(twin(xs[0], ids[0]), want[0]) and len(twin._graphs) == 1
+    # a caller's own capture of a decode call on a fresh layer (the same weights), warmed up the usual way first
+    fresh = mk(hash_vocab=50)
+    xin, iin = xs[1].clone(), ids[1].clone()
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s): fresh(xin, iin)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph): yin = fresh(xin, iin)
+    graph.replay(); torch.cuda.synchronize()
+    assert torch.equal(yin, want[1])
+    # inference mode on the first call only; then a reassigned bias (the routing by score) is read, not a stale one
+    plain = mk()
+    x2 = xs[1]
+    with torch.inference_mode(): first = plain(x2)
+    assert torch.equal(first, plain.forward_device(x2)) and torch.equal(plain(x2), first)
+    plain.gate_bias = plain.gate_bias + torch.randn(plain.gate_bias.shape, generator=g).to(DEV)
+    moved = plain(x2)
+    assert torch.equal(moved, plain.forward_device(x2)) and not torch.equal(moved, first), "the new bias is read"
 
 
 @pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
