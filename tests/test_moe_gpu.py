@@ -116,6 +116,31 @@ def test_decode_launch_and_capture_equal_the_unfused_forward(act, monkeypatch):
     for x, y in zip(xs, fused): assert torch.equal(layer(x), y)
 
 
+@pytest.mark.parametrize("hash_vocab", [0, 50])
+def test_shared_expert_apart_gives_the_same_bits(hash_vocab):
+    """A whole W4A16 layer's decode step (<= SHARED_APART_MAX_T tokens) runs the shared expert on a side stream from x
+    while the router runs: the bits of the single-stream forward, eager and captured (the side stream forks and joins
+    inside the graph), with n_tokens padding; past the bound, and with shared_apart off, the single stream."""
+    layer = M.DSV4MoE.synthetic(CFG, seed=16, hash_vocab=hash_vocab, device=DEV).to(DEV)
+    g = torch.Generator().manual_seed(16)
+    for T in (1, 3, M.SHARED_APART_MAX_T, M.SHARED_APART_MAX_T + 1):
+        x = torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV)
+        ids = torch.randint(0, 50, (T,), generator=g).to(DEV) if hash_vocab else None
+        layer.shared_apart = False
+        one = layer.forward_device(x, ids).clone()
+        layer.shared_apart = True
+        two = layer.forward_device(x, ids).clone()
+        assert torch.equal(one, two), f"T={T}"
+        assert bool(layer._side) == True or T > M.SHARED_APART_MAX_T
+    cap = layer.capture(M.SHARED_APART_MAX_T)
+    for T in (1, 2, M.SHARED_APART_MAX_T):
+        x = torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV)
+        ids = torch.randint(0, 50, (T,), generator=g).to(DEV) if hash_vocab else None
+        layer.shared_apart = False
+        want = layer.forward_device(x, ids).clone()
+        assert torch.equal(cap(x, ids), want), f"captured, T={T}"
+
+
 @pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
 @pytest.mark.parametrize("T", [1, 37])
 def test_slices_compute_the_layers_own_rows(act, T):
