@@ -13,7 +13,7 @@ from fastcore.basics import patch
 
 from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
                                    read_safetensors)
-from .gemm import backend_for, get_backend, grouped_gemm_nvfp4, prepare_weights
+from .gemm import backend_for, cached_ones, get_backend, grouped_gemm_nvfp4, prepare_weights
 from .runtime import define_op, op_object, register_op_object
 from .quant import (GS_MIN, FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_mxfp4, ref_quantize_nvfp4, stack_experts)
@@ -156,7 +156,7 @@ class DSV4MoE(torch.nn.Module):
 
     def __getstate__(self):
         "What a copy takes: everything but the side streams and the weight views made from this layer's preparation."
-        state = self.__dict__.copy()
+        state = dict(super().__getstate__())
         state["_side"], state["_apart"] = {}, {}
         return state
 
@@ -253,8 +253,9 @@ class DSV4MoE(torch.nn.Module):
     def buffers(self, capacity: int, device) -> tuple:
         """(RouteBuffers, h, h decoded or None, L2 output rows, the shared expert's own or None) for up to `capacity`
         tokens: every buffer one forward needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales
-        for W4A4). The last: (h (capacity, I), its L2 output (capacity, H), offsets int32 (1,), row scales (capacity, 2)
-        of ones), for a whole W4A16 layer, whose decode steps run the shared expert apart (`forward_device`)."""
+        for W4A4). The last: (h (c, I), its L2 output (c, H), offsets int32 (1,), row scales (c, 2) of ones) with
+        c = min(capacity, SHARED_APART_MAX_T), for a whole W4A16 layer, whose decode steps run the shared expert apart
+        (`forward_device`)."""
         c, dev = self.cfg, torch.device(device)
         R, I = capacity * (c.top_k + 1), c.inter
         e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
@@ -265,10 +266,10 @@ class DSV4MoE(torch.nn.Module):
         else:
             h = NVFP4Tensor(e(R, I // 2, dt=torch.uint8), e(R, I // 16, dt=torch.float8_e4m3fn), e(R, dt=torch.float32), (R, I))
             h_dec = e(R, I)                                                        # Hopper's decode pass of h into L2
-        side = None
+        side, cs = None, min(capacity, SHARED_APART_MAX_T)     # the decode steps' rows only
         if self.act == "w4a16" and self.experts is None:
-            side = (e(capacity, I), e(capacity, c.hidden), torch.zeros(1, dtype=torch.int32, device=dev),
-                    torch.ones(capacity, 2, dtype=torch.float32, device=dev))
+            side = (e(cs, I), e(cs, c.hidden), torch.zeros(1, dtype=torch.int32, device=dev),
+                    torch.ones(cs, 2, dtype=torch.float32, device=dev))
         return (route_buffers(capacity, c.num_experts, c.top_k, c.hidden, dev, experts=self.experts, shared=self.shared),
                 h, h_dec, e(R, c.hidden), side)
 
@@ -322,6 +323,7 @@ class DSV4MoE(torch.nn.Module):
             (w13s, w2s), side_stream = apart[1], self._side_stream(dev)
             hs, ys, offs_s, rs_s = bufs[4]
             main = torch.cuda.current_stream(dev)
+            cached_ones((1, 1), dev)                          # made (and filled) on this stream, not first by the side one
             side_stream.wait_stream(main)
             with torch.cuda.stream(side_stream):
                 if n_tokens is None: offs_s.fill_(T)
