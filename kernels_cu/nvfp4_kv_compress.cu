@@ -263,8 +263,6 @@ nvfp4_kv_compress_prefill(const float* __restrict__ kv,       // (tokens, coff*D
     const int b = lo, i = w - cu_win[b];
     const i64 t0 = cu_seqlens[b] + (i64)i * kR;                 // the window's first token (row)
     const int c0 = 4 * (threadIdx.x % kGroup), j0 = (threadIdx.x / kGroup) * kPer;
-    const float4 w4 = ld4(norm_w + c0);                        // the finish's inputs, in flight with the pooling's
-    const RopeIn ri = rope_in(freqs, c0);
     Pool4 p;
     p.init();
     if (kCoff == 2 && i > 0) {                                 // the previous window, channels [0, D)
@@ -274,7 +272,10 @@ nvfp4_kv_compress_prefill(const float* __restrict__ kv,       // (tokens, coff*D
     const int off = (kCoff - 1) * kD;                          // this window: channels [D, 2D) for CSA
     const i64 o = (t0 + j0) * kLd + off + c0;
     pool_part(p, score + o, kv + o, ape + (i64)j0 * kLd + off + c0);
-    const Rot rot = rope_rot(ri, (i64)i * kR, c0);
+    // the finish's inputs after the pooling, not beside it: live through the pooling they raise the prefill's registers
+    // (HCA's 512-thread CTA can lose its second slot on an SM) for a latency the prefill's many CTAs hide anyway
+    const float4 w4 = ld4(norm_w + c0);
+    const Rot rot = rope_rot(rope_in(freqs, c0), (i64)i * kR, c0);
     float e[4];
     merge_groups(p, e);
     const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};
