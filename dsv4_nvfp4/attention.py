@@ -63,7 +63,7 @@ def ref_sparse_attention(q: torch.Tensor,           # (B, H, D) queries, normali
 
 # %% ../nbs/07b_sparse_attention.ipynb #7acbc8ed
 from . import runtime as rt
-from .kv import KV_DIM, NVFP4KVPool, rope_freqs
+from .kv import KV_DIM, NVFP4KVPool, rope_freqs_on
 
 ATTN_CU = "nvfp4_sparse_attn.cu"
 ATTN_HEADS = 16        # heads per CTA: one m16 MMA tile
@@ -79,14 +79,6 @@ def attn_splits(B: int, H: int, S: int, sms: int = 132, splits: int | None = Non
     if want < 1: raise ValueError(f"attn_splits: splits must be >= 1, got {splits}")
     chunk = -(-tiles // max(1, min(tiles, want))) * ATTN_TILE
     return -(-S // chunk), chunk
-
-_FREQS = {}
-
-def _freqs_on(rope: RopeConfig, device) -> torch.Tensor:
-    "rope_freqs on the device, cached (the first call per device and RoPE copies it there: not inside a graph capture)."
-    key = (tuple(vars(rope).values()), str(device))
-    if key not in _FREQS: _FREQS[key] = rope_freqs(rope).to(device)
-    return _FREQS[key]
 
 def _check_attention(what, q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, rope, out, bad_count):
     "Every argument of the decode attention checked on the host (no sync): TypeError / ValueError before any launch."
@@ -138,7 +130,7 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
     o_part = torch.empty(B, nsplit, H, KV_DIM, dtype=torch.float32, device=dev)
     ml_part = torch.empty(B, nsplit, H, 2, dtype=torch.float32, device=dev)
     out = torch.empty_like(q) if out is None else out
-    freqs = _freqs_on(rope, dev) if out_pos is not None else None
+    freqs = rope_freqs_on(rope, dev) if out_pos is not None else None
     with rt.on_device(dev):
         rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial", (nsplit, H // ATTN_HEADS, B), (128, 1, 1),
                   [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
@@ -205,7 +197,7 @@ def attend_gathered_bf16(q: torch.Tensor, pool: NVFP4KVPool, indices: torch.Tens
     o = torch.bmm(p.to(torch.bfloat16), kv).float()
     o = o.masked_fill(~ok.any(1).view(B, 1, 1), 0.0)
     if out_pos is not None:
-        f = _freqs_on(rope, q.device)
+        f = rope_freqs_on(rope, q.device)
         ang = out_pos.double().view(B, 1, 1) * -f.view(1, 1, -1)
         c, sn = torch.cos(ang).float(), torch.sin(ang).float()
         a, b2 = o[..., -rope.dim::2].clone(), o[..., -rope.dim + 1::2].clone()

@@ -16,9 +16,9 @@ from .quant import NVFP4Tensor, ref_dequantize_nvfp4, ref_quantize_nvfp4
 # %% auto #0
 __all__ = ['KV_DIM', 'CSA_RATIO', 'HCA_RATIO', 'DSV4_ROPE', 'KV_CU', 'KV_UNROLL', 'KV_ENTRY_BYTES', 'RopeConfig', 'rope_freqs',
            'apply_rope', 'rms_norm64', 'coff_of', 'pool_window', 'ref_compress_kv', 'CompressState',
-           'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU', 'compress_state', 'kv_split', 'kv_unroll',
-           'compress_prefill', 'compress_decode', 'dsv4_compress_ratios', 'kv_memory', 'torch_compress_prefill',
-           'TorchCompressState', 'torch_compress_state', 'torch_compress_decode']
+           'ref_compress_step', 'NVFP4KVPool', 'KVCompressStateGPU', 'rope_freqs_on', 'compress_state', 'kv_split',
+           'kv_unroll', 'compress_prefill', 'compress_decode', 'dsv4_compress_ratios', 'kv_memory',
+           'torch_compress_prefill', 'TorchCompressState', 'torch_compress_state', 'torch_compress_decode']
 
 # %% ../nbs/06_kv_compress.ipynb #8e1798ee
 KV_DIM = 512                 # compressed entry width (DSV4 head_dim)
@@ -253,7 +253,8 @@ class KVCompressStateGPU:
 _FREQS: dict = {}     # (rope, device) -> float64 frequencies on the device
 _CU: dict = {}        # (cu_seqlens, ratio, device) -> (cu_seqlens, entry offsets) int32 on the device
 
-def _freqs(rope: RopeConfig, device) -> torch.Tensor:
+def rope_freqs_on(rope: RopeConfig, device) -> torch.Tensor:
+    "`rope_freqs` on `device`, cached: copied from the host once per device and RoPE (so before a graph capture)."
     key = (rope, torch.device(device))
     if key not in _FREQS: _FREQS[key] = rope_freqs(rope).to(device)     # a copy from the host: once per device
     return _FREQS[key]
@@ -267,7 +268,7 @@ def compress_state(batch: int, ratio: int, dim: int = KV_DIM, device="cuda", rop
     split = _split_of(ratio, dim, split, "compress_state")
     chains = torch.zeros(batch, coff_of(ratio), split, 3, dim, dtype=torch.float32, device=device)
     chains[:, :, :, 0] = -math.inf
-    if torch.device(device).type == "cuda": _freqs(rope, device)
+    if torch.device(device).type == "cuda": rope_freqs_on(rope, device)
     return KVCompressStateGPU(ratio, split, chains)
 
 def kv_split(ratio: int) -> int:
@@ -368,7 +369,7 @@ def compress_prefill(kv: torch.Tensor,            # fp32 (tokens, coff*D): the s
         if n:
             rt.launch(KV_CU, "nvfp4_kv_compress_prefill", (n,), (D // 4 * defs["SPLIT"],),
                       (rt.ptr(kv), rt.ptr(score), rt.ptr(cu_d), rt.ptr(cw_d), rt.i32(B), rt.ptr(ape), rt.ptr(norm_weight),
-                       rt.ptr(_freqs(rope, dev)), rt.f32(eps), sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale),
+                       rt.ptr(rope_freqs_on(rope, dev)), rt.f32(eps), sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale),
                        rt.i32(pool.capacity), bad_p, dbg), defines=defs)
         if state is not None:
             rt.launch(KV_CU, "nvfp4_kv_prefill_state", (B,), (D // 4 * defs["SPLIT"],),
@@ -404,7 +405,7 @@ def compress_decode(kv: torch.Tensor,            # fp32 (B, coff*D): one token p
     if B:
         with rt.on_device(dev):
             rt.launch(KV_CU, "nvfp4_kv_compress_decode", (B,), (D // 4 * defs["SPLIT"],),
-                      (rt.ptr(kv), rt.ptr(score), rt.ptr(pos), rt.ptr(ape), rt.ptr(norm_weight), rt.ptr(_freqs(rope, dev)), rt.f32(eps),
+                      (rt.ptr(kv), rt.ptr(score), rt.ptr(pos), rt.ptr(ape), rt.ptr(norm_weight), rt.ptr(rope_freqs_on(rope, dev)), rt.f32(eps),
                        sl, rt.ptr(pool.data), rt.ptr(pool.scale), rt.ptr(pool.global_scale), rt.i32(pool.capacity), bad_p,
                        rt.ptr(state.chains), dbg), defines=defs)
 

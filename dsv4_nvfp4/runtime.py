@@ -456,6 +456,8 @@ def f32(v): return _F32(v)
 # ----------------------------------------------------------------------------------------------------------------
 
 # %% ../nbs/03_runtime.ipynb #95df1afa
+import contextlib
+
 _DEVICE_TYPE = "cuda"  # the device launchers accept (tests/test_runtime.py sets "cpu" to record launches on CPU tensors)
 
 def launch_device_type() -> str:
@@ -465,7 +467,6 @@ def launch_device_type() -> str:
 def on_device(dev: torch.device):
     """A context making `dev` the current CUDA device for a launch (tensors on cuda:1 launch there, on its stream);
     a no-op for any other device type (the tests' recorded launches on CPU tensors)."""
-    import contextlib
     return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
