@@ -201,17 +201,21 @@ class DSV4MoE(torch.nn.Module):
             return torch.ops.dsv4_nvfp4.moe_forward(x.contiguous(), input_ids, self.op_key)
         if (self.eager_graphs and 1 <= x.shape[0] <= EAGER_GRAPH_MAX_T and x.device == self.gate_weight.device
                 and not torch.cuda.is_current_stream_capturing()):   # one replay instead of four launches from Python
-            cap = self.decode_graph(x.device)
+            T, cap = x.shape[0], self.decode_graph(x.device, x.shape[0])
             if x.device not in self._eager:                 # what a caller's own capture of a decode call will use
                 self._eager[x.device] = self.buffers(EAGER_GRAPH_MAX_T, x.device)
-            return cap(x, input_ids if self.tid2eid is not None else None).clone()
+            cap.x.copy_(x)                                  # a graph of exactly T tokens: its n_tokens stays T
+            if cap.ids is not None: cap.ids.copy_(input_ids)
+            cap.graph.replay()
+            return cap.out.clone()
         return self.forward_device(x.contiguous(), input_ids)
 
-    def decode_graph(self, device) -> "CapturedMoE":
-        """The cached `CapturedMoE` of `EAGER_GRAPH_MAX_T` tokens on `device` that eager decode calls replay: captured on
-        first use, and again whenever what it reads has changed (the backend, the prepared weights, or the address of
-        the gate weight, bias, hash table or activation scales: a moved or reassigned buffer), never under inference
-        mode (its buffers stay writable outside it). One per device, like the eager buffers: one layer's eager
+    def decode_graph(self, device, tokens: int) -> "CapturedMoE":
+        """The cached `CapturedMoE` of exactly `tokens` (1 .. `EAGER_GRAPH_MAX_T`) tokens on `device` that eager calls of
+        that many tokens replay: captured on first use, and all of the device's again whenever what they read has
+        changed (the backend, the prepared weights, or the address of the gate weight, bias, hash table or activation
+        scales: a moved or reassigned buffer), never under inference mode (its buffers stay writable outside it).
+        Raises ValueError for `tokens` outside 1 .. `EAGER_GRAPH_MAX_T`. One per device, like the eager buffers: one layer's eager
         forwards must not run concurrently on two streams, nor beside another thread's CUDA work while it captures.
         A copy of the layer captures its own."""
         dev = torch.device(device)
@@ -220,10 +224,14 @@ class DSV4MoE(torch.nn.Module):
                                                         (self.gate_weight, self.gate_bias, self.tid2eid, self.a1_scales, self.a2_scales))
         hit = self._graphs.get(dev)
         if hit is None or hit[0] != sig:
-            self._graphs.pop(dev, None)                     # the stale graph and its pool go first
+            self._graphs.pop(dev, None)                     # the stale graphs and their pools go first
+            hit = self._graphs[dev] = (sig, {}, w)          # w: its ids stay unique while the graphs live
+        cap = hit[1].get(tokens)
+        if cap is None:
+            if not 1 <= tokens <= EAGER_GRAPH_MAX_T: raise ValueError(f"decode_graph: tokens must be in 1 .. {EAGER_GRAPH_MAX_T}, got {tokens}")
             with torch.inference_mode(False):
-                hit = self._graphs[dev] = (sig, CapturedMoE(self, EAGER_GRAPH_MAX_T), w)   # w: its ids stay unique
-        return hit[1]
+                cap = hit[1][tokens] = CapturedMoE(self, tokens)
+        return cap
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                        check: bool = True,  # GPU: read the bad-routing counter after the launch (a host sync)
@@ -279,12 +287,14 @@ class DSV4MoE(torch.nn.Module):
         held = (rt.inv >= 0)[..., None]
         return torch.where(held, rows.double()[rt.inv.clamp(min=0)], 0.0).sum(1).to(torch.bfloat16)
 
+    @torch.inference_mode(False)
     def buffers(self, capacity: int, device) -> tuple:
         """(RouteBuffers, h, h decoded or None, L2 output rows, the shared expert's own or None) for up to `capacity`
         tokens: every buffer one forward needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales
         for W4A4). The last: (h (c, I), its L2 output (c, H), offsets int32 (1,), row scales (c, 2) of ones) with
         c = min(capacity, SHARED_APART_MAX_T), for a whole W4A16 layer, whose decode steps run the shared expert apart
-        (`forward_device`)."""
+        (`forward_device`). Made outside inference mode: a first call under `torch.inference_mode` leaves buffers that
+        later calls outside it may fill."""
         c, dev = self.cfg, torch.device(device)
         R, I = capacity * (c.top_k + 1), c.inter
         e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
@@ -577,7 +587,8 @@ def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w
     layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, act="w4a16" if act == "w4a4" else act)
     if act == "w4a4":                                  # static scales from sample tokens, as a calibration pass would
         xs = torch.randn(calib_tokens, H, generator=g, device=dev).to(torch.bfloat16).cpu()
-        ids_in = torch.randint(0, hash_vocab, (calib_tokens,)) if tid is not None else None
+        ids_in = (torch.randint(0, hash_vocab, (calib_tokens,), generator=g, device=dev).cpu()   # from the seed, like the rest
+                  if tid is not None else None)
         w, ids = layer.route(xs, ids_in)
         rt, p = route_with_shared(ids, w, E)
         _, h = ref_expert_mlp(xs[rt.token], w13, q2, rt.expert_offsets, route_weight=p, return_h=True)

@@ -84,3 +84,19 @@ def test_shared_apart_weight_views_are_the_experts_own_slabs(monkeypatch):
     assert lay.buffers(2, "cpu")[4] is not None and len(lay.buffers(2, "cpu")) == 5
     assert DSV4MoE.synthetic(cfg, seed=3, act="w4a4").buffers(2, "cpu")[4] is None
     assert lay.local([0, 2]).buffers(2, "cpu")[4] is None
+
+
+def test_synthetic_hash_w4a4_comes_from_the_seed_alone():
+    "A hash-routed W4A4 layer's calibrated scales depend on the seed only (the calibration's token ids drew from torch's global RNG once)."
+    mk = lambda: DSV4MoE.synthetic(SMALL, seed=3, act="w4a4", hash_vocab=20, calib_tokens=16, keep_bf16=False)
+    torch.manual_seed(1); a = mk()
+    torch.manual_seed(2); b = mk()
+    assert torch.equal(a.a1_scales, b.a1_scales) and torch.equal(a.a2_scales, b.a2_scales)
+
+
+def test_buffers_made_under_inference_mode_stay_writable():
+    "A first forward under torch.inference_mode makes the layer's buffers; later calls outside it fill them in place."
+    lay = DSV4MoE.synthetic(MoEConfig(hidden=1024, inter=256, num_experts=4, top_k=2), seed=0, act="w4a8", keep_bf16=False)
+    with torch.inference_mode(): bufs = lay.buffers(2, "cpu")
+    assert not bufs[0].offsets.is_inference() and not bufs[1].is_inference() and not bufs[2][0].data.is_inference()
+    bufs[0].offsets.fill_(1)

@@ -173,7 +173,8 @@ def test_eager_decode_replays_a_cached_graph(act):
     want = [layer.forward_device(x, i).clone() for x, i in zip(xs, ids)]    # the launches, no graph
     assert not layer._graphs
     got = [layer(x, i) for x, i in zip(xs, ids)]
-    assert len(layer._graphs) == 1, "one graph per device"
+    assert len(layer._graphs) == 1, "one entry per device"
+    assert sorted(next(iter(layer._graphs.values()))[1]) == [1, 2, M.EAGER_GRAPH_MAX_T], "one graph per token count"
     for y, w in zip(got, want): assert torch.equal(y, w)
     assert got[0].data_ptr() != got[3].data_ptr() and torch.equal(got[0], got[3]), "each call returns its own tensor"
     layer.eager_graphs = False
@@ -211,6 +212,7 @@ def test_slices_compute_the_layers_own_rows(act, T):
     "Expert-parallel slices: the same routing, the held slots' rows bit-identical to the whole layer's, each share vs its reference."
     layer = M.DSV4MoE.synthetic(CFG, seed=13, act=act, device=DEV).to(DEV)
     layer.shared_apart = False                 # every row of the whole layer in its rows buffer, the shared ones too
+    layer.eager_graphs = False                 # the eager buffers read below hold the call's rows (not a cached graph's)
     x = torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
     xd = x.to(DEV)
     y = layer(xd).cpu()
@@ -220,6 +222,7 @@ def test_slices_compute_the_layers_own_rows(act, T):
     parts = (layer.local(a), layer.local([e for e in range(CFG.num_experts) if e not in a], shared=False))
     total = torch.zeros(T, CFG.hidden, dtype=torch.float64)
     for part in parts:
+        part.eager_graphs = False
         yp = part(xd).cpu()
         buf, _, _, rows = next(iter(part._eager.values()))[:4]
         assert torch.equal(buf.topk_ids[:T], ids)
