@@ -13,7 +13,7 @@ from fastcore.basics import patch
 
 from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
                                    read_safetensors)
-from .gemm import backend_for, get_backend, grouped_gemm_nvfp4, prepare_weights
+from .gemm import backend_for, cached_ones, get_backend, grouped_gemm_nvfp4, prepare_weights
 from .runtime import define_op, op_object, register_op_object
 from .quant import (GS_MIN, FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_mxfp4, ref_quantize_nvfp4, stack_experts)
@@ -22,11 +22,12 @@ from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, co
                                 router_logits, ROUTE_FUSED_MAX_T)
 from .gemm.reference import check_swiglu_limit, deinterleave_l1, ref_swiglu
 from .gemm.w4a8 import quantize_fp8_act, ref_quantize_fp8_act
+from .gemm.sm90 import Sm90Weights
 from .swiglu import MLP_ACTS, calibrate_input_scales, expert_mlp_nvfp4, grouped_gemm_swiglu_nvfp4, interleave_experts, ref_expert_mlp
 
 # %% auto #0
-__all__ = ['FLASH', 'PRO', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe', 'ref_moe_bf16', 'CapturedMoE',
-           'moe_forward_op', 'moe_forward_routed_op']
+__all__ = ['FLASH', 'PRO', 'EAGER_GRAPH_MAX_T', 'SHARED_APART_MAX_T', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe',
+           'ref_moe_bf16', 'CapturedMoE', 'moe_forward_op', 'moe_forward_routed_op']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
@@ -78,6 +79,9 @@ def _check_given(w, ids, T, cfg, what):
     if ids.dtype not in (torch.int32, torch.int64) or not w.is_floating_point(): raise TypeError(f"{what}: topk_ids must be int32/int64 and topk_weights float")
     if tuple(w.shape) != (T, k) or tuple(ids.shape) != (T, k): raise ValueError(f"{what}: topk_weights / topk_ids must be ({T}, {k}), got {tuple(w.shape)} / {tuple(ids.shape)}")
 
+EAGER_GRAPH_MAX_T = ROUTE_FUSED_MAX_T   # eager CUDA forwards of 1 .. this many tokens replay a cached graph
+SHARED_APART_MAX_T = ROUTE_FUSED_MAX_T   # a whole W4A16 layer's decode step runs its shared expert beside the router
+
 class DSV4MoE(torch.nn.Module):
     """One DSV4 MoE layer on NVFP4 weights: the router (bf16 gate weight, fp32 bias or a hash table), E routed experts
     and the shared expert stacked as expert E: `w13` (E + 1, 2I, H) gate/up interleaved by 8, `w2` (E + 1, H, I).
@@ -88,7 +92,8 @@ class DSV4MoE(torch.nn.Module):
     cuts one from a whole layer.
     `forward(x (T, H) bf16, input_ids=None) -> (T, H) bf16`: on a CUDA device six launches (router logits, route,
     permute, L1, L2, combine; the first three are one launch up to `ROUTE_FUSED_MAX_T` tokens; weights prepared on
-    first use); on the CPU the same layer through the GEMM seam's CPU backend (`forward_torch`: on the reference
+    first use; an eager call of 1 .. `EAGER_GRAPH_MAX_T` tokens replays one graph of them, captured on first use,
+    unless `eager_graphs` is False or the stream is being captured); on the CPU the same layer through the GEMM seam's CPU backend (`forward_torch`: on the reference
     backend, `ref_moe` rounded to bf16).
     `act="w4a4"` quantizes x with each expert's static scale `a1_scales` and h with `a2_scales` (the checkpoint's
     `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate);
@@ -135,7 +140,9 @@ class DSV4MoE(torch.nn.Module):
         self.register_buffer("tid2eid", None if tid2eid is None else tid2eid.to(torch.int32).contiguous())
         self.register_buffer("a1_scales", None if a1_scales is None else a1_scales.float().contiguous())
         self.register_buffer("a2_scales", None if a2_scales is None else a2_scales.float().contiguous())
-        self._prepared, self._eager = {}, {}
+        self._prepared, self._eager, self._graphs, self._apart, self._side = {}, {}, {}, {}, {}
+        self.eager_graphs = True           # eager decode calls (1 .. EAGER_GRAPH_MAX_T tokens) replay a cached graph
+        self.shared_apart = True           # decode steps (<= SHARED_APART_MAX_T tokens): the shared expert on a side stream
         self.op_key = register_op_object(self, "dsv4_moe")   # how the torch.compile ops name this layer
         self.bf16_weights = None           # (w1, w3, w2) unquantized, when the layer was built from them (synthetic)
         self.backend = None                # the expert GEMM's backend by name (None: the registry's choice per device)
@@ -150,10 +157,19 @@ class DSV4MoE(torch.nn.Module):
         held += " + shared" if self.shared else ", no shared"
         return f"cfg={self.cfg}, act={self.act!r}, experts={held}, device={self.gate_weight.device}"
 
+    def __getstate__(self):
+        """What a copy takes: everything but the cached decode graphs (a CUDA graph cannot be copied; the copy captures
+        its own), the side streams and the weight views made from this layer's preparation."""
+        state = dict(super().__getstate__())
+        state["_graphs"], state["_side"], state["_apart"] = {}, {}, {}
+        return state
+
     def __setstate__(self, state):
         "A copy (copy.deepcopy, pickle) is a layer of its own: its own op key, not the original's."
         super().__setstate__(state)
         self.op_key = register_op_object(self, "dsv4_moe")
+        for k, v in (("_graphs", {}), ("eager_graphs", True), ("_side", {}), ("_apart", {}), ("shared_apart", True)):
+            self.__dict__.setdefault(k, v)   # layers pickled before these
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         "(weights fp32 (T, k), ids int32 (T, k)) from the router (hash routing when the layer has a tid2eid table)."
@@ -183,7 +199,39 @@ class DSV4MoE(torch.nn.Module):
             input_ids = input_ids.to(device=x.device, dtype=torch.int64).contiguous()
         if torch.compiler.is_compiling():           # torch.compile / export: the forward is one custom op (see below)
             return torch.ops.dsv4_nvfp4.moe_forward(x.contiguous(), input_ids, self.op_key)
+        if (self.eager_graphs and 1 <= x.shape[0] <= EAGER_GRAPH_MAX_T and x.device == self.gate_weight.device
+                and not torch.cuda.is_current_stream_capturing()):   # one replay instead of four launches from Python
+            T, cap = x.shape[0], self.decode_graph(x.device, x.shape[0])
+            if x.device not in self._eager:                 # what a caller's own capture of a decode call will use
+                self._eager[x.device] = self.buffers(EAGER_GRAPH_MAX_T, x.device)
+            cap.x.copy_(x)                                  # a graph of exactly T tokens: its n_tokens stays T
+            if cap.ids is not None: cap.ids.copy_(input_ids)
+            cap.graph.replay()
+            return cap.out.clone()
         return self.forward_device(x.contiguous(), input_ids)
+
+    def decode_graph(self, device, tokens: int) -> "CapturedMoE":
+        """The cached `CapturedMoE` of exactly `tokens` (1 .. `EAGER_GRAPH_MAX_T`) tokens on `device` that eager calls of
+        that many tokens replay: captured on first use, and all of the device's again whenever what they read has
+        changed (the backend, the prepared weights, or the address of the gate weight, bias, hash table or activation
+        scales: a moved or reassigned buffer), never under inference mode (its buffers stay writable outside it).
+        Raises ValueError for `tokens` outside 1 .. `EAGER_GRAPH_MAX_T`. One per device, like the eager buffers: one layer's eager
+        forwards must not run concurrently on two streams, nor beside another thread's CUDA work while it captures.
+        A copy of the layer captures its own."""
+        dev = torch.device(device)
+        w = self.prepared(dev)
+        sig = (self.backend, id(w[0]), id(w[1])) + tuple(0 if t is None else t.data_ptr() for t in
+                                                        (self.gate_weight, self.gate_bias, self.tid2eid, self.a1_scales, self.a2_scales))
+        hit = self._graphs.get(dev)
+        if hit is None or hit[0] != sig:
+            self._graphs.pop(dev, None)                     # the stale graphs and their pools go first
+            hit = self._graphs[dev] = (sig, {}, w)          # w: its ids stay unique while the graphs live
+        cap = hit[1].get(tokens)
+        if cap is None:
+            if not 1 <= tokens <= EAGER_GRAPH_MAX_T: raise ValueError(f"decode_graph: tokens must be in 1 .. {EAGER_GRAPH_MAX_T}, got {tokens}")
+            with torch.inference_mode(False):
+                cap = hit[1][tokens] = CapturedMoE(self, tokens)
+        return cap
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                        check: bool = True,  # GPU: read the bad-routing counter after the launch (a host sync)
@@ -239,9 +287,14 @@ class DSV4MoE(torch.nn.Module):
         held = (rt.inv >= 0)[..., None]
         return torch.where(held, rows.double()[rt.inv.clamp(min=0)], 0.0).sum(1).to(torch.bfloat16)
 
+    @torch.inference_mode(False)
     def buffers(self, capacity: int, device) -> tuple:
-        """(RouteBuffers, h, h decoded or None, L2 output rows) for up to `capacity` tokens: every buffer one forward
-        needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales for W4A4)."""
+        """(RouteBuffers, h, h decoded or None, L2 output rows, the shared expert's own or None) for up to `capacity`
+        tokens: every buffer one forward needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales
+        for W4A4). The last: (h (c, I), its L2 output (c, H), offsets int32 (1,), row scales (c, 2) of ones) with
+        c = min(capacity, SHARED_APART_MAX_T), for a whole W4A16 layer, whose decode steps run the shared expert apart
+        (`forward_device`). Made outside inference mode: a first call under `torch.inference_mode` leaves buffers that
+        later calls outside it may fill."""
         c, dev = self.cfg, torch.device(device)
         R, I = capacity * (c.top_k + 1), c.inter
         e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
@@ -252,8 +305,12 @@ class DSV4MoE(torch.nn.Module):
         else:
             h = NVFP4Tensor(e(R, I // 2, dt=torch.uint8), e(R, I // 16, dt=torch.float8_e4m3fn), e(R, dt=torch.float32), (R, I))
             h_dec = e(R, I)                                                        # Hopper's decode pass of h into L2
+        side, cs = None, min(capacity, SHARED_APART_MAX_T)     # the decode steps' rows only
+        if self.act == "w4a16" and self.experts is None:
+            side = (e(cs, I), e(cs, c.hidden), torch.zeros(1, dtype=torch.int32, device=dev),
+                    torch.ones(cs, 2, dtype=torch.float32, device=dev))
         return (route_buffers(capacity, c.num_experts, c.top_k, c.hidden, dev, experts=self.experts, shared=self.shared),
-                h, h_dec, e(R, c.hidden))
+                h, h_dec, e(R, c.hidden), side)
 
     def local(self, experts, shared: bool = True) -> "DSV4MoE":
         """The expert-parallel slice of this layer that holds `experts` (increasing global ids, all held here) and, if
@@ -284,7 +341,9 @@ class DSV4MoE(torch.nn.Module):
                        sms_free: int = 0,                      # SMs the expert GEMMs leave free (EP: beside NCCL's kernels)
                       ) -> torch.Tensor:                       # bf16 (T, H): `out`
         """The forward on the device with the inputs already checked (`check_input`): eager, or the body of a captured
-        graph. Six launches (four up to `ROUTE_FUSED_MAX_T` tokens, where the logits, route and permute are one), no host
+        graph. Six launches (four up to `ROUTE_FUSED_MAX_T` tokens, where the logits, route and permute are one; a whole
+        W4A16 layer's decode step, up to `SHARED_APART_MAX_T` tokens, also runs the shared expert's two GEMMs from x on a
+        side stream beside the router, the combine reading their output: the same bits, see `shared_apart`), no host
         sync, no allocation with `out=` and `bufs=`, fixed shapes. With `n_tokens` x is a padded buffer whose rows from
         `n_tokens` on are not routed (no rows, no output). Eager calls reuse per-device buffers, grown when T needs it
         (so one layer's eager forwards must not run concurrently on two streams). Raises nothing itself."""
@@ -297,6 +356,20 @@ class DSV4MoE(torch.nn.Module):
         if out is None: out = torch.empty(T, c.hidden, dtype=torch.bfloat16, device=dev)
         if T == 0: return out
         a1 = self.a1_scales if self.act == "w4a4" else None
+        apart = self.apart(dev) if (self.shared_apart and given is None and T <= SHARED_APART_MAX_T and dev.type == "cuda"
+                                    and len(bufs) > 4 and bufs[4] is not None) else None
+        if apart is not None:                                 # the shared expert beside the router: it needs x only
+            (w13s, w2s), side_stream = apart[1], self._side_stream(dev)
+            hs, ys, offs_s, rs_s = bufs[4]
+            main = torch.cuda.current_stream(dev)
+            cached_ones((1, 1), dev)                          # made (and filled) on this stream, not first by the side one
+            side_stream.wait_stream(main)
+            with torch.cuda.stream(side_stream):
+                if n_tokens is None: offs_s.fill_(T)
+                else: offs_s.copy_(n_tokens)
+                h1 = grouped_gemm_swiglu_nvfp4(x, w13s, offs_s, out=hs[:T], swiglu_limit=c.swiglu_limit, row_scales=rs_s[:T],
+                                               scales_given=True, sms_free=sms_free)
+                grouped_gemm_nvfp4(h1, w2s, offs_s, out=ys[:T], sms_free=sms_free)
         if given is None and T <= ROUTE_FUSED_MAX_T:          # decode: logits, route and permute in one launch
             xr, rs = route_permute_fused(x, self.gate_weight, buf, self.gate_bias, routed_scaling_factor=c.routed_scaling_factor,
                                          tid2eid=self.tid2eid, input_ids=input_ids, a1_scales=a1, n_tokens=n_tokens)
@@ -306,8 +379,37 @@ class DSV4MoE(torch.nn.Module):
                        tid2eid=self.tid2eid if given is None else None, input_ids=input_ids if given is None else None,
                        given=given, n_tokens=n_tokens)
             xr, rs = permute_rows(x, buf, a1, n_tokens)
-        rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free)
-        return combine_tokens(rows, buf, out, n_tokens)
+        if apart is None:
+            rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free)
+            return combine_tokens(rows, buf, out, n_tokens)
+        E = c.num_experts                                     # the routed experts alone: the shared rows are left unread
+        rows = self.run_experts(xr, rs, buf.offsets[:E], bufs, sms_free=sms_free, weights=apart[0])
+        main.wait_stream(side_stream)
+        return combine_tokens(rows, buf, out, n_tokens, shared=ys)
+
+    def apart(self, device):
+        """((w13, w2) of the routed experts, (w13, w2) of the shared expert): views of the prepared sm90 weights, made
+        once per preparation, for the decode steps that run the shared expert apart; None where the weights are not
+        the sm90 backend's plain W4A16 slabs (expert e's slabs are one contiguous block: a view is a slice)."""
+        dev = torch.device(device)
+        w13p, w2p = self.prepared(dev)
+        hit = self._apart.get(dev)
+        if hit is not None and hit[0] is w13p and hit[1] is w2p: return hit[2]
+        views = None
+        if type(w13p) is Sm90Weights and type(w2p) is Sm90Weights and w13p.a_gs is None and w2p.a_gs is None:
+            E = self.cfg.num_experts
+            def cut(w, lo, hi):
+                per = w.w_sm90.shape[0] // w.shape[0]         # slab rows of one expert
+                return Sm90Weights((hi - lo,) + tuple(w.shape[1:]), w.w_gs[lo:hi], None, w.w_sm90[lo * per:hi * per])
+            views = ((cut(w13p, 0, E), cut(w2p, 0, E)), (cut(w13p, E, E + 1), cut(w2p, E, E + 1)))
+        self._apart[dev] = (w13p, w2p, views)
+        return views
+
+    def _side_stream(self, dev) -> torch.cuda.Stream:
+        "The stream the shared expert runs on beside the router (one per device, made on first use)."
+        s = self._side.get(dev)
+        if s is None: s = self._side[dev] = torch.cuda.Stream(dev)
+        return s
 
     def run_experts(self, xr: torch.Tensor,        # bf16 (R, H) expert-major rows on the device (W4A4: code x block scale)
                     row_scales: torch.Tensor,      # fp32 (R, 2): per row (gs_a, routing weight)
@@ -315,13 +417,14 @@ class DSV4MoE(torch.nn.Module):
                     bufs: tuple,                   # `buffers(n)` with n (k + 1) >= R
                     *,
                     sms_free: int = 0,             # SMs the GEMMs leave free for a kernel beside them
+                    weights: tuple | None = None,  # (w13, w2) prepared for these groups (default: the layer's, all groups)
                    ) -> torch.Tensor:              # bf16 (R, H): a view of `bufs`' output rows
         """The fused L1 (SwiGLU, routing weight, for W4A4 h's NVFP4 quantization) and the L2 over expert-major rows, with
         the inputs already checked (`expert_rows` is the checked entry): two launches (W4A8: four, x and h quantized
         per row, each row's E4M3 scale written into `row_scales[:, 0]`), no sync, no allocation; the result is a view of
         `bufs`' output rows that the next call overwrites."""
-        c, (_, h, h_dec, rows_out) = self.cfg, bufs
-        w13p, w2p = self.prepared(xr.device)
+        c, (_, h, h_dec, rows_out) = self.cfg, bufs[:4]
+        w13p, w2p = self.prepared(xr.device) if weights is None else weights
         R = xr.shape[0]
         kw = dict(swiglu_limit=c.swiglu_limit, row_scales=row_scales, scales_given=True, sms_free=sms_free)
         if self.act == "w4a16":
@@ -484,7 +587,8 @@ def synthetic(cls: DSV4MoE, cfg: MoEConfig = FLASH, seed: int = 0, act: str = "w
     layer = cls(cfg, w13, q2, gate, None if tid is not None else bias, tid, act="w4a16" if act == "w4a4" else act)
     if act == "w4a4":                                  # static scales from sample tokens, as a calibration pass would
         xs = torch.randn(calib_tokens, H, generator=g, device=dev).to(torch.bfloat16).cpu()
-        ids_in = torch.randint(0, hash_vocab, (calib_tokens,)) if tid is not None else None
+        ids_in = (torch.randint(0, hash_vocab, (calib_tokens,), generator=g, device=dev).cpu()   # from the seed, like the rest
+                  if tid is not None else None)
         w, ids = layer.route(xs, ids_in)
         rt, p = route_with_shared(ids, w, E)
         _, h = ref_expert_mlp(xs[rt.token], w13, q2, rt.expert_offsets, route_weight=p, return_h=True)

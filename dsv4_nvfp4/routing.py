@@ -229,6 +229,7 @@ class RouteBuffers:
     inv: torch.Tensor               # int32 (capacity, k + 1): row of (t, j), -1 when not here; slot k is the shared expert
     rows: torch.Tensor              # bf16 (capacity * (k + 1), hidden): expert-major activations
     row_scales: torch.Tensor        # fp32 (capacity * (k + 1), 2): per row (gs_a, routing weight) for the L1
+    score_keys: torch.Tensor        # fp32 (min(capacity, 4), E, 2): route_permute_fused's (score + bias, score) per logit
     routed_tokens: int = -1         # T of the last `route_rows` (-1: none yet, or `route_permute_fused`, which writes no ranks)
 
 def local_groups(num_experts: int,
@@ -273,7 +274,8 @@ def route_buffers(capacity: int, num_experts: int, top_k: int, hidden: int, devi
                         z(capacity, top_k, dt=torch.float32), z(capacity, top_k), z(capacity, k1), z(nch, G), z(nch, G),
                         z(G), z(1), z(1), z(capacity if with_rows else 0, k1),
                         z(capacity * k1 if with_rows else 0, hidden, dt=torch.bfloat16),
-                        z(capacity * k1 if with_rows else 0, 2, dt=torch.float32))
+                        z(capacity * k1 if with_rows else 0, 2, dt=torch.float32),
+                        z(min(capacity, ROUTE_FUSED_MAX_T), num_experts, 2, dt=torch.float32))
 
 def _defines(buf: RouteBuffers) -> dict: return dict(HID=buf.hidden, TOPK=buf.top_k, NE=buf.num_experts)
 
@@ -392,18 +394,24 @@ def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hid
                    buf: RouteBuffers,                   # the routing that made them
                    out: torch.Tensor,                   # bf16 (T, hidden)
                    n_tokens: torch.Tensor | None = None,
+                   shared: torch.Tensor | None = None,  # bf16 (>= T, hidden): the shared expert's outputs in token order
                   ) -> torch.Tensor:
     """out[t] = the sum of token t's k + 1 rows in fp32 in slot order (the shared expert last), rounded to bf16 once
-    (a local layer's buffers: the rows it holds; a token with none gets zeros)."""
+    (a local layer's buffers: the rows it holds; a token with none gets zeros). With `shared`, the shared expert's
+    slot reads `shared[t]` instead of its row (a layer that computed the shared expert apart, from x itself)."""
     what, T = "combine_tokens", out.shape[0]
     rt.check_tensor(out, what, "out", (torch.bfloat16,), buf.rows.device, dim=2)
     rt.check_tensor(rows, what, "rows", (torch.bfloat16,), buf.rows.device, dim=2)
+    if shared is not None:
+        rt.check_tensor(shared, what, "shared", (torch.bfloat16,), buf.rows.device, dim=2)
+        if shared.shape[0] < T or shared.shape[1] != buf.hidden:
+            raise ValueError(f"{what}: shared must be (>= {T}, {buf.hidden}), got {tuple(shared.shape)}")
     if out.shape[1] != buf.hidden or rows.shape[1] != buf.hidden or T > buf.capacity or rows.shape[0] < T * (buf.top_k + 1):
         raise ValueError(f"{what}: rows {tuple(rows.shape)} / out {tuple(out.shape)} do not fit T <= {buf.capacity} tokens of {buf.hidden}")
     if buf.inv.shape[0] < T: raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
     if T:
         rt.launch(MOE_CU, "moe_combine", (T,), (256,), (rt.ptr(rows), rt.ptr(buf.inv), 0 if n_tokens is None else rt.ptr(n_tokens),
-                                                      rt.i32(T), rt.ptr(out)), defines=_defines(buf))
+                                                      rt.i32(T), rt.ptr(out), rt.ptr(shared)), defines=_defines(buf))
     return out
 
 def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
@@ -436,8 +444,8 @@ def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
               (rt.ptr(x), rt.ptr(w_gate), arg(n_tokens, "n_tokens", torch.int64, ()), rt.i32(T), arg(bias, "bias", torch.float32, (E,)),
                *hash_args, rt.f32(routed_scaling_factor),
                0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups), rt.i32(buf.shared_group),
-               arg(a1_scales, "a1_scales", torch.float32, (buf.groups,)), rt.ptr(buf.logits), rt.ptr(buf.topk_weights),
-               rt.ptr(buf.topk_ids), rt.ptr(buf.offsets), rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv),
+               arg(a1_scales, "a1_scales", torch.float32, (buf.groups,)), rt.ptr(buf.logits), rt.ptr(buf.score_keys),
+               rt.ptr(buf.topk_weights), rt.ptr(buf.topk_ids), rt.ptr(buf.offsets), rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv),
                rt.ptr(buf.ticket), rt.ptr(buf.bad)), defines=_defines(buf))
     R = T * (k + 1)
     return buf.rows[:R], buf.row_scales[:R]

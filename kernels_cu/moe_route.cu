@@ -9,7 +9,8 @@
 //                      and inv (T, k + 1): the row of every (token, slot)
 //   moe_combine        out[t] = sum over slots j = 0 .. k of rows[inv[t, j]] in fp32 in slot order, then bf16
 //   moe_route_small    a decode step (<= 4 tokens): moe_router_logits + moe_route + moe_permute in one launch, the same
-//                      device functions in the same order (the same bits)
+//                      device functions in the same order (the same bits); its logits CTAs also store each logit's
+//                      score and selection key, so the last CTA's top-k only selects
 //
 // Local experts (an expert-parallel slice): with a table g2l (NE,) mapping each routed expert to its group on this
 // layer (-1: held elsewhere) and the shared expert's group sg (-1: held elsewhere), only the (token, slot)s of the
@@ -64,6 +65,12 @@ __device__ __forceinline__ void bf16x8_to_float(uint4 q, float (&v)[8]) {
     bf16x2_to_float2(q.z, v[4], v[5]); bf16x2_to_float2(q.w, v[6], v[7]);
 }
 
+// DSV4's score: sqrt(softplus(l)) with torch's softplus (threshold 20: l > 20 -> l), IEEE sqrt.
+__device__ __forceinline__ float dsv4_score(float l) {
+    const float sp = l > 20.0f ? l : log1pf(expf(l));
+    return __fsqrt_rn(sp);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Router logits for small T: CTA (b, y) owns experts kG*b .. kG*b + kG - 1 and tokens tiles y, y + grid.y, ... and keeps
 // the experts' weights in registers (read from HBM once per CTA); its 4 warps split K in 16-byte chunks (chunk c = i*128 + warp*32 + lane), each token's partial dot is a
@@ -72,9 +79,15 @@ __device__ __forceinline__ void bf16x8_to_float(uint4 q, float (&v)[8]) {
 constexpr int kLogitWarps = 4, kG = 2, kTokTile = 64;
 constexpr int kChunksPerLane = HID / 8 / (kLogitWarps * 32);
 
+// With `pre` (moe_route_small) each logit's DSV4 score and selection key (score + bias) are stored beside it, so the
+// last CTA's top-k reads them instead of computing 256 scores in one warp: the same functions, the same bits.
 __device__ __forceinline__ void router_logits_cta(const bf16* __restrict__ x, const bf16* __restrict__ w, int T, int E,
-                                                  float* __restrict__ logits, float (*part)[kG][kTokTile]) {
+                                                  float* __restrict__ logits, float (*part)[kG][kTokTile],
+                                                  const float* __restrict__ bias = nullptr, float2* __restrict__ pre = nullptr) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e0 = blockIdx.x * kG;
+    float bz[kG];                                // the bias of this CTA's experts, loaded beside the gate rows
+#pragma unroll
+    for (int g = 0; g < kG; ++g) bz[g] = (pre != nullptr && bias != nullptr && e0 + g < E) ? bias[e0 + g] : 0.0f;
     uint4 wr[kG][kChunksPerLane];
 #pragma unroll
     for (int g = 0; g < kG; ++g)
@@ -115,6 +128,13 @@ __device__ __forceinline__ void router_logits_cta(const bf16* __restrict__ x, co
 #pragma unroll
                 for (int q = 1; q < kLogitWarps; ++q) s = __fadd_rn(s, part[q][g][tt]);
                 logits[(i64)(t0 + tt) * E + e0 + g] = s;
+                if (pre != nullptr) {
+                    const float sc = dsv4_score(s);
+                    float bg = bz[0];                    // bz[g] without a local-memory index
+#pragma unroll
+                    for (int q = 1; q < kG; ++q) if (g == q) bg = bz[q];
+                    pre[(i64)(t0 + tt) * E + e0 + g] = make_float2(bias != nullptr ? __fadd_rn(sc, bg) : sc, sc);
+                }
             }
         }
         __syncthreads();
@@ -139,18 +159,13 @@ __device__ __forceinline__ u64 order_key(float v, int e) {
     const u32 o = (v != v) ? 0u : ((b & 0x80000000u) ? ~b : (b | 0x80000000u));
     return ((u64)o << 32) | (u64)(0xffffffffu - (u32)e);
 }
+// The warp's largest 64-bit key, in every lane: the largest high word (one warp reduction), then the largest low
+// word among the lanes holding it (a second): the order of u64 max, in two REDUX instead of ten shuffles.
 __device__ __forceinline__ u64 warp_max_u64(u64 v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = w > v ? w : v;
-    }
-    return v;
-}
-// DSV4's score: sqrt(softplus(l)) with torch's softplus (threshold 20: l > 20 -> l), IEEE sqrt.
-__device__ __forceinline__ float dsv4_score(float l) {
-    const float sp = l > 20.0f ? l : log1pf(expf(l));
-    return __fsqrt_rn(sp);
+    const u32 hi = (u32)(v >> 32);
+    const u32 mhi = __reduce_max_sync(0xffffffffu, hi);
+    const u32 mlo = __reduce_max_sync(0xffffffffu, hi == mhi ? (u32)v : 0u);
+    return ((u64)mhi << 32) | (u64)mlo;
 }
 
 // One warp routes token t (chunk-local index lt): top-k of score + bias (or the hash table, or the given routing),
@@ -162,7 +177,7 @@ __device__ __forceinline__ void route_token(int t, int lt, int lane,
                                             const int* __restrict__ given_ids, const float* __restrict__ given_w,
                                             float scale, const int* __restrict__ g2l, int sg,
                                             float* __restrict__ topk_w, int* __restrict__ topk_ids, u64* mask,
-                                            int* __restrict__ bad) {
+                                            int* __restrict__ bad, const float2* __restrict__ pre = nullptr) {
     const float* lrow = logits + (i64)t * NE;
     int id = -1;            // lane j < TOPK: the id of slot j
     float sv = 0.0f;        // and its unbiased score
@@ -171,19 +186,26 @@ __device__ __forceinline__ void route_token(int t, int lt, int lane,
 #pragma unroll
         for (int i = 0; i < kNPL; ++i) {
             const int e = lane + 32 * i;
-            s[i] = e < NE ? dsv4_score(__ldcg(lrow + e)) : 0.0f;
-            key[i] = e < NE ? (bias ? __fadd_rn(s[i], bias[e]) : s[i]) : 0.0f;
+            if (pre != nullptr) {                // (key, score) from the logits CTAs (L2: written by this launch)
+                const float2 p = e < NE ? __ldcg(pre + (i64)t * NE + e) : make_float2(0.0f, 0.0f);
+                key[i] = p.x; s[i] = p.y;
+            } else {
+                s[i] = e < NE ? dsv4_score(__ldcg(lrow + e)) : 0.0f;
+                key[i] = e < NE ? (bias ? __fadd_rn(s[i], bias[e]) : s[i]) : 0.0f;
+            }
         }
         u32 taken = 0u;
+        u64 ok[kNPL];
 #pragma unroll
-        for (int i = 0; i < kNPL; ++i) if (lane + 32 * i >= NE) taken |= 1u << i;
+        for (int i = 0; i < kNPL; ++i) {
+            if (lane + 32 * i >= NE) taken |= 1u << i;
+            ok[i] = order_key(key[i], lane + 32 * i);
+        }
         for (int j = 0; j < TOPK; ++j) {
             u64 best = 0ull; float bs = 0.0f;
 #pragma unroll
-            for (int i = 0; i < kNPL; ++i) {
-                const u64 k = order_key(key[i], lane + 32 * i);
-                if (!((taken >> i) & 1u) && k > best) { best = k; bs = s[i]; }
-            }
+            for (int i = 0; i < kNPL; ++i)
+                if (!((taken >> i) & 1u) && ok[i] > best) { best = ok[i]; bs = s[i]; }
             const u64 win = warp_max_u64(best);
             const int e = (int)(0xffffffffu - (u32)win);
             const float se = __shfl_sync(0xffffffffu, bs, e & 31);
@@ -344,14 +366,24 @@ moe_route(const float* __restrict__ logits,      // (T, E) fp32
 // whole CTA striding over the row. W4A4 (a1 != nullptr): each 16-block is quantized with slot j's group's static
 // global scale gsa[j] exactly as nvfp4_quantize.cu does, and written decoded (code * block scale: at most 6
 // significant bits, exact in bf16); the GEMM applies the scale per row (row_scales).
+template <int kThreads>   // the CTA's block size: the bf16 copy issues all of a thread's loads before its first store
 __device__ __forceinline__ void permute_token(const bf16* __restrict__ src, const int* pos, const float* gsa, bool w4a4,
                                               bf16* __restrict__ xr) {
     if (!w4a4) {
+        constexpr int kC = (HID / 8 + kThreads - 1) / kThreads;    // 16-byte chunks per thread
         const uint4* s4 = reinterpret_cast<const uint4*>(src);
-        for (int c = threadIdx.x; c < HID / 8; c += blockDim.x) {
-            const uint4 v = s4[c];
+        uint4 v[kC];
 #pragma unroll
-            for (int j = 0; j <= TOPK; ++j) if (pos[j] >= 0) reinterpret_cast<uint4*>(xr + (i64)pos[j] * HID)[c] = v;
+        for (int i = 0; i < kC; ++i) {
+            const int c = threadIdx.x + i * kThreads;
+            if (c < HID / 8) v[i] = s4[c];
+        }
+#pragma unroll
+        for (int i = 0; i < kC; ++i) {
+            const int c = threadIdx.x + i * kThreads;
+            if (c >= HID / 8) continue;
+#pragma unroll
+            for (int j = 0; j <= TOPK; ++j) if (pos[j] >= 0) reinterpret_cast<uint4*>(xr + (i64)pos[j] * HID)[c] = v[i];
         }
         return;
     }
@@ -419,7 +451,7 @@ moe_permute(const bf16* __restrict__ x,          // (T, HID)
         place_slot(t, j, g, p, topk_w, a1, pos, gsa, row_scales, inv);
     }
     __syncthreads();
-    permute_token(x + (i64)t * HID, pos, gsa, a1 != nullptr, xr);
+    permute_token<kPermThreads>(x + (i64)t * HID, pos, gsa, a1 != nullptr, xr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -439,6 +471,7 @@ moe_route_small(const bf16* __restrict__ x,          // (T, HID)
                 const int* __restrict__ g2l, int ng, int sg,
                 const float* __restrict__ a1,        // (G,) W4A4 or nullptr
                 float* __restrict__ logits,          // (T, NE)
+                float2* __restrict__ pre,            // (T, NE): (score + bias, score) of every logit
                 float* __restrict__ topk_w, int* __restrict__ topk_ids,
                 int* __restrict__ offsets,           // (G,)
                 bf16* __restrict__ xr, float* __restrict__ row_scales, int* __restrict__ inv,
@@ -450,14 +483,15 @@ moe_route_small(const bf16* __restrict__ x,          // (T, HID)
     __shared__ int pos[kSmallMaxT][TOPK + 1];
     __shared__ float gsa[kSmallMaxT][TOPK + 1];
     if (T > kSmallMaxT) __trap();                // the launcher never does this
-    router_logits_cta(x, w_gate, T, NE, logits, part);
+    router_logits_cta(x, w_gate, T, NE, logits, part, tid2eid == nullptr ? bias : nullptr, tid2eid == nullptr ? pre : nullptr);
     if (!arrive_last(ticket)) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = n_real(n_ptr, T);
     for (int e = threadIdx.x; e < kNE1; e += blockDim.x) mask[e] = 0ull;
     __syncthreads();
     if (warp < n)
-        route_token(warp, warp, lane, logits, bias, tid2eid, input_ids, vocab, nullptr, nullptr, scale, g2l, sg, topk_w, topk_ids, mask, bad);
+        route_token(warp, warp, lane, logits, bias, tid2eid, input_ids, vocab, nullptr, nullptr, scale, g2l, sg, topk_w, topk_ids, mask, bad,
+                    tid2eid == nullptr ? pre : nullptr);
     __syncthreads();                             // masks and topk_ids visible to the CTA
     for (int e = threadIdx.x; e < ng; e += blockDim.x) tot[e] = __popcll(mask[e]);
     __syncthreads();
@@ -468,19 +502,21 @@ moe_route_small(const bf16* __restrict__ x,          // (T, HID)
         place_slot(t, j, g, p, topk_w, a1, pos[t], gsa[t], row_scales, inv);
     }
     __syncthreads();
-    for (int t = 0; t < n; ++t) permute_token(x + (i64)t * HID, pos[t], gsa[t], a1 != nullptr, xr);
+    for (int t = 0; t < n; ++t) permute_token<kLogitWarps * 32>(x + (i64)t * HID, pos[t], gsa[t], a1 != nullptr, xr);
     if (threadIdx.x == 0) *ticket = 0u;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Combine: out[t] = bf16( (((rows[inv[t,0]] + rows[inv[t,1]]) + ...) + rows[inv[t,TOPK]]) ) in fp32, slot order (the
 // shared expert last): bit-identical to the same sum in torch fp32 (the GPU tests). Slots with no row here (inv -1, a local
-// layer) are skipped; a token with none gets zeros.
+// layer) are skipped; a token with none gets zeros. With `shared` (T, HID), the shared expert's slot reads shared[t]
+// instead of its row (the layer computed the shared expert apart, from x in token order): the same sum, the same order.
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights already applied
             const int* __restrict__ inv,        // (T, TOPK + 1)
             const i64* __restrict__ n_ptr, int T,
-            bf16* __restrict__ out) {           // (T, HID)
+            bf16* __restrict__ out,             // (T, HID)
+            const bf16* __restrict__ shared) {  // (T, HID): the shared expert's outputs, or nullptr (its row, inv[t, TOPK])
     __shared__ int pos[TOPK + 1];
     const int t = blockIdx.x;
     if (t >= n_real(n_ptr, T)) return;
@@ -490,12 +526,13 @@ moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights alr
         uint4 q[TOPK + 1];                             // every load in flight before the first add
 #pragma unroll
         for (int j = 0; j <= TOPK; ++j)
-            q[j] = pos[j] >= 0 ? reinterpret_cast<const uint4*>(rows + (i64)pos[j] * HID)[c] : make_uint4(0u, 0u, 0u, 0u);
+            q[j] = (j == TOPK && shared != nullptr) ? reinterpret_cast<const uint4*>(shared + (i64)t * HID)[c]
+                 : pos[j] >= 0 ? reinterpret_cast<const uint4*>(rows + (i64)pos[j] * HID)[c] : make_uint4(0u, 0u, 0u, 0u);
         float acc[8];
         bool any = false;
 #pragma unroll
         for (int j = 0; j <= TOPK; ++j) {
-            if (pos[j] < 0) continue;                  // uniform over the CTA
+            if (pos[j] < 0 && !(j == TOPK && shared != nullptr)) continue;   // uniform over the CTA
             float v[8];
             bf16x8_to_float(q[j], v);
 #pragma unroll

@@ -162,9 +162,35 @@ __device__ __forceinline__ void merge_groups(Pool4& p, float (&e)[4]) {
     else { e[0] = e[1] = e[2] = e[3] = 0.0f; }
 }
 
-// RMSNorm, RoPE at position `pos`, quantization into pool slot `slot`, and the fp32 entry to `dbg` (or nullptr).
-// Every thread of the CTA calls it; group 0's threads hold the entry (channels 4 * threadIdx.x ..), the others zeros.
-__device__ void finish_entry(float (&e)[4], i64 pos, const float* __restrict__ norm_w, const double* __restrict__ freqs,
+// The RoPE inputs of this thread's channels c0 .. c0 + 3 (two pairs), loaded at a kernel's start: they do not depend
+// on the data, so their latency hides under the pooling's. Below the RoPE channels: unused.
+struct RopeIn { double f[2]; };
+__device__ __forceinline__ RopeIn rope_in(const double* __restrict__ freqs, int c0) {
+    RopeIn r{{0.0, 0.0}};
+    if (c0 >= kD - kRope)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) r.f[h] = freqs[(c0 + 2 * h - (kD - kRope)) / 2];
+    return r;
+}
+// The rotation of those pairs at position `pos`: cos and sin in double, then to fp32 (made before the merge, so the
+// double-precision sincos overlaps the CTA's barriers).
+struct Rot { float c[2], s[2]; };
+__device__ __forceinline__ Rot rope_rot(const RopeIn& in, i64 pos, int c0) {
+    Rot r{{1.0f, 1.0f}, {0.0f, 0.0f}};
+    if (c0 >= kD - kRope)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            double sd, cd;
+            sincos((double)pos * in.f[h], &sd, &cd);
+            r.c[h] = (float)cd; r.s[h] = (float)sd;
+        }
+    return r;
+}
+
+// RMSNorm (weights w4 of channels c0 .. c0 + 3), RoPE by `rot`, quantization into pool slot `slot`, and the fp32 entry
+// to `dbg` (or nullptr). Every thread of the CTA calls it; group 0's threads hold the entry (channels 4 * threadIdx.x
+// ..), the others zeros.
+__device__ void finish_entry(float (&e)[4], const Rot& rot, float4 w4,
                              float eps, int slot, const PoolOut& out, float* __restrict__ dbg) {
     __shared__ float red[32];
     __shared__ u32 redu[32];
@@ -176,16 +202,12 @@ __device__ void finish_entry(float (&e)[4], i64 pos, const float* __restrict__ n
     for (int k = 0; k < 4; ++k) ss = __fmaf_rn(e[k], e[k], ss);
     const float tot = block_sum_once(ss, red);
     const float rinv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)kD), eps)));
-    const float4 w4 = ld4(norm_w + c0);
     float y[4] = {__fmul_rn(__fmul_rn(e[0], rinv), w4.x), __fmul_rn(__fmul_rn(e[1], rinv), w4.y),
                   __fmul_rn(__fmul_rn(e[2], rinv), w4.z), __fmul_rn(__fmul_rn(e[3], rinv), w4.w)};
     if (c0 >= kD - kRope) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int k = (c0 + 2 * h - (kD - kRope)) / 2;
-            double sd, cd;
-            sincos((double)pos * freqs[k], &sd, &cd);
-            const float c = (float)cd, s = (float)sd, a = y[2 * h], b = y[2 * h + 1];
+            const float c = rot.c[h], s = rot.s[h], a = y[2 * h], b = y[2 * h + 1];
             y[2 * h] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
             y[2 * h + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
         }
@@ -250,10 +272,14 @@ nvfp4_kv_compress_prefill(const float* __restrict__ kv,       // (tokens, coff*D
     const int off = (kCoff - 1) * kD;                          // this window: channels [D, 2D) for CSA
     const i64 o = (t0 + j0) * kLd + off + c0;
     pool_part(p, score + o, kv + o, ape + (i64)j0 * kLd + off + c0);
+    // the finish's inputs after the pooling, not beside it: live through the pooling they raise the prefill's registers
+    // (HCA's 512-thread CTA can lose its second slot on an SM) for a latency the prefill's many CTAs hide anyway
+    const float4 w4 = ld4(norm_w + c0);
+    const Rot rot = rope_rot(rope_in(freqs, c0), (i64)i * kR, c0);
     float e[4];
     merge_groups(p, e);
     const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};
-    finish_entry(e, (i64)i * kR, norm_w, freqs, eps, slots[w], out, dbg ? dbg + (i64)w * kD : nullptr);
+    finish_entry(e, rot, w4, eps, slots[w], out, dbg ? dbg + (i64)w * kD : nullptr);
 }
 
 // The decode state of sequence b: fp32 (coff, SPLIT, 3, D), part x group x (m, den, num) x channel: for each group g
@@ -326,7 +352,9 @@ nvfp4_kv_compress_decode(const float* __restrict__ kv,       // (B, coff*D) fp32
     float* Q = chain_ptr(st, b, kCoff - 1, g);                 // CSA's part 1 (HCA: unused)
     Pool4 p, q;
     load_chain(p, P, c0);                                      // the chains do not depend on the position: their loads
-    if (kCoff == 2) load_chain(q, Q, c0);                      // go out with pos's
+    if (kCoff == 2) load_chain(q, Q, c0);                      // go out with pos's, and so do the finish's inputs
+    const float4 w4 = ld4(norm_w + c0);
+    const RopeIn ri = rope_in(freqs, c0);
     const i64 ps = pos[b];
     if (ps < 0) return;
     const int k = (int)(ps % kR);
@@ -344,10 +372,11 @@ nvfp4_kv_compress_decode(const float* __restrict__ kv,       // (B, coff*D) fp32
         }
     }
     if (!close) return;
+    const Rot rot = rope_rot(ri, ps - (kR - 1), c0);
     float e[4];
     merge_groups(p, e);                                        // every group's chain is complete: merged in group order
     const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};
-    finish_entry(e, ps - (kR - 1), norm_w, freqs, eps, slots[b], out, dbg ? dbg + (i64)b * kD : nullptr);
+    finish_entry(e, rot, w4, eps, slots[b], out, dbg ? dbg + (i64)b * kD : nullptr);
     Pool4 z;                                                   // the next entry: part 0 continues from part 1 (CSA) or
     z.init();                                                  // starts empty; part 1 starts empty
     store_chain(kCoff == 2 ? q : z, P, c0);

@@ -114,6 +114,25 @@ def test_every_config_and_empty_experts(tok_tile):
     assert_close(got, ref(a.double(), wd, offs.cpu()), f"tok_tile={tok_tile}")
 
 
+def test_every_configuration_gives_the_same_bits():
+    """Each output row of the grouped GEMM is the same bits whatever configuration computes it (token tile, consumer
+    warpgroups, stages): the plain and the fused SwiGLU epilogue. The layer relies on it where the same rows run in
+    launches of different sizes (the decode step's shared expert apart, EP slices, captured graphs of other capacities)."""
+    from dsv4_nvfp4 import swiglu as SW
+    E, N, K = 6, 1024, 2048
+    pw, _ = experts(E, N, K, seed=21)
+    sizes = torch.tensor([1, 0, 3, 8, 2, 1])
+    offs = torch.cumsum(sizes, 0).to(I32).to(DEV)
+    R_ = int(sizes.sum())
+    a = torch.randn(R_, K, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16).to(DEV)
+    rs = torch.stack([torch.ones(R_), torch.rand(R_, generator=torch.Generator().manual_seed(22))], 1).to(DEV)
+    cfgs = list(S90.CONFIGS.values()) + [S90.WIDE_CONFIG] + list(S90.DECODE_WIDE.values())
+    plain = [GC.grouped_gemm_nvfp4(a, pw, offs, config=c) for c in cfgs]
+    fused = [SW.grouped_gemm_swiglu_nvfp4(a, pw, offs, swiglu_limit=7.0, row_scales=rs, scales_given=True, config=c) for c in cfgs]
+    for c, y, h in zip(cfgs, plain, fused):
+        assert torch.equal(y, plain[0]) and torch.equal(h, fused[0]), f"{c} differs from {cfgs[0]}"
+
+
 def test_k_padding():
     # K = 208: the weights are zero-padded to 256, the activations are not (TMA fills zeros past K)
     pw, we = experts(3, 1024, 208, seed=5)

@@ -44,3 +44,59 @@ def test_synthetic_progress_does_not_change_the_layer():
     a = DSV4MoE.synthetic(SMALL, seed=3, progress=True)
     b = DSV4MoE.synthetic(SMALL, seed=3, progress=False)
     assert torch.equal(a.w13.data, b.w13.data) and torch.equal(a.w2.scale.view(torch.uint8), b.w2.scale.view(torch.uint8))
+
+
+def test_a_copy_leaves_the_cached_decode_graphs_behind():
+    "copy.deepcopy of a layer drops its cached decode graphs (a CUDA graph cannot be copied); the copy makes its own."
+    import copy
+    lay = DSV4MoE.synthetic(SMALL, seed=1)
+    class Uncopyable:
+        def __deepcopy__(self, memo): raise AssertionError("a cached graph was copied")
+        def __reduce__(self): raise AssertionError("a cached graph was pickled")
+    lay._graphs[("cuda:0", None)] = Uncopyable()
+    lay.eager_graphs = False
+    twin = copy.deepcopy(lay)
+    assert twin._graphs == {} and twin.eager_graphs is False and twin.op_key != lay.op_key
+    assert len(lay._graphs) == 1, "the original keeps its own"
+
+
+def test_shared_apart_weight_views_are_the_experts_own_slabs(monkeypatch):
+    """The decode step's shared-expert-apart views (`DSV4MoE.apart`) are slices of the prepared sm90 slabs: the routed
+    experts' equal the slabs prepared from those experts alone, the shared expert's those prepared from it alone (run on
+    CPU tensors made to look like a Hopper device: no kernel runs); the buffers carry its side buffers for a whole
+    W4A16 layer only."""
+    from dsv4_nvfp4 import runtime as rt
+    from dsv4_nvfp4 import gemm as GC
+    from dsv4_nvfp4.gemm.sm90 import Sm90Weights
+    from dsv4_nvfp4.quant import NVFP4Experts
+    monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    cfg = MoEConfig(hidden=1024, inter=128, num_experts=4, top_k=2)
+    lay = DSV4MoE.synthetic(cfg, seed=3)
+    (r13, r2), (s13, s2) = lay.apart("cpu")
+    E = cfg.num_experts
+    sub = lambda w, lo, hi: NVFP4Experts(w.data[lo:hi], w.scale[lo:hi], w.global_scale[lo:hi], (hi - lo,) + tuple(w.shape[1:]))
+    for view, w, lo, hi in ((r13, lay.w13, 0, E), (r2, lay.w2, 0, E), (s13, lay.w13, E, E + 1), (s2, lay.w2, E, E + 1)):
+        alone = GC.prepare_weights(sub(w, lo, hi), device="cpu", backend="sm90")
+        assert type(view) is Sm90Weights and view.shape == alone.shape
+        assert torch.equal(view.w_sm90, alone.w_sm90) and torch.equal(view.w_gs, alone.w_gs)
+    assert lay.apart("cpu")[0][0] is r13, "made once per preparation"
+    assert lay.buffers(2, "cpu")[4] is not None and len(lay.buffers(2, "cpu")) == 5
+    assert DSV4MoE.synthetic(cfg, seed=3, act="w4a4").buffers(2, "cpu")[4] is None
+    assert lay.local([0, 2]).buffers(2, "cpu")[4] is None
+
+
+def test_synthetic_hash_w4a4_comes_from_the_seed_alone():
+    "A hash-routed W4A4 layer's calibrated scales depend on the seed only (the calibration's token ids drew from torch's global RNG once)."
+    mk = lambda: DSV4MoE.synthetic(SMALL, seed=3, act="w4a4", hash_vocab=20, calib_tokens=16, keep_bf16=False)
+    torch.manual_seed(1); a = mk()
+    torch.manual_seed(2); b = mk()
+    assert torch.equal(a.a1_scales, b.a1_scales) and torch.equal(a.a2_scales, b.a2_scales)
+
+
+def test_buffers_made_under_inference_mode_stay_writable():
+    "A first forward under torch.inference_mode makes the layer's buffers; later calls outside it fill them in place."
+    lay = DSV4MoE.synthetic(MoEConfig(hidden=1024, inter=256, num_experts=4, top_k=2), seed=0, act="w4a8", keep_bf16=False)
+    with torch.inference_mode(): bufs = lay.buffers(2, "cpu")
+    assert not bufs[0].offsets.is_inference() and not bufs[1].is_inference() and not bufs[2][0].data.is_inference()
+    bufs[0].offsets.fill_(1)

@@ -113,7 +113,97 @@ def test_decode_launch_and_capture_equal_the_unfused_forward(act, monkeypatch):
     cap = layer.capture(M.ROUTE_FUSED_MAX_T)
     for x, y in zip(xs, fused): assert torch.equal(cap(x), y)
     monkeypatch.setattr(M, "ROUTE_FUSED_MAX_T", 0)
+    layer.eager_graphs = False                                           # the launches themselves, not the cached graph
     for x, y in zip(xs, fused): assert torch.equal(layer(x), y)
+
+
+@pytest.mark.parametrize("hash_vocab", [0, 50])
+def test_shared_expert_apart_gives_the_same_bits(hash_vocab):
+    """A whole W4A16 layer's decode step (<= SHARED_APART_MAX_T tokens) runs the shared expert on a side stream from x
+    while the router runs: the bits of the single-stream forward, eager and captured (the side stream forks and joins
+    inside the graph), with n_tokens padding; past the bound, and with shared_apart off, the single stream. Between
+    the two paths the layer's rows buffer and the side output are filled with NaN, so the combine must read the
+    shared slot from the side buffer the apart path wrote, and the single stream from its own row. (The shared
+    expert's GEMM may run another configuration apart than inside the routed launch: the grouped GEMM's rows do not
+    depend on it, tests/test_gemm_gpu.py.) The first call of a fresh layer is the apart path (the lazily made GEMM
+    operands then come from the side stream's first use)."""
+    layer = M.DSV4MoE.synthetic(CFG, seed=16, hash_vocab=hash_vocab, device=DEV).to(DEV)
+    g = torch.Generator().manual_seed(16)
+    for i, T in enumerate((1, 3, M.SHARED_APART_MAX_T, M.SHARED_APART_MAX_T + 1)):
+        x = torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV)
+        ids = torch.randint(0, 50, (T,), generator=g).to(DEV) if hash_vocab else None
+        if i == 0:
+            first = layer.forward_device(x, ids).clone()                   # a fresh layer: the apart path first
+            assert layer._side, "the side stream ran"
+        bufs = layer._eager[DEV] if DEV in layer._eager else next(iter(layer._eager.values()))
+        bufs[3].fill_(float("nan"))
+        if bufs[4] is not None: bufs[4][1].fill_(float("nan"))
+        layer.shared_apart = False
+        one = layer.forward_device(x, ids).clone()
+        bufs = next(iter(layer._eager.values()))
+        bufs[3].fill_(float("nan"))
+        if bufs[4] is not None: bufs[4][1].fill_(float("nan"))
+        layer.shared_apart = True
+        two = layer.forward_device(x, ids).clone()
+        assert torch.isfinite(one).all() and torch.equal(one, two), f"T={T}"
+        if i == 0: assert torch.equal(first, one)
+    cap = layer.capture(M.SHARED_APART_MAX_T)
+    for T in (1, 2, M.SHARED_APART_MAX_T):
+        x = torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV)
+        ids = torch.randint(0, 50, (T,), generator=g).to(DEV) if hash_vocab else None
+        layer.shared_apart = False
+        want = layer.forward_device(x, ids).clone()
+        cap.bufs[3].fill_(float("nan"))                                    # the captured graph's shared rows are never computed
+        assert torch.equal(cap(x, ids), want), f"captured, T={T}"
+
+
+@pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
+def test_eager_decode_replays_a_cached_graph(act):
+    """Eager calls of 1 .. EAGER_GRAPH_MAX_T tokens replay one cached graph: the bits of the launches, a fresh output each
+    call, hash routing through it, the launches again with eager_graphs off and past the bound; a caller's own
+    warm-up-then-capture of a decode call (no nested capture); inference mode on the first call and not after; a
+    recapture when a buffer the graph reads is reassigned; a copy of the layer captures its own."""
+    import copy
+    mk = lambda **kw: M.DSV4MoE.synthetic(CFG, seed=14, act=act, device=DEV, **kw).to(DEV)
+    layer = mk(hash_vocab=50)
+    g = torch.Generator().manual_seed(14)
+    xs = [torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV) for T in (1, 2, M.EAGER_GRAPH_MAX_T)]
+    ids = [torch.randint(0, 50, (x.shape[0],), generator=g).to(DEV) for x in xs]
+    xs.append(xs[0].clone()); ids.append(ids[0].clone())
+    want = [layer.forward_device(x, i).clone() for x, i in zip(xs, ids)]    # the launches, no graph
+    assert not layer._graphs
+    got = [layer(x, i) for x, i in zip(xs, ids)]
+    assert len(layer._graphs) == 1, "one entry per device"
+    assert sorted(next(iter(layer._graphs.values()))[1]) == [1, 2, M.EAGER_GRAPH_MAX_T], "one graph per token count"
+    for y, w in zip(got, want): assert torch.equal(y, w)
+    assert got[0].data_ptr() != got[3].data_ptr() and torch.equal(got[0], got[3]), "each call returns its own tensor"
+    layer.eager_graphs = False
+    assert torch.equal(layer(xs[1], ids[1]), want[1])
+    layer.eager_graphs = True
+    x5 = torch.randn(M.EAGER_GRAPH_MAX_T + 1, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV)
+    i5 = torch.randint(0, 50, (x5.shape[0],), generator=g).to(DEV)
+    assert torch.equal(layer(x5, i5), layer.forward_device(x5, i5))        # past the bound: the launches
+    twin = copy.deepcopy(layer)
+    assert not twin._graphs and twin.eager_graphs
+    assert torch.equal(twin(xs[0], ids[0]), want[0]) and len(twin._graphs) == 1
+    # a caller's own capture of a decode call on a fresh layer (the same weights), warmed up the usual way first
+    fresh = mk(hash_vocab=50)
+    xin, iin = xs[1].clone(), ids[1].clone()
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s): fresh(xin, iin)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph): yin = fresh(xin, iin)
+    graph.replay(); torch.cuda.synchronize()
+    assert torch.equal(yin, want[1])
+    # inference mode on the first call only; then a reassigned bias (the routing by score) is read, not a stale one
+    plain = mk()
+    x2 = xs[1]
+    with torch.inference_mode(): first = plain(x2)
+    assert torch.equal(first, plain.forward_device(x2)) and torch.equal(plain(x2), first)
+    plain.gate_bias = plain.gate_bias + torch.randn(plain.gate_bias.shape, generator=g).to(DEV)
+    moved = plain(x2)
+    assert torch.equal(moved, plain.forward_device(x2)) and not torch.equal(moved, first), "the new bias is read"
 
 
 @pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
@@ -121,17 +211,20 @@ def test_decode_launch_and_capture_equal_the_unfused_forward(act, monkeypatch):
 def test_slices_compute_the_layers_own_rows(act, T):
     "Expert-parallel slices: the same routing, the held slots' rows bit-identical to the whole layer's, each share vs its reference."
     layer = M.DSV4MoE.synthetic(CFG, seed=13, act=act, device=DEV).to(DEV)
+    layer.shared_apart = False                 # every row of the whole layer in its rows buffer, the shared ones too
+    layer.eager_graphs = False                 # the eager buffers read below hold the call's rows (not a cached graph's)
     x = torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
     xd = x.to(DEV)
     y = layer(xd).cpu()
-    fb, _, _, frows = next(iter(layer._eager.values()))
+    fb, _, _, frows = next(iter(layer._eager.values()))[:4]
     ids, inv_full, rows_full = fb.topk_ids[:T].clone(), fb.inv[:T].clone(), frows.clone()
     a = [0, 3, 4, 9, 15]
     parts = (layer.local(a), layer.local([e for e in range(CFG.num_experts) if e not in a], shared=False))
     total = torch.zeros(T, CFG.hidden, dtype=torch.float64)
     for part in parts:
+        part.eager_graphs = False
         yp = part(xd).cpu()
-        buf, _, _, rows = next(iter(part._eager.values()))
+        buf, _, _, rows = next(iter(part._eager.values()))[:4]
         assert torch.equal(buf.topk_ids[:T], ids)
         held = buf.inv[:T] >= 0
         want = torch.cat([torch.isin(ids, part.experts.to(DEV)), torch.full((T, 1), part.shared, device=DEV)], 1)
