@@ -142,7 +142,7 @@ class DSV4MoE(torch.nn.Module):
         self.register_buffer("a2_scales", None if a2_scales is None else a2_scales.float().contiguous())
         self._prepared, self._eager, self._graphs, self._apart, self._side = {}, {}, {}, {}, {}
         self.eager_graphs = True           # eager decode calls (1 .. EAGER_GRAPH_MAX_T tokens) replay a cached graph
-        self.shared_apart = True           # decode steps (<= SHARED_APART_MAX_T tokens): the shared expert on a side stream
+        self.shared_apart = True           # captured decode steps (<= SHARED_APART_MAX_T tokens): the shared expert on a side stream
         self.op_key = register_op_object(self, "dsv4_moe")   # how the torch.compile ops name this layer
         self.bf16_weights = None           # (w1, w3, w2) unquantized, when the layer was built from them (synthetic)
         self.backend = None                # the expert GEMM's backend by name (None: the registry's choice per device)
@@ -342,8 +342,9 @@ class DSV4MoE(torch.nn.Module):
                       ) -> torch.Tensor:                       # bf16 (T, H): `out`
         """The forward on the device with the inputs already checked (`check_input`): eager, or the body of a captured
         graph. Six launches (four up to `ROUTE_FUSED_MAX_T` tokens, where the logits, route and permute are one; a whole
-        W4A16 layer's decode step, up to `SHARED_APART_MAX_T` tokens, also runs the shared expert's two GEMMs from x on a
-        side stream beside the router, the combine reading their output: the same bits, see `shared_apart`), no host
+        W4A16 layer's decode step, up to `SHARED_APART_MAX_T` tokens, recorded into a CUDA graph, runs the shared expert's
+        two GEMMs from x on a side stream beside the router instead, the combine reading their output: the same bits,
+        see `shared_apart`; eager calls keep one stream, where the fork costs more host time than it saves), no host
         sync, no allocation with `out=` and `bufs=`, fixed shapes. With `n_tokens` x is a padded buffer whose rows from
         `n_tokens` on are not routed (no rows, no output). Eager calls reuse per-device buffers, grown when T needs it
         (so one layer's eager forwards must not run concurrently on two streams). Raises nothing itself."""
@@ -357,7 +358,7 @@ class DSV4MoE(torch.nn.Module):
         if T == 0: return out
         a1 = self.a1_scales if self.act == "w4a4" else None
         apart = self.apart(dev) if (self.shared_apart and given is None and T <= SHARED_APART_MAX_T and dev.type == "cuda"
-                                    and len(bufs) > 4 and bufs[4] is not None) else None
+                                    and len(bufs) > 4 and bufs[4] is not None and torch.cuda.is_current_stream_capturing()) else None
         if apart is not None:                                 # the shared expert beside the router: it needs x only
             (w13s, w2s), side_stream = apart[1], self._side_stream(dev)
             hs, ys, offs_s, rs_s = bufs[4]

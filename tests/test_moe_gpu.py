@@ -119,42 +119,53 @@ def test_decode_launch_and_capture_equal_the_unfused_forward(act, monkeypatch):
 
 @pytest.mark.parametrize("hash_vocab", [0, 50])
 def test_shared_expert_apart_gives_the_same_bits(hash_vocab):
-    """A whole W4A16 layer's decode step (<= SHARED_APART_MAX_T tokens) runs the shared expert on a side stream from x
-    while the router runs: the bits of the single-stream forward, eager and captured (the side stream forks and joins
-    inside the graph), with n_tokens padding; past the bound, and with shared_apart off, the single stream. Between
-    the two paths the layer's rows buffer and the side output are filled with NaN, so the combine must read the
-    shared slot from the side buffer the apart path wrote, and the single stream from its own row. (The shared
-    expert's GEMM may run another configuration apart than inside the routed launch: the grouped GEMM's rows do not
-    depend on it, tests/test_gemm_gpu.py.) The first call of a fresh layer is the apart path (the lazily made GEMM
-    operands then come from the side stream's first use)."""
+    """A whole W4A16 layer's decode step (<= SHARED_APART_MAX_T tokens) recorded into a graph runs the shared expert on
+    a side stream from x while the router runs: the bits of the single-stream forward, with n_tokens padding, in a
+    CapturedMoE and in a caller's own capture; eager calls, past the bound, and with shared_apart off, the single stream.
+    Before each replay the graph's rows buffer is filled with NaN, so the combine must read the shared slot from the side
+    buffer the apart path wrote; with shared_apart off the side buffer is NaN and the single stream reads its own row.
+    (The shared expert's GEMM may run another configuration apart than inside the routed launch: the grouped GEMM's rows
+    do not depend on it, tests/test_gemm_gpu.py.)"""
     layer = M.DSV4MoE.synthetic(CFG, seed=16, hash_vocab=hash_vocab, device=DEV).to(DEV)
+    layer.eager_graphs = False                                            # eager: the launches themselves
     g = torch.Generator().manual_seed(16)
-    for i, T in enumerate((1, 3, M.SHARED_APART_MAX_T, M.SHARED_APART_MAX_T + 1)):
-        x = torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV)
-        ids = torch.randint(0, 50, (T,), generator=g).to(DEV) if hash_vocab else None
-        if i == 0:
-            first = layer.forward_device(x, ids).clone()                   # a fresh layer: the apart path first
-            assert layer._side, "the side stream ran"
-        bufs = layer._eager[DEV] if DEV in layer._eager else next(iter(layer._eager.values()))
-        bufs[3].fill_(float("nan"))
-        if bufs[4] is not None: bufs[4][1].fill_(float("nan"))
+    draw = lambda T: (torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV),
+                      torch.randint(0, 50, (T,), generator=g).to(DEV) if hash_vocab else None)
+    def single(x, ids):
         layer.shared_apart = False
-        one = layer.forward_device(x, ids).clone()
-        bufs = next(iter(layer._eager.values()))
-        bufs[3].fill_(float("nan"))
-        if bufs[4] is not None: bufs[4][1].fill_(float("nan"))
+        y = layer.forward_device(x, ids).clone()
         layer.shared_apart = True
-        two = layer.forward_device(x, ids).clone()
-        assert torch.isfinite(one).all() and torch.equal(one, two), f"T={T}"
-        if i == 0: assert torch.equal(first, one)
-    cap = layer.capture(M.SHARED_APART_MAX_T)
+        return y
+    for T in (1, 3, M.SHARED_APART_MAX_T + 1):
+        x, ids = draw(T)
+        one = single(x, ids)
+        assert torch.isfinite(one).all() and torch.equal(layer.forward_device(x, ids), one), f"eager, T={T}"
+    assert not layer._side, "eager calls never fork"
+    caps = {}
+    for apart in (True, False):
+        layer.shared_apart = apart
+        caps[apart] = layer.capture(M.SHARED_APART_MAX_T)
+    layer.shared_apart = True
+    assert layer._side, "the capture forked"
     for T in (1, 2, M.SHARED_APART_MAX_T):
-        x = torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV)
-        ids = torch.randint(0, 50, (T,), generator=g).to(DEV) if hash_vocab else None
-        layer.shared_apart = False
-        want = layer.forward_device(x, ids).clone()
-        cap.bufs[3].fill_(float("nan"))                                    # the captured graph's shared rows are never computed
-        assert torch.equal(cap(x, ids), want), f"captured, T={T}"
+        x, ids = draw(T)
+        want = single(x, ids)
+        caps[True].bufs[3].fill_(float("nan"))                            # the apart graph never computes the shared rows
+        assert torch.equal(caps[True](x, ids), want), f"captured apart, T={T}"
+        caps[False].bufs[4][1].fill_(float("nan"))                        # nor does the single-stream graph read the side output
+        assert torch.equal(caps[False](x, ids), want), f"captured single stream, T={T}"
+    # a caller's own capture of a decode call, warmed up the usual way (eagerly, on one stream) first
+    x, ids = draw(2)
+    xin, iin = x.clone(), None if ids is None else ids.clone()
+    want = single(x, ids)
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s): layer(xin, iin)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph): yin = layer(xin, iin)
+    next(iter(layer._eager.values()))[3].fill_(float("nan"))
+    graph.replay(); torch.cuda.synchronize()
+    assert torch.equal(yin, want), "a caller's capture forks too"
 
 
 @pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
