@@ -5,6 +5,7 @@
 # %% ../nbs/08_moe_layer.ipynb #c7e43cf7
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import NamedTuple
 
@@ -799,8 +800,15 @@ class CapturedMoE:
             for _ in range(2): run()                                      # compile, prepare, warm the caches
         torch.cuda.current_stream(dev).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            run()
+        # no automatic garbage collection inside the capture: a layer and its cached graphs form a reference cycle, and
+        # freeing an old graph's memory pool mid-capture (cudaFree) would invalidate this one; torch.cuda.graph
+        # collects once before it begins
+        gc_was = gc.isenabled(); gc.disable()
+        try:
+            with torch.cuda.graph(self.graph):
+                run()
+        finally:
+            if gc_was: gc.enable()
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         "The layer's output for x (T, H) bf16, T <= max_tokens: a view of a static buffer, overwritten by the next call."
