@@ -5,6 +5,7 @@
 # %% ../nbs/08_moe_layer.ipynb #c7e43cf7
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,7 +19,7 @@ from .runtime import define_op, op_object, register_op_object
 from .quant import (GS_MIN, FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_mxfp4, ref_quantize_nvfp4, stack_experts)
 from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, group_sizes,
-                                local_groups, permute_rows, ref_dsv4_router, route_buffers, route_permute_fused, route_rows, route_topk,
+                                local_groups, permute_rows, permute_rows_fp8, ref_dsv4_router, route_buffers, route_permute_fused, route_rows, route_topk,
                                 router_logits, ROUTE_FUSED_MAX_T)
 from .gemm.reference import check_swiglu_limit, deinterleave_l1, ref_swiglu
 from .gemm.w4a8 import quantize_fp8_act, ref_quantize_fp8_act
@@ -379,7 +380,12 @@ class DSV4MoE(torch.nn.Module):
             route_rows(buf, T, logits, self.gate_bias, routed_scaling_factor=c.routed_scaling_factor,
                        tid2eid=self.tid2eid if given is None else None, input_ids=input_ids if given is None else None,
                        given=given, n_tokens=n_tokens)
-            xr, rs = permute_rows(x, buf, a1, n_tokens)
+            if self.act == "w4a8":                            # the rows in E4M3 straight from the permute
+                x8 = bufs[2][0]
+                xd, xsc, rs = permute_rows_fp8(x, buf, x8.data, x8.scale, n_tokens)
+                xr = FP8Activations(xd, xsc)
+            else:
+                xr, rs = permute_rows(x, buf, a1, n_tokens)
         if apart is None:
             rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free)
             return combine_tokens(rows, buf, out, n_tokens)
@@ -412,7 +418,8 @@ class DSV4MoE(torch.nn.Module):
         if s is None: s = self._side[dev] = torch.cuda.Stream(dev)
         return s
 
-    def run_experts(self, xr: torch.Tensor,        # bf16 (R, H) expert-major rows on the device (W4A4: code x block scale)
+    def run_experts(self, xr,                      # bf16 (R, H) expert-major rows on the device (W4A4: code x block scale;
+                                                   # W4A8: or FP8Activations from permute_rows_fp8, scales in row_scales)
                     row_scales: torch.Tensor,      # fp32 (R, 2): per row (gs_a, routing weight)
                     offs: torch.Tensor,            # int32 (G,) cumulative end offsets over this layer's groups
                     bufs: tuple,                   # `buffers(n)` with n (k + 1) >= R
@@ -422,7 +429,8 @@ class DSV4MoE(torch.nn.Module):
                    ) -> torch.Tensor:              # bf16 (R, H): a view of `bufs`' output rows
         """The fused L1 (SwiGLU, routing weight, for W4A4 h's NVFP4 quantization) and the L2 over expert-major rows, with
         the inputs already checked (`expert_rows` is the checked entry): two launches (W4A8: four, x and h quantized
-        per row, each row's E4M3 scale written into `row_scales[:, 0]`), no sync, no allocation; the result is a view of
+        per row, each row's E4M3 scale written into `row_scales[:, 0]`; three when x comes in E4M3 already), no sync,
+        no allocation; the result is a view of
         `bufs`' output rows that the next call overwrites."""
         c, (_, h, h_dec, rows_out) = self.cfg, bufs[:4]
         w13p, w2p = self.prepared(xr.device) if weights is None else weights
@@ -432,8 +440,10 @@ class DSV4MoE(torch.nn.Module):
             h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out=h[:R], **kw)
         elif self.act == "w4a8":                          # x -> E4M3 per row, its scale into the L1's (gs_a, p); h likewise
             x8, h8 = h_dec
-            xq = quantize_fp8_act(xr, out_data=x8.data[:R], out_scale=x8.scale[:R])
-            row_scales[:, 0].copy_(xq.scale[:, 0])
+            if isinstance(xr, FP8Activations): xq = xr    # permute_rows_fp8's rows: their scales already in row_scales
+            else:
+                xq = quantize_fp8_act(xr, out_data=x8.data[:R], out_scale=x8.scale[:R])
+                row_scales[:, 0].copy_(xq.scale[:, 0])
             h = grouped_gemm_swiglu_nvfp4(xq, w13p, offs, out=h[:R], **kw)
             hq = quantize_fp8_act(h, out_data=h8.data[:R], out_scale=h8.scale[:R])
             return grouped_gemm_nvfp4(hq, w2p, offs, out=rows_out[:R], sms_free=sms_free)
@@ -790,8 +800,15 @@ class CapturedMoE:
             for _ in range(2): run()                                      # compile, prepare, warm the caches
         torch.cuda.current_stream(dev).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            run()
+        # no automatic garbage collection inside the capture: a layer and its cached graphs form a reference cycle, and
+        # freeing an old graph's memory pool mid-capture (cudaFree) would invalidate this one; torch.cuda.graph
+        # collects once before it begins
+        gc_was = gc.isenabled(); gc.disable()
+        try:
+            with torch.cuda.graph(self.graph):
+                run()
+        finally:
+            if gc_was: gc.enable()
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         "The layer's output for x (T, H) bf16, T <= max_tokens: a view of a static buffer, overwritten by the next call."

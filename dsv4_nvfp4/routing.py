@@ -17,7 +17,7 @@ __all__ = ['MOE_CU', 'ROUTE_CHUNK_SMALL', 'ROUTE_CHUNK', 'ROUTE_SMALL_T', 'LOGIT
            'route_topk', 'random_topk', 'group_sizes', 'ref_combine', 'check_offsets', 'ref_dsv4_router',
            'bad_expert_rows', 'check_expert_ids', 'check_hash_table', 'dsv4_router', 'dsv4_router_torch', 'route_chunk',
            'RouteBuffers', 'local_groups', 'route_buffers', 'router_logits', 'route_rows', 'permute_rows',
-           'combine_tokens', 'route_permute_fused', 'check_bad']
+           'permute_rows_fp8', 'combine_tokens', 'route_permute_fused', 'check_bad']
 
 # %% ../nbs/04_routing.ipynb #efa2b32c
 class Routing(NamedTuple):
@@ -389,6 +389,36 @@ def permute_rows(x: torch.Tensor,                       # bf16 (T, hidden)
                    rt.i32(buf.shared_group), rt.i32(route_chunk(T)), 0 if a1_scales is None else rt.ptr(a1_scales),
                    rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv)), defines=_defines(buf))
     return buf.rows[:R], buf.row_scales[:R]
+
+def permute_rows_fp8(x: torch.Tensor,                    # bf16 (T, hidden)
+                     buf: RouteBuffers,                  # after `route_rows` for these T tokens
+                     out_data: torch.Tensor,             # float8_e4m3fn (>= T(k+1), hidden)
+                     out_scale: torch.Tensor,            # fp32 (>= T(k+1), 1)
+                     n_tokens: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (E4M3 rows, their scales, row_scales)
+    """W4A8's permute: `permute_rows`' rows in E4M3 with one scale per row, written into `out_data` / `out_scale` in
+    one launch: bit for bit `quantize_fp8_act` of the bf16 rows `permute_rows` would write (each an exact copy of its
+    token's x), without writing or reading them. Each row's scale is also `row_scales[:, 0]` (the L1 applies it per
+    row), the routing weight `row_scales[:, 1]`; `buf.inv` as `permute_rows`. Returns views of the first T(k + 1) rows.
+    Raises ValueError / TypeError for operands of the wrong shape, dtype or device, or before `route_rows`."""
+    what, T = "permute_rows_fp8", x.shape[0]
+    rt.check_tensor(x, what, "x", (torch.bfloat16,), buf.rows.device, dim=2)
+    if x.shape[1] != buf.hidden or T > buf.capacity: raise ValueError(f"{what}: x must be (T <= {buf.capacity}, {buf.hidden}), got {tuple(x.shape)}")
+    if buf.routed_tokens != T: raise ValueError(f"{what}: route_rows(buf, {T}, ...) must come first (the buffers' last route_rows: "
+                                                + ("none)" if buf.routed_tokens < 0 else f"{buf.routed_tokens} tokens)"))
+    R = T * (buf.top_k + 1)
+    rt.check_tensor(out_data, what, "out_data", (torch.float8_e4m3fn,), buf.rows.device, dim=2)
+    rt.check_tensor(out_scale, what, "out_scale", (torch.float32,), buf.rows.device, dim=2, align=4)
+    if out_data.shape[0] < R or out_data.shape[1] != buf.hidden or out_scale.shape[0] < R or out_scale.shape[1] != 1:
+        raise ValueError(f"{what}: out_data must be (>= {R}, {buf.hidden}) and out_scale (>= {R}, 1), got "
+                         f"{tuple(out_data.shape)} and {tuple(out_scale.shape)}")
+    if T:
+        rt.launch(MOE_CU, "moe_permute_fp8", (T,), (256,),
+                  (rt.ptr(x), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(buf.topk_ids), rt.ptr(buf.topk_weights),
+                   rt.ptr(buf.rank), rt.ptr(buf.chunk_base), 0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups),
+                   rt.i32(buf.shared_group), rt.i32(route_chunk(T)), rt.ptr(out_data), rt.ptr(out_scale),
+                   rt.ptr(buf.row_scales), rt.ptr(buf.inv)), defines=_defines(buf))
+    return out_data[:R], out_scale[:R], buf.row_scales[:R]
 
 def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hidden): expert-major outputs, weights applied
                    buf: RouteBuffers,                   # the routing that made them

@@ -7,6 +7,7 @@
 //   moe_permute        x -> expert-major rows (bf16, or for W4A4 quantized to NVFP4 with the expert's static global
 //                      scale and written decoded: code * block scale, exact in bf16), the GEMM's per-row (gs_a, p),
 //                      and inv (T, k + 1): the row of every (token, slot)
+//   moe_permute_fp8    W4A8: moe_permute's rows in E4M3 with one scale per row (fp8_quantize_rows_bf16's bits)
 //   moe_combine        out[t] = sum over slots j = 0 .. k of rows[inv[t, j]] in fp32 in slot order, then bf16
 //   moe_route_small    a decode step (<= 4 tokens): moe_router_logits + moe_route + moe_permute in one launch, the same
 //                      device functions in the same order (the same bits); its logits CTAs also store each logit's
@@ -452,6 +453,68 @@ moe_permute(const bf16* __restrict__ x,          // (T, HID)
     }
     __syncthreads();
     permute_token<kPermThreads>(x + (i64)t * HID, pos, gsa, a1 != nullptr, xr);
+}
+
+// W4A8: the same rows in E4M3 with one scale per row, bit for bit fp8_quantize_rows_bf16 (fp8_quantize.cu) of the rows
+// moe_permute writes (each an exact copy of x[t]): s = amax(x[t]) / 448 (1 for a zero row, NaN for a row holding NaN or
+// Inf), q = e4m3_satfinite(x / s). Every slot of token t gets the same bytes; xs[p] = s and row_scales[p] = (s, weight)
+// (the L1 applies s per row). One read of x[t] for its amax, one for its values; each row written once, in E4M3.
+extern "C" __global__ void __launch_bounds__(kPermThreads)
+moe_permute_fp8(const bf16* __restrict__ x,          // (T, HID)
+                const i64* __restrict__ n_ptr, int T,
+                const int* __restrict__ topk_ids,    // (T, TOPK)
+                const float* __restrict__ topk_w,    // (T, TOPK)
+                const int* __restrict__ rank,        // (T, TOPK + 1)
+                const int* __restrict__ chunk_base,  // (n_chunks, G)
+                const int* __restrict__ g2l,         // as moe_route's
+                int ng, int sg,
+                int chunk,                           // moe_route's tokens per CTA
+                u8* __restrict__ xq,                 // (R, HID) E4M3 expert-major rows
+                float* __restrict__ xs,              // (R,): each row's scale
+                float* __restrict__ row_scales,      // (R, 2): (s, p) per row
+                int* __restrict__ inv) {             // (T, TOPK + 1)
+    __shared__ int pos[TOPK + 1];
+    __shared__ float gsa[TOPK + 1];
+    __shared__ u32 sh[32];
+    const int t = blockIdx.x;                    // one CTA per token
+    if (t >= n_real(n_ptr, T)) return;
+    if (threadIdx.x <= TOPK) {
+        const int j = threadIdx.x, g = slot_group(t, j, topk_ids, g2l, sg);
+        const int p = g >= 0 ? chunk_base[(i64)(t / chunk) * ng + g] + rank[(i64)t * (TOPK + 1) + j] : -1;
+        place_slot(t, j, g, p, topk_w, nullptr, pos, gsa, row_scales, inv);
+    }
+    const bf16* __restrict__ src = x + (i64)t * HID;
+    u32 m = 0u;
+    for (int b = threadIdx.x; b < HID / 16; b += kPermThreads) {
+        float v[16];
+        load16(src + b * 16, v);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) m = max(m, abs_bits(v[i]));
+    }
+    m = block_max_u32_once(m, sh);               // its barrier also makes pos visible
+    const float s = (m >= 0x7f800000u) ? __int_as_float(0x7fffffff)
+                  : (m == 0u ? 1.0f : __fdiv_rn(__uint_as_float(m), kE4M3Max));
+    if (threadIdx.x <= TOPK && pos[threadIdx.x] >= 0) {    // the thread that placed slot j: after its own writes
+        row_scales[(i64)pos[threadIdx.x] * 2] = s;
+        xs[pos[threadIdx.x]] = s;
+    }
+    for (int b = threadIdx.x; b < HID / 16; b += kPermThreads) {
+        float v[16];
+        load16(src + b * 16, v);
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 word = 0u;
+#pragma unroll
+            for (int i = 0; i < 4; ++i)          // satfinite: a finite value past 448 saturates there, NaN stays NaN
+                word |= (u32)__nv_cvt_float_to_fp8(__fdiv_rn(v[4 * j + i], s), __NV_SATFINITE, __NV_E4M3) << (8 * i);
+            w[j] = word;
+        }
+        const uint4 q4 = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+        for (int j = 0; j <= TOPK; ++j)
+            if (pos[j] >= 0) *reinterpret_cast<uint4*>(xq + (i64)pos[j] * HID + b * 16) = q4;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

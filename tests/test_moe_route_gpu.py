@@ -232,3 +232,42 @@ def test_a_slice_routes_only_its_experts(T):
             acc = torch.where(held, torch.where(first[:, None], v, acc + v), acc)
             first &= ~held[:, 0]
         assert torch.equal(out, acc.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("T", [5, 300])
+def test_fp8_permute_is_the_bf16_permute_quantized(T):
+    """W4A8's permute (permute_rows_fp8): the E4M3 rows, their scales, row_scales and inv are bit for bit
+    quantize_fp8_act of permute_rows' bf16 rows with those scales in row_scales[:, 0]: a whole layer and a slice, a zero
+    token (scale 1), a token with NaN (scale NaN, its rows only), one scaled by 1e30, padding
+    with n_tokens (rows of padding tokens never written); bad operands refused."""
+    from dsv4_nvfp4.gemm.w4a8 import quantize_fp8_act
+    E, H, k = 256, 4096, 6
+    x, w, b = gate(E, H, T, seed=T + 70)
+    x[1] = 0; x[2, 17] = float("nan"); x[3] *= 1e30
+    xd = x.to(DEV)
+    n = T - 2
+    nt = torch.tensor(n, device=DEV)
+    for experts, shared in ((None, True), ([3, 7, 64, 65, 66, 200], True)):
+        a = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
+        bb = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
+        for buf in (a, bb):
+            R.route_rows(buf, T, R.router_logits(xd, w.to(DEV), out=buf.logits[:T]), b.to(DEV), n_tokens=nt)
+        rows, rs = R.permute_rows(xd, a, n_tokens=nt)
+        Rn = int(a.offsets[-1].item())                                   # the real tokens' rows
+        want = quantize_fp8_act(rows[:Rn])
+        q = torch.full((T * (k + 1), H), float("nan"), device=DEV).to(torch.float8_e4m3fn)
+        s = torch.full((T * (k + 1), 1), -7.0, device=DEV)
+        bb.row_scales.fill_(-7.0)
+        q8, s8, rs8 = R.permute_rows_fp8(xd, bb, q, s, n_tokens=nt)
+        assert q8.shape == (T * (k + 1), H) and s8.shape == (T * (k + 1), 1)
+        assert torch.equal(q8[:Rn].view(torch.uint8), want.data.view(torch.uint8)), "E4M3 rows"
+        bits = lambda t: t.contiguous().view(torch.int32)                 # NaN scales compare by their bits
+        assert torch.equal(bits(s8[:Rn]), bits(want.scale)) and torch.equal(bits(rs8[:Rn, 0:1]), bits(want.scale)), "row scales"
+        assert torch.equal(rs8[:Rn, 1], rs[:Rn, 1]) and torch.equal(bb.inv[:n], a.inv[:n]), "weights and inv"
+        assert (s8[Rn:] == -7.0).all(), "no row past the real tokens' is written"
+        held = a.inv[2][a.inv[2] >= 0].long()
+        assert torch.isnan(s8[held]).all() and not torch.isnan(s8[a.inv[0][a.inv[0] >= 0].long()]).any()
+        if (a.inv[1] >= 0).any(): assert (s8[a.inv[1][a.inv[1] >= 0].long()] == 1.0).all(), "a zero token's scale is 1"
+    with pytest.raises(TypeError): R.permute_rows_fp8(xd, bb, q.view(torch.uint8), s)
+    with pytest.raises(ValueError): R.permute_rows_fp8(xd, bb, q[: T * (k + 1) - 1], s)
+    with pytest.raises(ValueError): R.permute_rows_fp8(xd, bb, q, s[:5])
