@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 from pathlib import Path
 from typing import NamedTuple
 
@@ -232,6 +233,7 @@ class DSV4MoE(torch.nn.Module):
             if not 1 <= tokens <= EAGER_GRAPH_MAX_T: raise ValueError(f"decode_graph: tokens must be in 1 .. {EAGER_GRAPH_MAX_T}, got {tokens}")
             with torch.inference_mode(False):
                 cap = hit[1][tokens] = CapturedMoE(self, tokens)
+            cap.layer = weakref.proxy(self)                 # no cycle layer -> graph -> layer: a deleted layer is freed at once
         return cap
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
@@ -368,7 +370,7 @@ class DSV4MoE(torch.nn.Module):
             side_stream.wait_stream(main)
             with torch.cuda.stream(side_stream):
                 if n_tokens is None: offs_s.fill_(T)
-                else: offs_s.copy_(n_tokens)
+                else: offs_s.copy_(n_tokens.clamp(0, T))          # as the routing kernels clamp it
                 h1 = grouped_gemm_swiglu_nvfp4(x, w13s, offs_s, out=hs[:T], swiglu_limit=c.swiglu_limit, row_scales=rs_s[:T],
                                                scales_given=True, sms_free=sms_free)
                 grouped_gemm_nvfp4(h1, w2s, offs_s, out=ys[:T], sms_free=sms_free)
@@ -800,9 +802,9 @@ class CapturedMoE:
             for _ in range(2): run()                                      # compile, prepare, warm the caches
         torch.cuda.current_stream(dev).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        # no automatic garbage collection inside the capture: a layer and its cached graphs form a reference cycle, and
-        # freeing an old graph's memory pool mid-capture (cudaFree) would invalidate this one; torch.cuda.graph
-        # collects once before it begins
+        # no garbage collection inside the capture: an unreachable cycle holding an old graph, freed mid-capture, would
+        # release its memory pool (cudaFree) and invalidate this one; so collect first, then none until it ends
+        gc.collect()
         gc_was = gc.isenabled(); gc.disable()
         try:
             with torch.cuda.graph(self.graph):

@@ -407,6 +407,8 @@ def permute_rows_fp8(x: torch.Tensor,                    # bf16 (T, hidden)
     if buf.routed_tokens != T: raise ValueError(f"{what}: route_rows(buf, {T}, ...) must come first (the buffers' last route_rows: "
                                                 + ("none)" if buf.routed_tokens < 0 else f"{buf.routed_tokens} tokens)"))
     R = T * (buf.top_k + 1)
+    if buf.row_scales.shape[0] < R or buf.inv.shape[0] < T:
+        raise ValueError(f"{what}: the buffers have no row scales or inv (route_buffers(with_rows=True))")
     rt.check_tensor(out_data, what, "out_data", (torch.float8_e4m3fn,), buf.rows.device, dim=2)
     rt.check_tensor(out_scale, what, "out_scale", (torch.float32,), buf.rows.device, dim=2, align=4)
     if out_data.shape[0] < R or out_data.shape[1] != buf.hidden or out_scale.shape[0] < R or out_scale.shape[1] != 1:

@@ -215,6 +215,10 @@ def test_eager_decode_replays_a_cached_graph(act):
     plain.gate_bias = plain.gate_bias + torch.randn(plain.gate_bias.shape, generator=g).to(DEV)
     moved = plain(x2)
     assert torch.equal(moved, plain.forward_device(x2)) and not torch.equal(moved, first), "the new bias is read"
+    import weakref
+    ref = weakref.ref(plain)
+    del plain
+    assert ref() is None, "the cached graphs hold no reference back to the layer: deleting it frees it at once"
 
 
 @pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])

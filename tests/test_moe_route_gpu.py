@@ -245,7 +245,7 @@ def test_fp8_permute_is_the_bf16_permute_quantized(T):
     x, w, b = gate(E, H, T, seed=T + 70)
     x[1] = 0; x[2, 17] = float("nan"); x[3] *= 1e30
     xd = x.to(DEV)
-    n = T - 2
+    n = T - 1                                                            # token 3 (x 1e30) is real at T = 5 too
     nt = torch.tensor(n, device=DEV)
     for experts, shared in ((None, True), ([3, 7, 64, 65, 66, 200], True)):
         a = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
@@ -271,3 +271,6 @@ def test_fp8_permute_is_the_bf16_permute_quantized(T):
     with pytest.raises(TypeError): R.permute_rows_fp8(xd, bb, q.view(torch.uint8), s)
     with pytest.raises(ValueError): R.permute_rows_fp8(xd, bb, q[: T * (k + 1) - 1], s)
     with pytest.raises(ValueError): R.permute_rows_fp8(xd, bb, q, s[:5])
+    bare = R.route_buffers(T, E, k, H, DEV, with_rows=False)              # no row scales or inv to write into
+    R.route_rows(bare, T, R.router_logits(xd, w.to(DEV), out=bare.logits[:T]), b.to(DEV))
+    with pytest.raises(ValueError, match="with_rows"): R.permute_rows_fp8(xd, bare, q, s)
