@@ -94,8 +94,8 @@ class DSV4MoE(torch.nn.Module):
     cuts one from a whole layer.
     `forward(x (T, H) bf16, input_ids=None) -> (T, H) bf16`: on a CUDA device six launches (router logits, route,
     permute, L1, L2, combine; the first three are one launch up to `ROUTE_FUSED_MAX_T` tokens; weights prepared on
-    first use; an eager call of 1 .. `EAGER_GRAPH_MAX_T` tokens replays one graph of them, captured on first use,
-    unless `eager_graphs` is False or the stream is being captured); on the CPU the same layer through the GEMM seam's CPU backend (`forward_torch`: on the reference
+    first use; an eager call of 1 .. `EAGER_GRAPH_MAX_T` tokens replays a graph of exactly that many, captured on its
+    first use, unless `eager_graphs` is False or the stream is being captured); on the CPU the same layer through the GEMM seam's CPU backend (`forward_torch`: on the reference
     backend, `ref_moe` rounded to bf16).
     `act="w4a4"` quantizes x with each expert's static scale `a1_scales` and h with `a2_scales` (the checkpoint's
     `input_scale`s: a Blackwell deployment's numerics); `"w4a16"` keeps activations in bf16 (the most accurate);
