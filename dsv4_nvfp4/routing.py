@@ -363,6 +363,20 @@ def route_rows(buf: RouteBuffers,
                rt.ptr(buf.chunk_base), rt.ptr(buf.offsets), rt.ptr(buf.ticket), rt.ptr(buf.bad)), defines=_defines(buf))
     return buf
 
+def _permute_args(what: str, x: torch.Tensor, buf: RouteBuffers, n_tokens) -> tuple:
+    """The checks and the leading launch arguments both permutes share (x, n, T, the routing's buffers, the groups,
+    the chunk): ValueError / TypeError for an x that does not fit, or before `route_rows` of these T tokens."""
+    T = x.shape[0]
+    rt.check_tensor(x, what, "x", (torch.bfloat16,), buf.rows.device, dim=2)
+    if x.shape[1] != buf.hidden or T > buf.capacity: raise ValueError(f"{what}: x must be (T <= {buf.capacity}, {buf.hidden}), got {tuple(x.shape)}")
+    if buf.routed_tokens != T: raise ValueError(f"{what}: route_rows(buf, {T}, ...) must come first (the buffers' last route_rows: "
+                                                + ("none)" if buf.routed_tokens < 0 else f"{buf.routed_tokens} tokens)"))
+    if buf.row_scales.shape[0] < T * (buf.top_k + 1) or buf.inv.shape[0] < T:
+        raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
+    return (rt.ptr(x), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(buf.topk_ids), rt.ptr(buf.topk_weights),
+            rt.ptr(buf.rank), rt.ptr(buf.chunk_base), 0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups),
+            rt.i32(buf.shared_group), rt.i32(route_chunk(T)))
+
 def permute_rows(x: torch.Tensor,                       # bf16 (T, hidden)
                  buf: RouteBuffers,                     # after `route_rows` for these T tokens
                  a1_scales: torch.Tensor | None = None, # fp32 (G,): W4A4, each group's static global scale of x
@@ -373,21 +387,14 @@ def permute_rows(x: torch.Tensor,                       # bf16 (T, hidden)
     `ref_quantize_nvfp4(x[t], a1[g])`) and stored decoded without the global scale (code * block scale, exact in
     bf16); gs_a = a1[g] is applied in the GEMM's epilogue."""
     what, T = "permute_rows", x.shape[0]
-    rt.check_tensor(x, what, "x", (torch.bfloat16,), buf.rows.device, dim=2)
-    if x.shape[1] != buf.hidden or T > buf.capacity: raise ValueError(f"{what}: x must be (T <= {buf.capacity}, {buf.hidden}), got {tuple(x.shape)}")
-    if buf.routed_tokens != T: raise ValueError(f"{what}: route_rows(buf, {T}, ...) must come first (the buffers' last route_rows: "
-                                                + ("none)" if buf.routed_tokens < 0 else f"{buf.routed_tokens} tokens)"))
-    if buf.rows.shape[0] < T * (buf.top_k + 1): raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
+    args = _permute_args(what, x, buf, n_tokens)
     if a1_scales is not None:
         rt.check_tensor(a1_scales, what, "a1_scales", (torch.float32,), buf.rows.device, align=4)
         if tuple(a1_scales.shape) != (buf.groups,): raise ValueError(f"{what}: a1_scales must be ({buf.groups},), got {tuple(a1_scales.shape)}")
     R = T * (buf.top_k + 1)
     if T:
-        rt.launch(MOE_CU, "moe_permute", (T,), (256,),
-                  (rt.ptr(x), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(buf.topk_ids), rt.ptr(buf.topk_weights),
-                   rt.ptr(buf.rank), rt.ptr(buf.chunk_base), 0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups),
-                   rt.i32(buf.shared_group), rt.i32(route_chunk(T)), 0 if a1_scales is None else rt.ptr(a1_scales),
-                   rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv)), defines=_defines(buf))
+        rt.launch(MOE_CU, "moe_permute", (T,), (256,), args + (0 if a1_scales is None else rt.ptr(a1_scales),
+                  rt.ptr(buf.rows), rt.ptr(buf.row_scales), rt.ptr(buf.inv)), defines=_defines(buf))
     return buf.rows[:R], buf.row_scales[:R]
 
 def permute_rows_fp8(x: torch.Tensor,                    # bf16 (T, hidden)
@@ -402,24 +409,16 @@ def permute_rows_fp8(x: torch.Tensor,                    # bf16 (T, hidden)
     row), the routing weight `row_scales[:, 1]`; `buf.inv` as `permute_rows`. Returns views of the first T(k + 1) rows.
     Raises ValueError / TypeError for operands of the wrong shape, dtype or device, or before `route_rows`."""
     what, T = "permute_rows_fp8", x.shape[0]
-    rt.check_tensor(x, what, "x", (torch.bfloat16,), buf.rows.device, dim=2)
-    if x.shape[1] != buf.hidden or T > buf.capacity: raise ValueError(f"{what}: x must be (T <= {buf.capacity}, {buf.hidden}), got {tuple(x.shape)}")
-    if buf.routed_tokens != T: raise ValueError(f"{what}: route_rows(buf, {T}, ...) must come first (the buffers' last route_rows: "
-                                                + ("none)" if buf.routed_tokens < 0 else f"{buf.routed_tokens} tokens)"))
+    args = _permute_args(what, x, buf, n_tokens)
     R = T * (buf.top_k + 1)
-    if buf.row_scales.shape[0] < R or buf.inv.shape[0] < T:
-        raise ValueError(f"{what}: the buffers have no row scales or inv (route_buffers(with_rows=True))")
     rt.check_tensor(out_data, what, "out_data", (torch.float8_e4m3fn,), buf.rows.device, dim=2)
     rt.check_tensor(out_scale, what, "out_scale", (torch.float32,), buf.rows.device, dim=2, align=4)
     if out_data.shape[0] < R or out_data.shape[1] != buf.hidden or out_scale.shape[0] < R or out_scale.shape[1] != 1:
         raise ValueError(f"{what}: out_data must be (>= {R}, {buf.hidden}) and out_scale (>= {R}, 1), got "
                          f"{tuple(out_data.shape)} and {tuple(out_scale.shape)}")
     if T:
-        rt.launch(MOE_CU, "moe_permute_fp8", (T,), (256,),
-                  (rt.ptr(x), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(buf.topk_ids), rt.ptr(buf.topk_weights),
-                   rt.ptr(buf.rank), rt.ptr(buf.chunk_base), 0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups),
-                   rt.i32(buf.shared_group), rt.i32(route_chunk(T)), rt.ptr(out_data), rt.ptr(out_scale),
-                   rt.ptr(buf.row_scales), rt.ptr(buf.inv)), defines=_defines(buf))
+        rt.launch(MOE_CU, "moe_permute_fp8", (T,), (256,), args + (rt.ptr(out_data), rt.ptr(out_scale),
+                  rt.ptr(buf.row_scales), rt.ptr(buf.inv)), defines=_defines(buf))
     return out_data[:R], out_scale[:R], buf.row_scales[:R]
 
 def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hidden): expert-major outputs, weights applied

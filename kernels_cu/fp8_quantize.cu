@@ -24,24 +24,13 @@ __device__ __forceinline__ void fp8_rows(const T* __restrict__ x, i64 K, u8* __r
 #pragma unroll
         for (int i = 0; i < 16; ++i) m = max(m, abs_bits(v[i]));
     }
-    m = block_max_u32_once(m, sh);
-    const float s = (m >= 0x7f800000u) ? __int_as_float(0x7fffffff)                 // NaN or Inf in the row
-                  : (m == 0u ? 1.0f : __fdiv_rn(__uint_as_float(m), kE4M3Max));
+    const float s = fp8_row_scale(block_max_u32_once(m, sh));
     if (threadIdx.x == 0) scale[r] = s;
     u8* __restrict__ qr = q + r * K;
     for (i64 b = threadIdx.x; b < nb; b += blockDim.x) {
         float v[16];
         load16(xr + b * kBlock, v);
-        u32 w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            u32 word = 0u;
-#pragma unroll
-            for (int i = 0; i < 4; ++i)   // satfinite: a finite value past 448 saturates there, NaN stays NaN
-                word |= (u32)__nv_cvt_float_to_fp8(__fdiv_rn(v[4 * j + i], s), __NV_SATFINITE, __NV_E4M3) << (8 * i);
-            w[j] = word;
-        }
-        *reinterpret_cast<uint4*>(qr + b * kBlock) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(qr + b * kBlock) = fp8_pack16(v, s);
     }
 }
 

@@ -426,6 +426,20 @@ __device__ __forceinline__ void place_slot(int t, int j, int g, int p, const flo
     }
 }
 
+// The k + 1 slots of token t after moe_route (thread j places slot j): its row from the chunk's base and the token's
+// rank, then as place_slot. The callers' barrier makes pos and gsa visible.
+__device__ __forceinline__ void place_token_slots(int t, const int* __restrict__ topk_ids, const float* __restrict__ topk_w,
+                                                  const int* __restrict__ rank, const int* __restrict__ chunk_base,
+                                                  const int* __restrict__ g2l, int ng, int sg, int chunk,
+                                                  const float* __restrict__ a1, int* pos, float* gsa,
+                                                  float* __restrict__ row_scales, int* __restrict__ inv) {
+    if (threadIdx.x <= TOPK) {
+        const int j = threadIdx.x, g = slot_group(t, j, topk_ids, g2l, sg);
+        const int p = g >= 0 ? chunk_base[(i64)(t / chunk) * ng + g] + rank[(i64)t * (TOPK + 1) + j] : -1;
+        place_slot(t, j, g, p, topk_w, a1, pos, gsa, row_scales, inv);
+    }
+}
+
 constexpr int kPermThreads = 256;
 
 extern "C" __global__ void __launch_bounds__(kPermThreads)
@@ -446,11 +460,7 @@ moe_permute(const bf16* __restrict__ x,          // (T, HID)
     __shared__ float gsa[TOPK + 1];
     const int t = blockIdx.x;                    // one CTA per token
     if (t >= n_real(n_ptr, T)) return;
-    if (threadIdx.x <= TOPK) {
-        const int j = threadIdx.x, g = slot_group(t, j, topk_ids, g2l, sg);
-        const int p = g >= 0 ? chunk_base[(i64)(t / chunk) * ng + g] + rank[(i64)t * (TOPK + 1) + j] : -1;
-        place_slot(t, j, g, p, topk_w, a1, pos, gsa, row_scales, inv);
-    }
+    place_token_slots(t, topk_ids, topk_w, rank, chunk_base, g2l, ng, sg, chunk, a1, pos, gsa, row_scales, inv);
     __syncthreads();
     permute_token<kPermThreads>(x + (i64)t * HID, pos, gsa, a1 != nullptr, xr);
 }
@@ -478,11 +488,7 @@ moe_permute_fp8(const bf16* __restrict__ x,          // (T, HID)
     __shared__ u32 sh[32];
     const int t = blockIdx.x;                    // one CTA per token
     if (t >= n_real(n_ptr, T)) return;
-    if (threadIdx.x <= TOPK) {
-        const int j = threadIdx.x, g = slot_group(t, j, topk_ids, g2l, sg);
-        const int p = g >= 0 ? chunk_base[(i64)(t / chunk) * ng + g] + rank[(i64)t * (TOPK + 1) + j] : -1;
-        place_slot(t, j, g, p, topk_w, nullptr, pos, gsa, row_scales, inv);
-    }
+    place_token_slots(t, topk_ids, topk_w, rank, chunk_base, g2l, ng, sg, chunk, nullptr, pos, gsa, row_scales, inv);
     const bf16* __restrict__ src = x + (i64)t * HID;
     u32 m = 0u;
     for (int b = threadIdx.x; b < HID / 16; b += kPermThreads) {
@@ -491,9 +497,7 @@ moe_permute_fp8(const bf16* __restrict__ x,          // (T, HID)
 #pragma unroll
         for (int i = 0; i < 16; ++i) m = max(m, abs_bits(v[i]));
     }
-    m = block_max_u32_once(m, sh);               // its barrier also makes pos visible
-    const float s = (m >= 0x7f800000u) ? __int_as_float(0x7fffffff)
-                  : (m == 0u ? 1.0f : __fdiv_rn(__uint_as_float(m), kE4M3Max));
+    const float s = fp8_row_scale(block_max_u32_once(m, sh));   // its barrier also makes pos visible
     if (threadIdx.x <= TOPK && pos[threadIdx.x] >= 0) {    // the thread that placed slot j: after its own writes
         row_scales[(i64)pos[threadIdx.x] * 2] = s;
         xs[pos[threadIdx.x]] = s;
@@ -501,16 +505,7 @@ moe_permute_fp8(const bf16* __restrict__ x,          // (T, HID)
     for (int b = threadIdx.x; b < HID / 16; b += kPermThreads) {
         float v[16];
         load16(src + b * 16, v);
-        u32 w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            u32 word = 0u;
-#pragma unroll
-            for (int i = 0; i < 4; ++i)          // satfinite: a finite value past 448 saturates there, NaN stays NaN
-                word |= (u32)__nv_cvt_float_to_fp8(__fdiv_rn(v[4 * j + i], s), __NV_SATFINITE, __NV_E4M3) << (8 * i);
-            w[j] = word;
-        }
-        const uint4 q4 = make_uint4(w[0], w[1], w[2], w[3]);
+        const uint4 q4 = fp8_pack16(v, s);
 #pragma unroll
         for (int j = 0; j <= TOPK; ++j)
             if (pos[j] >= 0) *reinterpret_cast<uint4*>(xq + (i64)pos[j] * HID + b * 16) = q4;

@@ -373,4 +373,24 @@ __device__ __forceinline__ u32 block_max_u32_once(u32 v, u32* sh) {
     return warp_max_u32((lane < nw) ? sh[lane] : 0u);
 }
 
+// W4A8's activations, one fp32 scale per row (fp8_quantize.cu, and moe_route.cu's moe_permute_fp8): the scale from
+// the integer max of the row's |x| bits (every NaN pattern is above +Inf): amax / 448, 1 for a zero row, NaN for a row
+// holding NaN or Inf; then 16 values to E4M3 under it, |q| saturating at 448, NaN staying NaN.
+__device__ __forceinline__ float fp8_row_scale(u32 amax_bits) {
+    return (amax_bits >= 0x7f800000u) ? __int_as_float(0x7fffffff)
+         : (amax_bits == 0u ? 1.0f : __fdiv_rn(__uint_as_float(amax_bits), kE4M3Max));
+}
+__device__ __forceinline__ uint4 fp8_pack16(const float (&v)[16], float s) {
+    u32 w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 word = 0u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            word |= (u32)__nv_cvt_float_to_fp8(__fdiv_rn(v[4 * j + i], s), __NV_SATFINITE, __NV_E4M3) << (8 * i);
+        w[j] = word;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 }  // namespace nvfp4
