@@ -15,8 +15,8 @@ from fastcore.basics import patch
 
 from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
                                    read_safetensors)
-from .gemm import backend_for, cached_ones, get_backend, grouped_gemm_nvfp4, prepare_weights
-from .runtime import define_op, op_object, register_op_object
+from .gemm import backend_for, cached_ones, get_backend, grouped_gemm_nvfp4, prepare_weights, registry_generation
+from .runtime import define_op, launch_device_type, op_object, register_op_object
 from .quant import (GS_MIN, FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_mxfp4, ref_quantize_nvfp4, stack_experts)
 from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, group_sizes,
@@ -142,7 +142,7 @@ class DSV4MoE(torch.nn.Module):
         self.register_buffer("tid2eid", None if tid2eid is None else tid2eid.to(torch.int32).contiguous())
         self.register_buffer("a1_scales", None if a1_scales is None else a1_scales.float().contiguous())
         self.register_buffer("a2_scales", None if a2_scales is None else a2_scales.float().contiguous())
-        self._prepared, self._eager, self._graphs, self._apart, self._side = {}, {}, {}, {}, {}
+        self._prepared, self._eager, self._graphs, self._apart, self._side, self._choice = {}, {}, {}, {}, {}, {}
         self.eager_graphs = True           # eager decode calls (1 .. EAGER_GRAPH_MAX_T tokens) replay a cached graph
         self.shared_apart = True           # captured decode steps (<= SHARED_APART_MAX_T tokens): the shared expert on a side stream
         self.op_key = register_op_object(self, "dsv4_moe")   # how the torch.compile ops name this layer
@@ -170,7 +170,7 @@ class DSV4MoE(torch.nn.Module):
         "A copy (copy.deepcopy, pickle) is a layer of its own: its own op key, not the original's."
         super().__setstate__(state)
         self.op_key = register_op_object(self, "dsv4_moe")
-        for k, v in (("_graphs", {}), ("eager_graphs", True), ("_side", {}), ("_apart", {}), ("shared_apart", True)):
+        for k, v in (("_graphs", {}), ("eager_graphs", True), ("_side", {}), ("_apart", {}), ("shared_apart", True), ("_choice", {})):
             self.__dict__.setdefault(k, v)   # layers pickled before these
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +201,7 @@ class DSV4MoE(torch.nn.Module):
             input_ids = input_ids.to(device=x.device, dtype=torch.int64).contiguous()
         if torch.compiler.is_compiling():           # torch.compile / export: the forward is one custom op (see below)
             return torch.ops.dsv4_nvfp4.moe_forward(x.contiguous(), input_ids, self.op_key)
-        if (self.eager_graphs and 1 <= x.shape[0] <= EAGER_GRAPH_MAX_T and x.device == self.gate_weight.device
+        if (self.eager_graphs and 1 <= x.shape[0] <= EAGER_GRAPH_MAX_T and x.device == self._buffers["gate_weight"].device
                 and not torch.cuda.is_current_stream_capturing()):   # one replay instead of four launches from Python
             T, cap = x.shape[0], self.decode_graph(x.device, x.shape[0])
             if x.device not in self._eager:                 # what a caller's own capture of a decode call will use
@@ -221,9 +221,10 @@ class DSV4MoE(torch.nn.Module):
         forwards must not run concurrently on two streams, nor beside another thread's CUDA work while it captures.
         A copy of the layer captures its own."""
         dev = torch.device(device)
-        w = self.prepared(dev)
-        sig = (self.backend, id(w[0]), id(w[1])) + tuple(0 if t is None else t.data_ptr() for t in
-                                                        (self.gate_weight, self.gate_bias, self.tid2eid, self.a1_scales, self.a2_scales))
+        w, b = self.prepared(dev), self._buffers    # the buffers straight from their dict: Module.__getattr__ costs ~1 us each
+        gw, gb, tid, s1, s2 = b["gate_weight"], b["gate_bias"], b["tid2eid"], b["a1_scales"], b["a2_scales"]
+        sig = (self.backend, id(w[0]), id(w[1]), gw.data_ptr(), None if gb is None else gb.data_ptr(), None if tid is None else tid.data_ptr(),
+               None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr())
         hit = self._graphs.get(dev)
         if hit is None or hit[0] != sig:
             self._graphs.pop(dev, None)                     # the stale graphs and their pools go first
@@ -260,13 +261,18 @@ class DSV4MoE(torch.nn.Module):
         built once per (device, backend) and kept: only that backend's layout is held."""
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
-        b = get_backend(self.backend) if self.backend is not None else backend_for(dev)
-        if self.backend is None and self.act == "w4a8":
-            if get_backend("sm90_w4a8").supports(dev): b = get_backend("sm90_w4a8")   # W4A8's own weight layout on Hopper
-            elif b.name != "reference":
-                raise NotImplementedError(f"DSV4MoE: act='w4a8' runs on Hopper (the sm90_w4a8 backend) and on the CPU, not on "
-                                          f"{dev} ({b.name}); use act='w4a16' or 'w4a4' there")
-        key = (dev, b.name)
+        # the backend chosen for the device, remembered per what decides it (asking every backend's `supports` reads
+        # the device's capability: ~10 us of an eager decode call's host time, measured on an H100 host)
+        memo = (dev, self.backend, self.act, registry_generation(), launch_device_type())
+        key = self._choice.get(memo)
+        if key is None:
+            b = get_backend(self.backend) if self.backend is not None else backend_for(dev)
+            if self.backend is None and self.act == "w4a8":
+                if get_backend("sm90_w4a8").supports(dev): b = get_backend("sm90_w4a8")   # W4A8's own weight layout on Hopper
+                elif b.name != "reference":
+                    raise NotImplementedError(f"DSV4MoE: act='w4a8' runs on Hopper (the sm90_w4a8 backend) and on the CPU, not on "
+                                              f"{dev} ({b.name}); use act='w4a16' or 'w4a4' there")
+            key = self._choice[memo] = (dev, b.name)
         if key not in self._prepared:
             self._prepared[key] = (prepare_weights(self.w13, device=dev, backend=b.name), prepare_weights(self.w2, device=dev, backend=b.name))
         return self._prepared[key]

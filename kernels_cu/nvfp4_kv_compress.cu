@@ -355,28 +355,34 @@ nvfp4_kv_compress_decode(const float* __restrict__ kv,       // (B, coff*D) fp32
     if (kCoff == 2) load_chain(q, Q, c0);                      // go out with pos's, and so do the finish's inputs
     const float4 w4 = ld4(norm_w + c0);
     const RopeIn ri = rope_in(freqs, c0);
+    const int slot = slots[b];                                 // read now, not at the finish: one DRAM trip fewer
     const i64 ps = pos[b];
     if (ps < 0) return;
     const int k = (int)(ps % kR);
     const bool mine = (k / kPer) == g, close = k == kR - 1;    // close: uniform over the CTA
-    if (mine) {                                                // the token joins its group's chains
+    float4 s1, a1, x1, s0, a0, x0;                             // this token's loads (CSA: both parts), issued first ...
+    const int off = (kCoff - 1) * kD;
+    if (mine) {
         const float* x = kv + (i64)b * kLd;
         const float* s = score + (i64)b * kLd;
         const float* a = ape + (i64)k * kLd;
-        const int off = (kCoff - 1) * kD;
-        p.add(add4(ld4(s + off + c0), ld4(a + off + c0)), ld4(x + off + c0));
-        if (kCoff == 2) q.add(add4(ld4(s + c0), ld4(a + c0)), ld4(x + c0));
+        s1 = ld4(s + off + c0); a1 = ld4(a + off + c0); x1 = ld4(x + off + c0);
+        if (kCoff == 2) { s0 = ld4(s + c0); a0 = ld4(a + c0); x0 = ld4(x + c0); }
+    }
+    const Rot rot = close ? rope_rot(ri, ps - (kR - 1), c0) : Rot{};   // ... so the double sincos overlaps them
+    if (mine) {                                                // the token joins its group's chains
+        p.add(add4(s1, a1), x1);
+        if (kCoff == 2) q.add(add4(s0, a0), x0);
         if (!close) {
             store_chain(p, P, c0);
             if (kCoff == 2) store_chain(q, Q, c0);
         }
     }
     if (!close) return;
-    const Rot rot = rope_rot(ri, ps - (kR - 1), c0);
     float e[4];
     merge_groups(p, e);                                        // every group's chain is complete: merged in group order
     const PoolOut out{pool_data, pool_scale, pool_gs, capacity, bad};
-    finish_entry(e, rot, w4, eps, slots[b], out, dbg ? dbg + (i64)b * kD : nullptr);
+    finish_entry(e, rot, w4, eps, slot, out, dbg ? dbg + (i64)b * kD : nullptr);
     Pool4 z;                                                   // the next entry: part 0 continues from part 1 (CSA) or
     z.init();                                                  // starts empty; part 1 starts empty
     store_chain(kCoff == 2 ? q : z, P, c0);

@@ -100,3 +100,35 @@ def test_buffers_made_under_inference_mode_stay_writable():
     with torch.inference_mode(): bufs = lay.buffers(2, "cpu")
     assert not bufs[0].offsets.is_inference() and not bufs[1].is_inference() and not bufs[2][0].data.is_inference()
     bufs[0].offsets.fill_(1)
+
+
+def test_prepared_remembers_the_backend_choice_until_what_decides_it_changes(monkeypatch):
+    """`DSV4MoE.prepared` remembers the device's backend (the eager decode call's host time) but asks again when the
+    layer's backend or the registry changes, or when the launch device type does: the choice follows each of them."""
+    from dsv4_nvfp4 import runtime as rt
+    from dsv4_nvfp4 import gemm as GC
+    from dsv4_nvfp4.gemm.reference import ReferenceBackend
+    cfg = MoEConfig(hidden=1024, inter=128, num_experts=4, top_k=2)
+    lay = DSV4MoE.synthetic(cfg, seed=3)
+    asked = []
+    class Counting(ReferenceBackend):
+        def supports(self, device): asked.append(device); return super().supports(device)
+    w = lay.prepared("cpu")
+    assert type(w[0]).backend == "reference" and lay.prepared("cpu") is w
+    GC.register_backend("counting", Counting(), first=True)
+    try:
+        w2 = lay.prepared("cpu")                       # the registry changed: the new first choice is asked and used
+        assert asked and w2 is not w and ("cpu" in str(asked[-1]))
+        n = len(asked); lay.prepared("cpu"); lay.prepared("cpu")
+        assert len(asked) == n, "asked once per registry state, not per call"
+        lay.backend = "reference"
+        assert lay.prepared("cpu") is w, "a named backend is the layer's choice"
+        lay.backend = None
+        monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+        GC.unregister_backend("counting")
+        assert type(lay.prepared("cpu")[0]).backend == "sm90", "a CPU tensor that looks like Hopper's gets sm90"
+        monkeypatch.setattr(rt, "_DEVICE_TYPE", "cuda")
+        assert lay.prepared("cpu") is w, "and the reference again once it does not"
+    finally:
+        if "counting" in GC.backend_names(): GC.unregister_backend("counting")

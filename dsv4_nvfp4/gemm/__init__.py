@@ -20,10 +20,10 @@ from ..routing import check_offsets
 from ..runtime import check_tensor, out_tensor
 
 # %% auto #0
-__all__ = ['ACTS', 'EPILOGUES', 'Problem', 'EpilogueArgs', 'ExpertWeights', 'Backend', 'register_backend', 'unregister_backend',
-           'backend_names', 'get_backend', 'backend_for', 'plan_for', 'backend_of', 'expert_source', 'default_device',
-           'prepare_weights', 'check_operand', 'out_operand', 'cached_ones', 'check_sms_free', 'check_activations',
-           'check_offsets_operand', 'grouped_gemm_nvfp4', 'wo_a_nvfp4']
+__all__ = ['ACTS', 'EPILOGUES', 'Problem', 'EpilogueArgs', 'ExpertWeights', 'Backend', 'registry_generation', 'register_backend',
+           'unregister_backend', 'backend_names', 'get_backend', 'backend_for', 'plan_for', 'backend_of',
+           'expert_source', 'default_device', 'prepare_weights', 'check_operand', 'out_operand', 'cached_ones',
+           'check_sms_free', 'check_activations', 'check_offsets_operand', 'grouped_gemm_nvfp4', 'wo_a_nvfp4']
 
 # %% ../../nbs/04_gemm_seam.ipynb #6dd46f77
 ACTS = ("bf16", "nvfp4", "fp8")                                # W4A16, W4A4, W4A8 (FP8Activations, one scale per row)
@@ -117,6 +117,11 @@ _REGISTRY = {"sm100": "dsv4_nvfp4.gemm.sm100:Sm100Backend",      # name -> a Bac
              "sm90_w4a8": "dsv4_nvfp4.gemm.w4a8:Sm90W4A8Backend",   # never the device's first choice: named (act="w4a8")
              "reference": "dsv4_nvfp4.gemm.reference:ReferenceBackend"}
 _LOADED = {}
+_GENERATION = [0]   # bumped by every register/unregister_backend
+
+def registry_generation() -> int:
+    "A counter that changes whenever a backend is registered or removed: what a cache of a device's choice is keyed on."
+    return _GENERATION[0]
 
 def register_backend(name: str,     # the name weights and callers use
                      backend,       # a Backend instance, or "module:class" of a Backend subclass (imported on first use)
@@ -125,14 +130,14 @@ def register_backend(name: str,     # the name weights and callers use
     "Add (or replace) a backend: one line per backend. ValueError for a name that is not an identifier."
     if not isinstance(name, str) or not name.isidentifier(): raise ValueError(f"register_backend: name must be an identifier, got {name!r}")
     if not isinstance(backend, (str, Backend)): raise TypeError(f"register_backend: backend must be a Backend or 'module:class', got {type(backend).__name__}")
-    _REGISTRY.pop(name, None); _LOADED.pop(name, None); _PLANS.clear()
+    _REGISTRY.pop(name, None); _LOADED.pop(name, None); _PLANS.clear(); _GENERATION[0] += 1
     if first:
         items = list(_REGISTRY.items()); _REGISTRY.clear(); _REGISTRY[name] = backend; _REGISTRY.update(items)
     else: _REGISTRY[name] = backend
 
 def unregister_backend(name: str):
     "Remove a backend added by `register_backend` (KeyError if there is none of that name)."
-    del _REGISTRY[name]; _LOADED.pop(name, None); _PLANS.clear()
+    del _REGISTRY[name]; _LOADED.pop(name, None); _PLANS.clear(); _GENERATION[0] += 1
 
 def backend_names() -> list:
     "The registered backends, in the order the device choice tries them."
