@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
                                    read_safetensors)
 from .gemm import backend_for, cached_ones, get_backend, grouped_gemm_nvfp4, prepare_weights, registry_generation
-from .runtime import define_op, launch_device_type, op_object, register_op_object
+from .runtime import copy_d2d, define_op, launch_device_type, op_object, register_op_object
 from .quant import (GS_MIN, FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_mxfp4, ref_quantize_nvfp4, stack_experts)
 from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, combine_tokens, dsv4_router, group_sizes,
@@ -206,7 +206,8 @@ class DSV4MoE(torch.nn.Module):
             T, cap = x.shape[0], self.decode_graph(x.device, x.shape[0])
             if x.device not in self._eager:                 # what a caller's own capture of a decode call will use
                 self._eager[x.device] = self.buffers(EAGER_GRAPH_MAX_T, x.device)
-            cap.x.copy_(x)                                  # a graph of exactly T tokens: its n_tokens stays T
+            if x.is_contiguous(): copy_d2d(cap.x, x)         # a graph of exactly T tokens: its n_tokens stays T
+            else: cap.x.copy_(x)
             if cap.ids is not None: cap.ids.copy_(input_ids)
             cap.graph.replay()
             return cap.out.clone()

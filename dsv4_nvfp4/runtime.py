@@ -27,8 +27,8 @@ SUPPORTED_ARCHS = ("sm_90a", "sm_100a")  # compile-checked in CI; sm_90a is the 
 __all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'KernelCompileError', 'KernelLaunchError',
            'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir', 'show_cu',
            'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult', 'compile_cubin',
-           'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'i64', 'i32', 'u32', 'f32',
-           'launch_device_type', 'on_device', 'check_tensor', 'out_tensor', 'check_k16', 'launch_1d',
+           'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'copy_d2d', 'i64', 'i32', 'u32',
+           'f32', 'launch_device_type', 'on_device', 'check_tensor', 'out_tensor', 'check_k16', 'launch_1d',
            'register_op_object', 'op_object', 'define_op']
 
 # %% ../nbs/03_runtime.ipynb #2ee0e57b
@@ -438,6 +438,26 @@ def launch(file: str, name: str, grid, block, args, *, shmem: int = 0, stream=No
 def ptr(t) -> int:
     "Device address of a tensor (0 for None: a nullptr argument)."
     return 0 if t is None else int(t.data_ptr())
+
+_CUDART = []   # [cudaMemcpyAsync, the device-to-device kind, the current raw stream of a device index], on first use
+
+def copy_d2d(dst: torch.Tensor,   # contiguous, on a CUDA device
+             src: torch.Tensor,   # contiguous, the same device, dtype and number of elements
+            ) -> torch.Tensor:
+    """`dst.copy_(src)` as one `cudaMemcpyAsync` on the device's current stream: about 2 us less host time than
+    `Tensor.copy_` (whose dispatch the eager decode call pays before its replay; measured on an H100 host). The caller
+    guarantees what the docstring's operands say: nothing is checked here but the driver's answer (KernelLaunchError).
+    Asynchronous, no host sync; capturable like any copy on the current stream."""
+    if not _CUDART:
+        import torch
+        from cuda.bindings import runtime as cudart
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)       # torch's own: 0.2 us against 4.5 for the public one
+        _CUDART[:] = [cudart.cudaMemcpyAsync, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                      raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)]
+    memcpy, kind, stream = _CUDART
+    err = memcpy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), kind, stream(dst.device.index))[0]
+    if int(err) != 0: raise KernelLaunchError(f"copy_d2d: cudaMemcpyAsync failed ({err})")
+    return dst
 
 try:  # numpy scalars carry the exact C type to cuda.core's argument packer; ctypes scalars work too
     import numpy as _np

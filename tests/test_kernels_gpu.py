@@ -708,6 +708,22 @@ def test_side_stream():
     assert_bits_equal(deq, ref_dequantize_nvfp4(ref, torch.bfloat16), "dequantize (side stream)")
 
 
+def test_copy_d2d_copies_the_bytes_on_the_current_stream():
+    "runtime.copy_d2d: every byte of a bf16 tensor, after a write queued on the same side stream; and inside a capture."
+    src = torch.randn(3, 4096, device=DEV).to(torch.bfloat16)
+    dst = torch.full_like(src, float("nan"))
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        late = src * 2                                   # queued on s just before: the copy must come after it
+        assert rt.copy_d2d(dst, late) is dst
+    s.synchronize()
+    assert torch.equal(dst.view(torch.int16), (src * 2).view(torch.int16))
+    g, a, b = torch.cuda.CUDAGraph(), torch.zeros(5, device=DEV), torch.arange(5.0, device=DEV)
+    with torch.cuda.graph(g): rt.copy_d2d(a, b)
+    b += 10; g.replay(); torch.cuda.synchronize()
+    assert torch.equal(a, torch.arange(5.0, device=DEV) + 10)
+
+
 def test_cuda_graph_capture_and_replay_on_new_data():
     "Capture quantize (fused per-tensor gs, swizzled), dequantize, gather, rmsnorm_quantize; replay on new inputs."
     M, N, T = 256, 1024, 300
