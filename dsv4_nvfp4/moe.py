@@ -201,16 +201,16 @@ class DSV4MoE(torch.nn.Module):
             input_ids = input_ids.to(device=x.device, dtype=torch.int64).contiguous()
         if torch.compiler.is_compiling():           # torch.compile / export: the forward is one custom op (see below)
             return torch.ops.dsv4_nvfp4.moe_forward(x.contiguous(), input_ids, self.op_key)
-        if (self.eager_graphs and 1 <= x.shape[0] <= EAGER_GRAPH_MAX_T and x.device == self._buffers["gate_weight"].device
-                and not torch.cuda.is_current_stream_capturing()):   # one replay instead of four launches from Python
-            T, cap = x.shape[0], self.decode_graph(x.device, x.shape[0])
-            if x.device not in self._eager:                 # what a caller's own capture of a decode call will use
-                self._eager[x.device] = self.buffers(EAGER_GRAPH_MAX_T, x.device)
-            if x.is_contiguous(): copy_d2d(cap.x, x)         # a graph of exactly T tokens: its n_tokens stays T
-            else: cap.x.copy_(x)
-            if cap.ids is not None: cap.ids.copy_(input_ids)
-            cap.graph.replay()
-            return cap.out.clone()
+        T = x.shape[0]
+        if self.eager_graphs and 1 <= T <= EAGER_GRAPH_MAX_T:   # one replay instead of four launches from Python
+            dev = x.device
+            if dev == self._buffers["gate_weight"].device and not torch.cuda.is_current_stream_capturing():
+                cap = self.decode_graph(dev, T)
+                if x.is_contiguous(): copy_d2d(cap.x, x)     # a graph of exactly T tokens: its n_tokens stays T
+                else: cap.x.copy_(x)
+                if cap.ids is not None: cap.ids.copy_(input_ids)
+                cap.graph.replay()
+                return cap.out.clone()
         return self.forward_device(x.contiguous(), input_ids)
 
     def decode_graph(self, device, tokens: int) -> "CapturedMoE":
@@ -221,7 +221,8 @@ class DSV4MoE(torch.nn.Module):
         Raises ValueError for `tokens` outside 1 .. `EAGER_GRAPH_MAX_T`. One per device, like the eager buffers: one layer's eager
         forwards must not run concurrently on two streams, nor beside another thread's CUDA work while it captures.
         A copy of the layer captures its own."""
-        dev = torch.device(device)
+        dev = device if type(device) is torch.device else torch.device(device)
+        if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
         w, b = self.prepared(dev), self._buffers    # the buffers straight from their dict: Module.__getattr__ costs ~1 us each
         gw, gb, tid, s1, s2 = b["gate_weight"], b["gate_bias"], b["tid2eid"], b["a1_scales"], b["a2_scales"]
         sig = (self.backend, id(w[0]), id(w[1]), gw.data_ptr(), None if gb is None else gb.data_ptr(), None if tid is None else tid.data_ptr(),
@@ -233,6 +234,8 @@ class DSV4MoE(torch.nn.Module):
         cap = hit[1].get(tokens)
         if cap is None:
             if not 1 <= tokens <= EAGER_GRAPH_MAX_T: raise ValueError(f"decode_graph: tokens must be in 1 .. {EAGER_GRAPH_MAX_T}, got {tokens}")
+            if dev not in self._eager:                      # what a caller's own capture of a decode call will use
+                self._eager[dev] = self.buffers(EAGER_GRAPH_MAX_T, dev)
             with torch.inference_mode(False):
                 cap = hit[1][tokens] = CapturedMoE(self, tokens)
             cap.layer = weakref.proxy(self)                 # no cycle layer -> graph -> layer: a deleted layer is freed at once
@@ -260,7 +263,7 @@ class DSV4MoE(torch.nn.Module):
     def prepared(self, device) -> tuple:
         """(w13, w2) as the expert GEMM's backend for `device` lays them out (`self.backend`, or the registry's choice),
         built once per (device, backend) and kept: only that backend's layout is held."""
-        dev = torch.device(device)
+        dev = device if type(device) is torch.device else torch.device(device)
         if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
         # the backend chosen for the device, remembered per what decides it (asking every backend's `supports` reads
         # the device's capability: ~10 us of an eager decode call's host time, measured on an H100 host)
