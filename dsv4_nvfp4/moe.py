@@ -164,6 +164,7 @@ class DSV4MoE(torch.nn.Module):
         its own), the side streams and the weight views made from this layer's preparation."""
         state = dict(super().__getstate__())
         state["_graphs"], state["_side"], state["_apart"] = {}, {}, {}
+        state["_choice"] = {}          # the backend choice is this process's (registry generation, the device it saw)
         return state
 
     def __setstate__(self, state):
@@ -225,7 +226,7 @@ class DSV4MoE(torch.nn.Module):
         if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
         w, b = self.prepared(dev), self._buffers    # the buffers straight from their dict: Module.__getattr__ costs ~1 us each
         gw, gb, tid, s1, s2 = b["gate_weight"], b["gate_bias"], b["tid2eid"], b["a1_scales"], b["a2_scales"]
-        sig = (self.backend, id(w[0]), id(w[1]), gw.data_ptr(), None if gb is None else gb.data_ptr(), None if tid is None else tid.data_ptr(),
+        sig = (self.backend, self.act, id(w[0]), id(w[1]), gw.data_ptr(),   # (act: fixed at construction; kept as a guard) None if gb is None else gb.data_ptr(), None if tid is None else tid.data_ptr(),
                None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr())
         hit = self._graphs.get(dev)
         if hit is None or hit[0] != sig:
@@ -277,8 +278,8 @@ class DSV4MoE(torch.nn.Module):
                     raise NotImplementedError(f"DSV4MoE: act='w4a8' runs on Hopper (the sm90_w4a8 backend) and on the CPU, not on "
                                               f"{dev} ({b.name}); use act='w4a16' or 'w4a4' there")
             key = self._choice[memo] = (dev, b.name)
-        if key not in self._prepared:
-            self._prepared[key] = (prepare_weights(self.w13, device=dev, backend=b.name), prepare_weights(self.w2, device=dev, backend=b.name))
+        if key not in self._prepared:                     # key[1]: the backend's name (b is unset when the choice was remembered)
+            self._prepared[key] = (prepare_weights(self.w13, device=dev, backend=key[1]), prepare_weights(self.w2, device=dev, backend=key[1]))
         return self._prepared[key]
 
     def forward_torch(self, x: torch.Tensor,                  # bf16 (T, H) on the CPU

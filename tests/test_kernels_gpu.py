@@ -714,14 +714,30 @@ def test_copy_d2d_copies_the_bytes_on_the_current_stream():
     dst = torch.full_like(src, float("nan"))
     s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)                   # s busy for a while: a copy on another stream would run first
         late = src * 2                                   # queued on s just before: the copy must come after it
         assert rt.copy_d2d(dst, late) is dst
     s.synchronize()
     assert torch.equal(dst.view(torch.int16), (src * 2).view(torch.int16))
+    assert rt.copy_d2d(dst, dst) is dst and torch.equal(dst.view(torch.int16), (src * 2).view(torch.int16)), "onto itself"
     g, a, b = torch.cuda.CUDAGraph(), torch.zeros(5, device=DEV), torch.arange(5.0, device=DEV)
     with torch.cuda.graph(g): rt.copy_d2d(a, b)
     b += 10; g.replay(); torch.cuda.synchronize()
     assert torch.equal(a, torch.arange(5.0, device=DEV) + 10)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_copy_d2d_on_another_devices_default_stream():
+    "copy_d2d of tensors on cuda:1 while cuda:0 is current: ordered after cuda:1's default-stream work, not on cuda:0's."
+    d1 = torch.device("cuda", 1)
+    src = torch.randn(2, 4096, device=d1)
+    dst = torch.full_like(src, float("nan"))
+    with torch.cuda.device(0):
+        with torch.cuda.device(1): torch.cuda._sleep(100_000_000)   # cuda:1's default stream busy
+        late = src * 3                                               # queued behind it on cuda:1's default stream
+        rt.copy_d2d(dst, late)
+    torch.cuda.synchronize(d1)
+    assert torch.equal(dst, src * 3)
 
 
 def test_cuda_graph_capture_and_replay_on_new_data():

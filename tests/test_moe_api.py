@@ -128,7 +128,13 @@ def test_prepared_remembers_the_backend_choice_until_what_decides_it_changes(mon
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
         GC.unregister_backend("counting")
         assert type(lay.prepared("cpu")[0]).backend == "sm90", "a CPU tensor that looks like Hopper's gets sm90"
+        import copy, io
+        buf = io.BytesIO(); torch.save(lay, buf); buf.seek(0)
+        for twin in (copy.deepcopy(lay), torch.load(buf, weights_only=False)):
+            assert twin._choice == {}, "a copy asks again: the choice belongs to this process and the device it saw"
         monkeypatch.setattr(rt, "_DEVICE_TYPE", "cuda")
         assert lay.prepared("cpu") is w, "and the reference again once it does not"
+        lay._prepared.clear()                          # a remembered choice whose weights were dropped prepares them again
+        assert type(lay.prepared("cpu")[0]).backend == "reference"
     finally:
         if "counting" in GC.backend_names(): GC.unregister_backend("counting")

@@ -188,14 +188,20 @@ def test_eager_decode_replays_a_cached_graph(act):
     assert sorted(next(iter(layer._graphs.values()))[1]) == [1, 2, M.EAGER_GRAPH_MAX_T], "one graph per token count"
     for y, w in zip(got, want): assert torch.equal(y, w)
     assert got[0].data_ptr() != got[3].data_ptr() and torch.equal(got[0], got[3]), "each call returns its own tensor"
+    poison = lambda T: layer.decode_graph(DEV, T).x.fill_(float("nan"))   # so a copy in that did not happen shows
     xt = xs[1].t().contiguous().t()                                        # a column-major view: the copy_ path in
+    poison(2)
     assert not xt.is_contiguous() and torch.equal(layer(xt, ids[1]), want[1])
+    poison(M.EAGER_GRAPH_MAX_T)
     side = torch.cuda.Stream(DEV); side.wait_stream(torch.cuda.current_stream(DEV))
     with torch.cuda.stream(side):                                          # the raw copy in runs on the caller's stream
+        torch.cuda._sleep(100_000_000)                                     # side busy: a copy elsewhere would run first
         xside = xs[2] * 1                                                  # made on the side stream just before
         yside = layer(xside, ids[2])
     torch.cuda.current_stream(DEV).wait_stream(side)
     assert torch.equal(yside, want[2])
+    poison(1)
+    assert torch.equal(layer(xs[0], ids[0]), want[0]), "the contiguous path's copy in"
     layer.eager_graphs = False
     assert torch.equal(layer(xs[1], ids[1]), want[1])
     layer.eager_graphs = True
