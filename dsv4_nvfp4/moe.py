@@ -74,6 +74,14 @@ def route_with_shared(ids: torch.Tensor,        # int (T, k): router ids
     rt = Routing(full.perm[:R], full.token[:R], torch.where(full.inv < R, full.inv, -1), full.expert_offsets[:G])
     return rt, w1.reshape(-1)[rt.perm]
 
+class _Prepared(tuple):
+    "(w13, w2) in a backend's layout, and `src`: the `NVFP4Experts` they were prepared from (compared by identity)."
+    def __new__(cls, w13, w2, src):
+        t = super().__new__(cls, (w13, w2))
+        t.src = src
+        return t
+    def __getnewargs__(self): return (self[0], self[1], self.src)    # copy.deepcopy, pickle
+
 def _check_given(w, ids, T, cfg, what):
     "A given routing: fp32-able weights and int ids, both (T, k)."
     k = cfg.top_k
@@ -263,7 +271,8 @@ class DSV4MoE(torch.nn.Module):
 
     def prepared(self, device) -> tuple:
         """(w13, w2) as the expert GEMM's backend for `device` lays them out (`self.backend`, or the registry's choice),
-        built once per (device, backend) and kept: only that backend's layout is held."""
+        built once per (device, backend) and kept: only that backend's layout is held. Assigning new `w13` / `w2`
+        prepares them again on the next call; changing their tensors in place does not (replace, don't mutate)."""
         dev = device if type(device) is torch.device else torch.device(device)
         if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
         # the backend chosen for the device, remembered per what decides it (asking every backend's `supports` reads
@@ -277,10 +286,15 @@ class DSV4MoE(torch.nn.Module):
                 elif b.name != "reference":
                     raise NotImplementedError(f"DSV4MoE: act='w4a8' runs on Hopper (the sm90_w4a8 backend) and on the CPU, not on "
                                               f"{dev} ({b.name}); use act='w4a16' or 'w4a4' there")
+            if len(self._choice) > 64: self._choice.clear()
             key = self._choice[memo] = (dev, b.name)
-        if key not in self._prepared:                     # key[1]: the backend's name (b is unset when the choice was remembered)
-            self._prepared[key] = (prepare_weights(self.w13, device=dev, backend=key[1]), prepare_weights(self.w2, device=dev, backend=key[1]))
-        return self._prepared[key]
+        hit = self._prepared.get(key)
+        if hit is None or getattr(hit, "src", (None, None))[0] is not self.w13 or hit.src[1] is not self.w2:
+            # key[1]: the backend's name (b is unset when the choice was remembered); prepared again when `w13` or `w2`
+            # was replaced (an assignment of new weights is seen; changing their tensors in place is not)
+            hit = self._prepared[key] = _Prepared(prepare_weights(self.w13, device=dev, backend=key[1]),
+                                                  prepare_weights(self.w2, device=dev, backend=key[1]), (self.w13, self.w2))
+        return hit
 
     def forward_torch(self, x: torch.Tensor,                  # bf16 (T, H) on the CPU
                       input_ids: torch.Tensor | None = None,  # (T,) token ids: hash routing

@@ -136,5 +136,11 @@ def test_prepared_remembers_the_backend_choice_until_what_decides_it_changes(mon
         assert lay.prepared("cpu") is w, "and the reference again once it does not"
         lay._prepared.clear()                          # a remembered choice whose weights were dropped prepares them again
         assert type(lay.prepared("cpu")[0]).backend == "reference"
+        w = lay.prepared("cpu")
+        other = DSV4MoE.synthetic(cfg, seed=4)
+        lay.w13, lay.w2 = other.w13, other.w2             # new weights assigned: prepared again from them
+        w3 = lay.prepared("cpu")
+        assert w3 is not w and torch.equal(w3[0].data, other.prepared("cpu")[0].data) and not torch.equal(w3[0].data, w[0].data)
+        assert lay.prepared("cpu") is w3
     finally:
         if "counting" in GC.backend_names(): GC.unregister_backend("counting")
