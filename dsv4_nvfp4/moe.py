@@ -173,6 +173,7 @@ class DSV4MoE(torch.nn.Module):
         state = dict(super().__getstate__())
         state["_graphs"], state["_side"], state["_apart"] = {}, {}, {}
         state["_choice"] = {}          # the backend choice is this process's (registry generation, the device it saw)
+        state["_prepared"] = dict(self._prepared)   # a copy's own dict (copy.copy would share it): it prepares its own
         return state
 
     def __setstate__(self, state):
@@ -232,10 +233,8 @@ class DSV4MoE(torch.nn.Module):
         A copy of the layer captures its own."""
         dev = device if type(device) is torch.device else torch.device(device)
         if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
-        w, b = self.prepared(dev), self._buffers    # the buffers straight from their dict: Module.__getattr__ costs ~1 us each
-        gw, gb, tid, s1, s2 = b["gate_weight"], b["gate_bias"], b["tid2eid"], b["a1_scales"], b["a2_scales"]
-        sig = (self.backend, self.act, id(w[0]), id(w[1]), gw.data_ptr(),   # (act: fixed at construction; kept as a guard) None if gb is None else gb.data_ptr(), None if tid is None else tid.data_ptr(),
-               None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr())
+        w = self.prepared(dev)
+        sig = self._graph_sig(w)
         hit = self._graphs.get(dev)
         if hit is None or hit[0] != sig:
             self._graphs.pop(dev, None)                     # the stale graphs and their pools go first
@@ -249,6 +248,17 @@ class DSV4MoE(torch.nn.Module):
                 cap = hit[1][tokens] = CapturedMoE(self, tokens)
             cap.layer = weakref.proxy(self)                 # no cycle layer -> graph -> layer: a deleted layer is freed at once
         return cap
+
+    _GRAPH_READS = ("gate_weight", "gate_bias", "tid2eid", "a1_scales", "a2_scales")
+
+    def _graph_sig(self, w) -> tuple:
+        """What a captured forward reads that can change under it: the backend and activation kind, the prepared weights
+        `w` (by identity) and the addresses of the gate weight, bias, hash table and activation scales (read from the
+        module's dict: `Module.__getattr__` costs ~1 us each)."""
+        b = self._buffers
+        gw, gb, tid, s1, s2 = b["gate_weight"], b["gate_bias"], b["tid2eid"], b["a1_scales"], b["a2_scales"]
+        return (self.backend, self.act, id(w[0]), id(w[1]), gw.data_ptr(), None if gb is None else gb.data_ptr(),
+                None if tid is None else tid.data_ptr(), None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr())
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                        check: bool = True,  # GPU: read the bad-routing counter after the launch (a host sync)
@@ -291,7 +301,10 @@ class DSV4MoE(torch.nn.Module):
         hit = self._prepared.get(key)
         if hit is None or getattr(hit, "src", (None, None))[0] is not self.w13 or hit.src[1] is not self.w2:
             # key[1]: the backend's name (b is unset when the choice was remembered); prepared again when `w13` or `w2`
-            # was replaced (an assignment of new weights is seen; changing their tensors in place is not)
+            # was replaced (an assignment of new weights is seen; changing their tensors in place is not). What the
+            # stale preparation fed goes first (its decode graphs and shared-expert views), so two layouts never coexist
+            if hit is not None:
+                self._graphs.pop(dev, None); self._apart.pop(dev, None); self._prepared.pop(key, None); hit = None
             hit = self._prepared[key] = _Prepared(prepare_weights(self.w13, device=dev, backend=key[1]),
                                                   prepare_weights(self.w2, device=dev, backend=key[1]), (self.w13, self.w2))
         return hit
@@ -809,7 +822,9 @@ def pro(cls: DSV4MoE, seed: int = 0, act: str = "w4a16", **kw):
 
 # %% ../nbs/08_moe_layer.ipynb #04885a55
 class CapturedMoE:
-    "A DSV4MoE forward recorded in one CUDA graph for up to `max_tokens` tokens (make it with `DSV4MoE.capture`)."
+    """A DSV4MoE forward recorded in one CUDA graph for up to `max_tokens` tokens (make it with `DSV4MoE.capture`). It
+    holds what the graph reads; once the layer's `w13` / `w2` or its gate weight, bias, hash table or activation scales
+    are reassigned, a call raises ValueError (capture again)."""
     def __init__(self, layer, max_tokens: int):
         if max_tokens < 1: raise ValueError(f"capture: max_tokens must be >= 1, got {max_tokens}")
         c, dev = layer.cfg, layer.gate_weight.device
@@ -836,10 +851,18 @@ class CapturedMoE:
                 run()
         finally:
             if gc_was: gc.enable()
+        # what the graph reads, held: a layer given new weights or buffers later prepares or allocates anew, and the
+        # old memory this graph points at must stay valid until the call below refuses it
+        self.weights = layer.prepared(dev)
+        self.reads = tuple(layer._buffers[n] for n in layer._GRAPH_READS)
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         "The layer's output for x (T, H) bf16, T <= max_tokens: a view of a static buffer, overwritten by the next call."
         self.layer.check_input(x, input_ids, "CapturedMoE")
+        lay, b = self.layer, self.layer._buffers
+        if (lay.w13 is not self.weights.src[0] or lay.w2 is not self.weights.src[1]
+                or any(b[n] is not t for n, t in zip(lay._GRAPH_READS, self.reads))):
+            raise ValueError("CapturedMoE: the layer's weights or buffers were reassigned after the capture: capture again")
         T = x.shape[0]
         if T > self.max_tokens: raise ValueError(f"CapturedMoE: {T} tokens > the captured capacity {self.max_tokens}")
         if self.ids is None and input_ids is not None: raise ValueError("CapturedMoE: this layer does not route by token id")

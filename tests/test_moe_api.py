@@ -144,3 +144,38 @@ def test_prepared_remembers_the_backend_choice_until_what_decides_it_changes(mon
         assert lay.prepared("cpu") is w3
     finally:
         if "counting" in GC.backend_names(): GC.unregister_backend("counting")
+
+
+def test_graph_signature_follows_what_the_graphs_read(monkeypatch):
+    """The cached decode graphs' signature (`DSV4MoE._graph_sig`) changes with every buffer a graph reads (gate weight,
+    bias, hash table, activation scales), the backend and the prepared weights; a new preparation (new w13 assigned)
+    drops the device's graphs and shared-expert views first; a shallow copy gets its own preparation dict."""
+    import copy
+    from dsv4_nvfp4 import runtime as rt
+    monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    cfg = MoEConfig(hidden=1024, inter=128, num_experts=4, top_k=2)
+    for lay, names in ((DSV4MoE.synthetic(cfg, seed=3, hash_vocab=20), ("gate_weight", "gate_bias", "tid2eid")),
+                       (DSV4MoE.synthetic(cfg, seed=3, act="w4a4", calib_tokens=16), ("a1_scales", "a2_scales"))):
+        if lay.gate_bias is None: lay.gate_bias = torch.zeros(cfg.num_experts)
+        w = lay.prepared("cpu")
+        s0 = lay._graph_sig(w)
+        assert lay._graph_sig(lay.prepared("cpu")) == s0, "nothing changed: the same signature"
+        for name in names:
+            old = getattr(lay, name)
+            assert old is not None, name
+            setattr(lay, name, old.clone())
+            assert lay._graph_sig(w) != s0, f"{name} reassigned"
+            setattr(lay, name, old)
+            assert lay._graph_sig(w) == s0
+        lay.backend = "reference"
+        assert lay._graph_sig(lay.prepared("cpu")) != s0, "another backend"
+        lay.backend = None
+        assert lay.apart("cpu") is not None and torch.device("cpu") in lay._apart
+        lay._graphs[torch.device("cpu")] = ("a stale entry", {}, w)
+        other = DSV4MoE.synthetic(cfg, seed=4)
+        lay.w13 = other.w13
+        w2 = lay.prepared("cpu")
+        assert w2 is not w and lay._graph_sig(w2) != s0
+        assert torch.device("cpu") not in lay._graphs and torch.device("cpu") not in lay._apart, "what the old layout fed is dropped"
+        assert copy.copy(lay)._prepared is not lay._prepared

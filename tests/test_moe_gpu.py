@@ -46,6 +46,10 @@ def test_captured_layer_replays_new_inputs_and_routing_like_eager(act):
         assert torch.equal(got, layer(x)), f"T={T}: replay differs from eager"
     with pytest.raises(ValueError, match="capacity"):
         cap(torch.zeros(33, CFG.hidden, dtype=torch.bfloat16, device=DEV))
+    layer.gate_weight = layer.gate_weight.clone()                      # what the graph reads, reassigned: refused
+    with pytest.raises(ValueError, match="capture again"):
+        cap(x)
+    assert torch.equal(layer.capture(max_tokens=32)(x).clone(), layer(x)), "a new capture reads the new buffer"
 
 
 @pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])

@@ -185,6 +185,8 @@ class CapturedEP:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):   # NCCL's watchdog thread queries events
             self._body()
+        # the prepared weights the graph reads, held: a layer given new weights prepares them anew and frees the old
+        self.weights = (self.ep.routed.prepared(dev), self.ep.shared_expert.prepared(dev))
 
     # --- the public surface ---
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
