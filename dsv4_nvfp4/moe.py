@@ -439,6 +439,7 @@ class DSV4MoE(torch.nn.Module):
         once per preparation, for the decode steps that run the shared expert apart; None where the weights are not
         the sm90 backend's plain W4A16 slabs (expert e's slabs are one contiguous block: a view is a slice)."""
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())   # as prepared keys it
         w13p, w2p = self.prepared(dev)
         hit = self._apart.get(dev)
         if hit is not None and hit[0] is w13p and hit[1] is w2p: return hit[2]

@@ -218,7 +218,7 @@ class CapturedEP:
         """Collective (every rank): drop the graph and, on the copy engines, deregister the buffers' window. Call it
         before dropping the object, and before `dist.destroy_process_group()`; the object cannot be called after."""
         if self.cuda: torch.cuda.synchronize()
-        self.graph = None
+        self.graph = self.weights = None
         if self.window is not None:
             self.window.close()
             self.window = None
