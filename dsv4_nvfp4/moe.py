@@ -15,7 +15,7 @@ from fastcore.basics import patch
 
 from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
                                    read_safetensors)
-from .gemm import backend_for, cached_ones, get_backend, grouped_gemm_nvfp4, prepare_weights, registry_generation
+from .gemm import backend_for, cached_ones, get_backend, grouped_gemm_nvfp4, indexed_device, prepare_weights, registry_generation
 from .runtime import copy_d2d, define_op, launch_device_type, op_object, register_op_object
 from .quant import (GS_MIN, FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_mxfp4, ref_quantize_nvfp4, stack_experts)
@@ -216,8 +216,7 @@ class DSV4MoE(torch.nn.Module):
             dev = x.device
             if dev == self._buffers["gate_weight"].device and not torch.cuda.is_current_stream_capturing():
                 cap = self.decode_graph(dev, T)
-                if x.is_contiguous(): copy_d2d(cap.x, x)     # a graph of exactly T tokens: its n_tokens stays T
-                else: cap.x.copy_(x)
+                copy_d2d(cap.x, x)                           # a graph of exactly T tokens: its n_tokens stays T
                 if cap.ids is not None: cap.ids.copy_(input_ids)
                 cap.graph.replay()
                 return cap.out.clone()
@@ -231,8 +230,7 @@ class DSV4MoE(torch.nn.Module):
         Raises ValueError for `tokens` outside 1 .. `EAGER_GRAPH_MAX_T`. One per device, like the eager buffers: one layer's eager
         forwards must not run concurrently on two streams, nor beside another thread's CUDA work while it captures.
         A copy of the layer captures its own."""
-        dev = device if type(device) is torch.device else torch.device(device)
-        if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
+        dev = indexed_device(device)
         w = self.prepared(dev)
         sig = self._graph_sig(w)
         hit = self._graphs.get(dev)
@@ -253,9 +251,8 @@ class DSV4MoE(torch.nn.Module):
 
     def _graph_sig(self, w) -> tuple:
         """What a captured forward reads that can change under it: the backend and activation kind, the prepared weights
-        `w` (by identity) and the addresses of the gate weight, bias, hash table and activation scales (read from the
-        module's dict: `Module.__getattr__` costs ~1 us each)."""
-        b = self._buffers
+        `w` (by identity) and the addresses of the `_GRAPH_READS` buffers."""
+        b = self._buffers                                 # straight from the dict (Module.__getattr__ is the slow path)
         gw, gb, tid, s1, s2 = b["gate_weight"], b["gate_bias"], b["tid2eid"], b["a1_scales"], b["a2_scales"]
         return (self.backend, self.act, id(w[0]), id(w[1]), gw.data_ptr(), None if gb is None else gb.data_ptr(),
                 None if tid is None else tid.data_ptr(), None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr())
@@ -283,10 +280,9 @@ class DSV4MoE(torch.nn.Module):
         """(w13, w2) as the expert GEMM's backend for `device` lays them out (`self.backend`, or the registry's choice),
         built once per (device, backend) and kept: only that backend's layout is held. Assigning new `w13` / `w2`
         prepares them again on the next call; changing their tensors in place does not (replace, don't mutate)."""
-        dev = device if type(device) is torch.device else torch.device(device)
-        if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
-        # the backend chosen for the device, remembered per what decides it (asking every backend's `supports` reads
-        # the device's capability: ~10 us of an eager decode call's host time, measured on an H100 host)
+        dev = indexed_device(device)
+        # the backend chosen for the device, remembered per what decides it (each backend's `supports` reads the
+        # device's capability: too slow for every eager decode call)
         memo = (dev, self.backend, self.act, registry_generation(), launch_device_type())
         key = self._choice.get(memo)
         if key is None:
@@ -438,8 +434,7 @@ class DSV4MoE(torch.nn.Module):
         """((w13, w2) of the routed experts, (w13, w2) of the shared expert): views of the prepared sm90 weights, made
         once per preparation, for the decode steps that run the shared expert apart; None where the weights are not
         the sm90 backend's plain W4A16 slabs (expert e's slabs are one contiguous block: a view is a slice)."""
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())   # as prepared keys it
+        dev = indexed_device(device)                      # as prepared keys it
         w13p, w2p = self.prepared(dev)
         hit = self._apart.get(dev)
         if hit is not None and hit[0] is w13p and hit[1] is w2p: return hit[2]

@@ -441,14 +441,13 @@ def ptr(t) -> int:
 
 _CUDART = []   # [cudaMemcpyAsync, the device-to-device kind, a device's current raw stream, the current device], on first use
 
-def copy_d2d(dst: torch.Tensor,   # contiguous, on a CUDA device
-             src: torch.Tensor,   # contiguous, the same device, dtype and number of elements
-            ) -> torch.Tensor:
-    """`dst.copy_(src)` as one `cudaMemcpyAsync` on the device's current stream: about 2 us less host time than
-    `Tensor.copy_` (whose dispatch the eager decode call pays before its replay; measured on an H100 host). The caller
-    guarantees what the docstring's operands say: nothing is checked here but the driver's answer (KernelLaunchError).
-    A tensor onto itself is returned as is; a tensor on another device than the current one, whose current stream is
-    its default stream (handle 0, which CUDA reads as the current device's), goes through `Tensor.copy_`.
+def copy_d2d(dst: torch.Tensor,   # on a CUDA device
+             src: torch.Tensor,   # the same device, dtype and shape
+            ) -> torch.Tensor:    # dst
+    """`dst.copy_(src)` with less host time: one `cudaMemcpyAsync` on the device's current stream when both are
+    contiguous; `Tensor.copy_` when either is not, or when the tensors are on another device than the current one and
+    its current stream is the default one (handle 0 names the current device's). A tensor onto itself is returned as
+    is. The caller guarantees same device, dtype and shape (not checked); KernelLaunchError if the driver refuses.
     Asynchronous, no host sync; capturable like any copy on the current stream."""
     if not _CUDART:
         import torch
@@ -457,6 +456,7 @@ def copy_d2d(dst: torch.Tensor,   # contiguous, on a CUDA device
         _CUDART[:] = [cudart.cudaMemcpyAsync, cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
                       raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream), torch.cuda.current_device]
     memcpy, kind, stream, current = _CUDART
+    if not (dst.is_contiguous() and src.is_contiguous()): return dst.copy_(src)
     d, s, idx = dst.data_ptr(), src.data_ptr(), dst.device.index
     if d == s: return dst                                   # onto itself: nothing to do (and CUDA leaves overlap undefined)
     h = stream(idx)

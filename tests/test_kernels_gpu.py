@@ -720,6 +720,8 @@ def test_copy_d2d_copies_the_bytes_on_the_current_stream():
     s.synchronize()
     assert torch.equal(dst.view(torch.int16), (src * 2).view(torch.int16))
     assert rt.copy_d2d(dst, dst) is dst and torch.equal(dst.view(torch.int16), (src * 2).view(torch.int16)), "onto itself"
+    col = src.t().contiguous().t()                           # the same values, column-major: the Tensor.copy_ path
+    assert not col.is_contiguous() and torch.equal(rt.copy_d2d(dst, col), src)
     g, a, b = torch.cuda.CUDAGraph(), torch.zeros(5, device=DEV), torch.arange(5.0, device=DEV)
     with torch.cuda.graph(g): rt.copy_d2d(a, b)
     b += 10; g.replay(); torch.cuda.synchronize()

@@ -12,7 +12,7 @@ import torch
 
 from .core import Timer, ceilings_head, ceilings, fmt, gpu_info, table
 from ..formats import cdiv, round_up
-from ..gemm import grouped_gemm_nvfp4, prepare_weights, wo_a_nvfp4
+from ..gemm import grouped_gemm_nvfp4, indexed_device, prepare_weights, wo_a_nvfp4
 from ..gemm.sm90 import (CONFIGS, K_TILE, N_PAD, SLAB_BYTES, SLAB_CODE_BYTES, SLAB_ROWS, SLAB_WIDTH, WG_ROWS, Sm90Weights,
                                   pick_config)
 from ..routing import group_sizes, random_topk, route_topk
@@ -40,8 +40,7 @@ def _launch_cost(timer, ours) -> dict:
 def synthetic_weights(E: int, N: int, K: int, device="cuda") -> Sm90Weights:
     """Timing-only sm90 weights of E experts (N, K): random codes, every block scale 1.0, global scales 1; built on
     the device in the kernel's layout (no CPU quantization of gigabytes of weights). Not for numerics."""
-    dev = torch.device(device)
-    if dev.index is None: dev = torch.device(dev.type, torch.cuda.current_device())
+    dev = indexed_device(device)
     Np, Kt = round_up(N, N_PAD), round_up(K, K_TILE)
     pw = Sm90Weights((E, N, K), torch.ones(E, device=dev), None,
                      torch.randint(0, 256, (E * Np // WG_ROWS * Kt // K_TILE * SLAB_ROWS, SLAB_WIDTH), dtype=torch.uint8, device=dev))

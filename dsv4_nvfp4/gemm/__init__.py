@@ -22,8 +22,9 @@ from ..runtime import check_tensor, out_tensor
 # %% auto #0
 __all__ = ['ACTS', 'EPILOGUES', 'Problem', 'EpilogueArgs', 'ExpertWeights', 'Backend', 'registry_generation', 'register_backend',
            'unregister_backend', 'backend_names', 'get_backend', 'backend_for', 'plan_for', 'backend_of',
-           'expert_source', 'default_device', 'prepare_weights', 'check_operand', 'out_operand', 'cached_ones',
-           'check_sms_free', 'check_activations', 'check_offsets_operand', 'grouped_gemm_nvfp4', 'wo_a_nvfp4']
+           'expert_source', 'default_device', 'indexed_device', 'prepare_weights', 'check_operand', 'out_operand',
+           'cached_ones', 'check_sms_free', 'check_activations', 'check_offsets_operand', 'grouped_gemm_nvfp4',
+           'wo_a_nvfp4']
 
 # %% ../../nbs/04_gemm_seam.ipynb #6dd46f77
 ACTS = ("bf16", "nvfp4", "fp8")                                # W4A16, W4A4, W4A8 (FP8Activations, one scale per row)
@@ -221,6 +222,11 @@ def default_device() -> torch.device:
     "Where prepared weights go by default: the current CUDA device when there is one, else the CPU."
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
+def indexed_device(device) -> torch.device:
+    "`device` as a torch.device that names its index: an index-less CUDA device is the current one (the key caches use)."
+    dev = device if type(device) is torch.device else torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+
 def prepare_weights(experts,                  # NVFP4Experts, a list of NVFP4Tensor / ModelOptNVFP4 / MXFP4Tensor (N, K), or MXFP4 (E, N, K)
                     *,
                     device=None,              # where the GEMM will run (default: `default_device()`)
@@ -232,8 +238,7 @@ def prepare_weights(experts,                  # NVFP4Experts, a list of NVFP4Ten
     laid out where the experts are. Raises
     TypeError for an unknown input kind, ValueError for an unknown backend. Not graph-safe (allocates, copies)."""
     experts, a_gs = expert_source(experts)
-    dev = default_device() if device is None else torch.device(device)
-    if dev.type == "cuda" and dev.index is None: dev = torch.device("cuda", torch.cuda.current_device())
+    dev = default_device() if device is None else indexed_device(device)
     b = get_backend(backend) if backend is not None else backend_for(dev)
     if dev.type == "cuda" and experts.data.device != dev:
         experts = NVFP4Experts(experts.data.to(dev), experts.scale.to(dev), experts.global_scale.to(dev), tuple(experts.shape))
