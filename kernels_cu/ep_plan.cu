@@ -33,7 +33,9 @@
 //
 // One CTA of EP_THREADS = 512 threads (16 warps): warp w owns a contiguous run of slots and counts them per key in 32-slot tiles
 // (__match_any_sync groups a tile's equal keys), a scan over the warps gives each (warp, key) its base, and a second
-// pass over the same tiles places every slot; the padding rows are written last, each row exactly once. Keys: at most
+// pass over the same tiles places every slot; the padding rows are written last, each row exactly once. A warp issues
+// the loads of EP_BATCH tiles before it uses any of them: one CTA is latency-bound, and a load per tile left the
+// kernels one L2 round trip per tile and pass (16 warps x 24-31 tiles at 2048 tokens per rank). Keys: at most
 // EP_MAXB = 64 (chunks x ranks); the launcher checks. No host read: CUDA-graph capturable.
 
 #include "nvfp4_common.cuh"
@@ -45,6 +47,7 @@ using namespace nvfp4;
 #endif
 #define EP_THREADS 512
 #define EP_WARPS (EP_THREADS / 32)
+#define EP_BATCH 8                            // tiles whose loads a warp issues together
 
 extern "C" __global__ void __launch_bounds__(EP_THREADS)
 ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of each slot
@@ -61,17 +64,19 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
 {
     __shared__ int cnt[EP_WARPS][EP_MAXB];          // per warp, per key: slots (phase 1); then the next free place (phase 3)
     __shared__ int total[EP_MAXB];
+    __shared__ int sseg[EP_MAXB];                   // seg, read once (W <= EP_MAXB: the keys include every destination)
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int B = C * W;                      // keys; B itself means "not sent"
     const long long n = *n_ptr;
     for (int i = tid; i < EP_WARPS * EP_MAXB; i += EP_THREADS) (&cnt[0][0])[i] = 0;
+    for (int i = tid; i < W; i += EP_THREADS) sseg[i] = (int)seg[i];
     __syncthreads();
 
     const int per_w = ((Tk + EP_THREADS - 1) / EP_THREADS) * 32;  // slots per warp, whole tiles
     const int beg = wid * per_w, end = min(Tk, beg + per_w);
-    auto key_of = [&](int s, int& dest, int& chunk) -> int {
+    auto key_of = [&](int s, int id, int& dest, int& chunk) -> int {
         if (s >= end) return B + 1;                                 // past the warp's run: no slot
-        const int t = s / k, id = ids[s];
+        const int t = s / k;
         int d = id / per_rank;                                      // (a bad id clamps, as the torch ops do)
         dest = d < 0 ? 0 : (d > W - 1 ? W - 1 : d);
         if (by_expert) {
@@ -84,12 +89,18 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
         return t < n ? chunk * W + dest : B;
     };
     // phase 1: count each warp's slots per key
-    for (int t0 = beg; t0 < beg + per_w; t0 += 32) {
-        int dest = 0, chunk = 0;
-        const int key = key_of(t0 + lane, dest, chunk);
-        const unsigned m = __match_any_sync(0xffffffffu, key);
-        if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
-        __syncwarp();                                               // (the next tile's leader may be another lane)
+    for (int t0 = beg; t0 < beg + per_w; t0 += 32 * EP_BATCH) {
+        int idv[EP_BATCH];
+#pragma unroll
+        for (int j = 0; j < EP_BATCH; ++j) { const int s = t0 + 32 * j + lane; idv[j] = s < end ? ids[s] : 0; }
+#pragma unroll
+        for (int j = 0; j < EP_BATCH; ++j) {
+            int dest = 0, chunk = 0;
+            const int key = key_of(t0 + 32 * j + lane, idv[j], dest, chunk);
+            const unsigned m = __match_any_sync(0xffffffffu, key);
+            if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
+            __syncwarp();                                           // (the next tile's leader may be another lane)
+        }
     }
     __syncthreads();
     // phase 2: exclusive scan over the warps, per key
@@ -101,26 +112,37 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
     __syncthreads();
     // phase 3: place every slot, in slot order within its key
     unsigned long long lost = 0;
-    for (int t0 = beg; t0 < beg + per_w; t0 += 32) {
-        const int s = t0 + lane;
-        int dest = 0, chunk = 0;
-        const int key = key_of(s, dest, chunk);
-        const unsigned m = __match_any_sync(0xffffffffu, key);
-        int within = 0;
-        if (key < B) within = cnt[wid][key] + __popc(m & ((1u << lane) - 1u));
-        __syncwarp();
-        if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
-        __syncwarp();
-        if (s < end) {
-            const bool ok = key < B && within < cap;
-            const int row = ok ? (int)((chunk * W + seg[dest]) * cap + within) : R;
-            spos[s] = row + (ok && dest == rank ? 0 : far);
-            if (ok) {
-                meta[2 * row] = ids[s];
-                meta[2 * row + 1] = __float_as_int(w[s]);
-                tok[row] = s / k;
-            } else if (key < B) {
-                ++lost;
+    for (int t0 = beg; t0 < beg + per_w; t0 += 32 * EP_BATCH) {
+        int idv[EP_BATCH];
+        float wv[EP_BATCH];
+#pragma unroll
+        for (int j = 0; j < EP_BATCH; ++j) {
+            const int s = t0 + 32 * j + lane;
+            idv[j] = s < end ? ids[s] : 0;
+            wv[j] = s < end ? w[s] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < EP_BATCH; ++j) {
+            const int s = t0 + 32 * j + lane;
+            int dest = 0, chunk = 0;
+            const int key = key_of(s, idv[j], dest, chunk);
+            const unsigned m = __match_any_sync(0xffffffffu, key);
+            int within = 0;
+            if (key < B) within = cnt[wid][key] + __popc(m & ((1u << lane) - 1u));
+            __syncwarp();
+            if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
+            __syncwarp();
+            if (s < end) {
+                const bool ok = key < B && within < cap;
+                const int row = ok ? (chunk * W + sseg[dest]) * cap + within : R;
+                spos[s] = row + (ok && dest == rank ? 0 : far);
+                if (ok) {
+                    meta[2 * row] = idv[j];
+                    meta[2 * row + 1] = __float_as_int(wv[j]);
+                    tok[row] = s / k;
+                } else if (key < B) {
+                    ++lost;
+                }
             }
         }
     }
@@ -131,7 +153,7 @@ ep_plan(const int* __restrict__ ids,          // int32 (T_max * k): expert id of
         const int b = i / cap, j = i - b * cap;
         if (j < total[b]) continue;
         const int chunk = b / W, dest = b - chunk * W;
-        const int row = (int)((chunk * W + seg[dest]) * cap + j);
+        const int row = (chunk * W + sseg[dest]) * cap + j;
         meta[2 * row] = -1;
         meta[2 * row + 1] = 0;
         tok[row] = T_max - 1;
@@ -195,16 +217,22 @@ ep_recv_sort(const int* __restrict__ ids, long long ids_stride,   // int32: each
     __syncthreads();
     const int per_w = ((n + EP_THREADS - 1) / EP_THREADS) * 32;
     const int beg = wid * per_w, end = min(n, beg + per_w);
-    auto key_of = [&](int s) -> int {
+    auto key_of = [&](int s, int id) -> int {
         if (s >= end) return B;                                     // past the warp's run: no row
-        const int l = ids[(long long)s * ids_stride] - e0;
+        const int l = id - e0;
         return (l >= 0 && l < per_rank) ? l : per_rank;
     };
-    for (int t0 = beg; t0 < beg + per_w; t0 += 32) {
-        const int key = key_of(t0 + lane);
-        const unsigned m = __match_any_sync(0xffffffffu, key);
-        if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
-        __syncwarp();
+    for (int t0 = beg; t0 < beg + per_w; t0 += 32 * EP_BATCH) {
+        int idv[EP_BATCH];
+#pragma unroll
+        for (int j = 0; j < EP_BATCH; ++j) { const int s = t0 + 32 * j + lane; idv[j] = s < end ? ids[(long long)s * ids_stride] : 0; }
+#pragma unroll
+        for (int j = 0; j < EP_BATCH; ++j) {
+            const int key = key_of(t0 + 32 * j + lane, idv[j]);
+            const unsigned m = __match_any_sync(0xffffffffu, key);
+            if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
+            __syncwarp();
+        }
     }
     __syncthreads();
     for (int b = tid; b < B; b += EP_THREADS) {                    // per key: exclusive scan over the warps
@@ -225,22 +253,35 @@ ep_recv_sort(const int* __restrict__ ids, long long ids_stride,   // int32: each
         }
     }
     __syncthreads();
-    for (int t0 = beg; t0 < beg + per_w; t0 += 32) {
-        const int s = t0 + lane;
-        const int key = key_of(s);
-        const unsigned m = __match_any_sync(0xffffffffu, key);
-        int p = 0;
-        if (key < B) p = base[key] + cnt[wid][key] + __popc(m & ((1u << lane) - 1u));
-        __syncwarp();
-        if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
-        __syncwarp();
-        if (s < end) {
-            int id = ids[(long long)s * ids_stride];
-            id = id < 0 ? 0 : (id > E - 1 ? E - 1 : id);
-            order[p] = s;
-            back[s] = p;
-            rs[2 * p] = a1[id];
-            rs[2 * p + 1] = w[(long long)s * w_stride];
+    for (int t0 = beg; t0 < beg + per_w; t0 += 32 * EP_BATCH) {
+        int idv[EP_BATCH];
+        float wv[EP_BATCH], av[EP_BATCH];
+#pragma unroll
+        for (int j = 0; j < EP_BATCH; ++j) {
+            const int s = t0 + 32 * j + lane;
+            idv[j] = s < end ? ids[(long long)s * ids_stride] : 0;
+            wv[j] = s < end ? w[(long long)s * w_stride] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < EP_BATCH; ++j) {
+            const int id = idv[j] < 0 ? 0 : (idv[j] > E - 1 ? E - 1 : idv[j]);
+            av[j] = t0 + 32 * j + lane < end ? a1[id] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < EP_BATCH; ++j) {
+            const int s = t0 + 32 * j + lane;
+            const int key = key_of(s, idv[j]);
+            const unsigned m = __match_any_sync(0xffffffffu, key);
+            int p = 0;
+            if (key < B) p = base[key] + cnt[wid][key] + __popc(m & ((1u << lane) - 1u));
+            __syncwarp();
+            if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
+            __syncwarp();
+            if (s < end) {
+                order[p] = s;
+                back[s] = p;
+                reinterpret_cast<float2*>(rs)[p] = make_float2(av[j], wv[j]);
+            }
         }
     }
 }

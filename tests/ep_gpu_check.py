@@ -8,6 +8,7 @@ import gc
 import os
 import sys
 import threading
+import types
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,31 @@ def main(acts=("w4a16", "w4a4")):
         d2 = c.dropped_.clone()
         c.dropped_.copy_(d0)
         return torch.equal(spos.int(), fs) and torch.equal(meta, fm) and torch.equal(tok, ft) and torch.equal(d1 - d0, d2 - d1)
+    def plan_same_large(c, Tm, cap, T_, seed):                          # the same at bench sizes (many batches of tiles per
+        k = CFG.top_k                                                   # warp), with the capture's layout and a given capacity
+        ns = types.SimpleNamespace(ep=c.ep, capacity=cap, rows=W * cap, slot_token=torch.arange(Tm * k, device=dev) // k,
+                                   dropped_=torch.zeros((), dtype=torch.long, device=dev), seg=c.seg, buckets=c.buckets,
+                                   far=W * cap if c.far else 0, none=c.none, max_tokens=Tm)
+        g_ = torch.Generator(device=dev).manual_seed(seed)
+        ids_ = torch.randint(-1, CFG.num_experts + 1, (Tm, k), generator=g_, device=dev, dtype=torch.int32)   # bad ids clamp
+        w_ = torch.rand(Tm, k, generator=g_, device=dev)
+        n_ = torch.tensor(T_, device=dev)
+        spos, src = CapturedEP._plan(ns, ids_, n_)
+        meta, tok = CapturedEP._meta(ns, w_, ids_, src)
+        d1 = ns.dropped_.clone(); ns.dropped_.zero_()
+        z = lambda *s_, dt=torch.int32: torch.full(s_, -7, dtype=dt, device=dev)
+        fs, fm, ft = EPt.ep_send_plan(ids_, w_, n_, c.seg, z(Tm * k), z(W * cap, 2), z(W * cap, dt=torch.long), ns.dropped_,
+                                      per_rank=ep.per_rank, world=W, capacity=cap, rank=r, far=ns.far)
+        return torch.equal(spos.int(), fs) and torch.equal(meta, fm) and torch.equal(tok, ft) and torch.equal(d1, ns.dropped_)
+    def sort_same_large(n_, seed):                                      # the receiver's sort at bench sizes, strided rows
+        g_ = torch.Generator(device=dev).manual_seed(seed)
+        m_ = torch.stack([torch.randint(-1, CFG.num_experts, (n_,), generator=g_, device=dev, dtype=torch.int32),
+                          torch.rand(n_, generator=g_, device=dev).view(torch.int32)], 1)
+        er_, wr_ = m_[:, 0], m_[:, 1].view(torch.float32)
+        order, back, offs, rs = EPt.recv_sort(er_, wr_, ep.experts, ep.a1_all)
+        o0, f0, a0 = EPt.recv_sort_torch(er_, ep.experts, ep.a1_all)
+        return (torch.equal(order.long(), o0) and torch.equal(offs, f0) and torch.equal(back.long()[o0], torch.arange(n_, device=dev))
+                and torch.equal(rs, torch.stack([a0[o0], wr_[o0]], 1)))
     for act in acts:
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)     # the same layer on every rank
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
@@ -106,6 +132,8 @@ def main(acts=("w4a16", "w4a4")):
                     loc = (m_[:, 0] >= ep.experts.start) & (m_[:, 0] < ep.experts.stop)   # (other rows: undefined)
                     if not (all(torch.equal(a_, b_.to(a_.dtype)) for a_, b_ in zip(k1, k0)) and torch.equal(y1[loc], y0[loc])):
                         fails.append(f"{act}: ep_recv_sort + gather_dequant != the torch ops (n={n_})")
+                for n_ in (62000, 15520, 4097):                        # bench sizes: many batches of tiles per warp
+                    if not sort_same_large(n_, n_): fails.append(f"{act}: ep_recv_sort != recv_sort_torch (n={n_})")
             rule = capture_(MAX_T, given=True)                                  # the schedule's own choice at 320 tokens
             want_ce = CE and payload == "nvfp4"
             if rule.schedule != (want_ce, 0.0): fails.append(f"{act} {payload}: schedule {rule.schedule}, expected ({want_ce}, 0.0)")
@@ -119,6 +147,10 @@ def main(acts=("w4a16", "w4a4")):
                     fails.append(f"{act} {payload} {nm}: transport not taken as asked")
                 for T_ in (MAX_T, 37, 1, 0):
                     if not plan_same(c_, T_, T_ + 1): fails.append(f"{act} {payload} fused send plan != torch ops ({nm}, T={T_})")
+                if nm in ("rule", "copy engines"):                             # both layouts, bench sizes: every slot fits, or
+                    for Tm_, cap_, T_ in ((8192, 8192 * CFG.top_k // W + 64, 8000), (2048, 1000, 2048)):   # many are dropped
+                        if not plan_same_large(c_, Tm_, cap_, T_, Tm_ + cap_):
+                            fails.append(f"{act} {payload} fused send plan != torch ops ({nm}, Tm={Tm_}, capacity={cap_}, T={T_})")
             for Ts in ([37, 300], [1, 0], [0, 1], [256, 256]):                # ragged, T = 1, an empty rank
                 Ts = (Ts * W)[:W]
                 g = torch.Generator(device=dev).manual_seed(sum(Ts))

@@ -16,7 +16,7 @@ poison to tell (not done here).
 
 Prints one line per variant (replays, mismatching replays and tokens, drops) and `SOAK OK` on rank 0 when every kept
 variant is exact (and the broken one is caught). Arguments: --replays N (10000), --acts w4a16,w4a4, --max-tokens T (256),
---broken."""
+--broken, --kept (the schedules the layer picks, per payload), --variants."""
 import argparse
 import os
 import sys
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout, installed or not
 from dsv4_nvfp4 import moe as M
+from dsv4_nvfp4.ep import capture as EPc
 from dsv4_nvfp4.ep import transport as EPt
 from dsv4_nvfp4.ep.capture import CapturedEP
 from dsv4_nvfp4.ep.layer import EPMoE
@@ -99,6 +100,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--broken", action="store_true")
     ap.add_argument("--payloads", default="bf16,nvfp4", help="W4A4's payloads to soak (W4A16 sends bf16 only)")
+    ap.add_argument("--kept", action="store_true", help="only the schedules `capture_schedule` picks for each payload "
+                    "(below and from SCHEDULE_LARGE_T tokens per rank), instead of the five variants")
     ap.add_argument("--variants", default="", help="comma-separated substrings: only the variants whose name holds one "
                     "(e.g. 'copy engines'); empty: all. For splitting a 10,000-replay soak over several runs")
     args = ap.parse_args()
@@ -116,6 +119,9 @@ def main():
             variants = [("kernels", (False, 0.0)), ("kernels, shared split", (False, 0.5)), ("kernels, shared after", (False, 1.0))]
             if CE: variants += [("copy engines", (True, 0.0)), ("copy engines, shared split", (True, 0.75))]
             if args.variants: variants = [v for v in variants if any(k in v[0] for k in args.variants.split(","))]
+            if args.kept:                                       # the schedules the layer runs: below and from SCHEDULE_LARGE_T
+                kept = dict.fromkeys(tuple(EPc.capture_schedule(payload, t, W, CE)) for t in (1, EPc.SCHEDULE_LARGE_T))
+                variants = [(f"kept: {'copy engines' if ce else 'kernels'}, shared {after:.0%} after", (ce, after)) for ce, after in kept]
             for name, how in variants:
                 with forced(*how): c = CapturedEP(ep, args.max_tokens, given=True)
                 made.append(c)

@@ -18,7 +18,7 @@ from ..ep.layer import EPMoE
 from ..ep.capture import CapturedEP
 
 # %% auto #0
-__all__ = ['balanced_gate_bias', 'bench_capacity', 'bench_ep', 'ep_table', 'bench_ep_main']
+__all__ = ['balanced_gate_bias', 'bench_capacity', 'bench_ep_layer', 'bench_ep', 'ep_table', 'bench_ep_main']
 
 # %% ../../nbs/08d_ep_bench.ipynb #0d867117
 def balanced_gate_bias(gate_weight: torch.Tensor,          # bf16 (E, hidden): the router's gate
@@ -63,6 +63,21 @@ def bench_capacity(tokens: int, cfg: MoEConfig, world: int) -> int:
     "The benchmark's capacity per rank pair: 1.25x the mean routed rows per rank pair plus 64, at most the no-drop one."
     return min(tokens * min(cfg.top_k, cfg.num_experts // world), -(-5 * tokens * cfg.top_k // (4 * world)) + 64)
 
+def bench_ep_layer(cfg: MoEConfig, dev, router: str = "balanced") -> DSV4MoE:
+    """The benchmark's layer on `dev` (the same on every rank): `cfg`'s synthetic layer as W4A4 with fixed static scales
+    (as notebook 08's benchmark), its selection bias refitted by `balanced_gate_bias` on tokens no benchmark size uses
+    (`router="balanced"`) or kept ("synthetic")."""
+    if router not in ("balanced", "synthetic"): raise ValueError(f"bench_ep: router must be 'balanced' or 'synthetic', got {router!r}")
+    base = DSV4MoE.synthetic(cfg, seed=0, device=dev, keep_bf16=False)      # built on the GPU
+    E1 = cfg.num_experts + 1
+    bias = base.gate_bias
+    if router == "balanced":
+        g = torch.Generator(device=dev).manual_seed(7)
+        xs = (torch.randn(16384, cfg.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)
+        bias = balanced_gate_bias(base.gate_weight.to(dev), xs, cfg.top_k, bias.to(dev))
+    return DSV4MoE(cfg, base.w13, base.w2, base.gate_weight, bias, act="w4a4", a1_scales=torch.full((E1,), 3.0 / 2688),
+                   a2_scales=torch.full((E1,), 1e-3)).to(dev)
+
 def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10, log=print, on_row=None,
              router: str = "balanced") -> dict:
     """Under `torchrun --nproc-per-node W` (one GPU per process): a DSV4-Flash layer (synthetic W4A4 with fixed static
@@ -76,20 +91,10 @@ def bench_ep(tokens=(1, 128, 2048, 8192), cfg: MoEConfig = None, iters: int = 10
     (None elsewhere); `on_row` (rank 0) gets the result so far after each size."""
     from dsv4_nvfp4.moe import FLASH
     cfg = cfg or FLASH
-    if router not in ("balanced", "synthetic"): raise ValueError(f"bench_ep: router must be 'balanced' or 'synthetic', got {router!r}")
     W, r = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
-    base = DSV4MoE.synthetic(cfg, seed=0, device=dev, keep_bf16=False)      # built on the GPU; W4A4's static scales
-    E1 = cfg.num_experts + 1                                                  # fixed, as notebook 08's benchmark does
-    bias = base.gate_bias
-    if router == "balanced":                                                  # fitted on tokens no size below uses
-        g = torch.Generator(device=dev).manual_seed(7)
-        xs = (torch.randn(16384, cfg.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)
-        bias = balanced_gate_bias(base.gate_weight.to(dev), xs, cfg.top_k, bias.to(dev))
-    lay = DSV4MoE(cfg, base.w13, base.w2, base.gate_weight, bias, act="w4a4", a1_scales=torch.full((E1,), 3.0 / 2688),
-                  a2_scales=torch.full((E1,), 1e-3)).to(dev)
-    del base
+    lay = bench_ep_layer(cfg, dev, router)
     if r == 0: log(f"  layer built in {time.perf_counter() - t0:.1f} s")
     eps = {p: EPMoE(lay, payload=p).to(dev) for p in PAYLOADS}
     res = dict(rows=[], gpu=torch.cuda.get_device_name(), world=W, router=router)

@@ -1,0 +1,86 @@
+"""Timeline of the captured expert-parallel forward (a GPU tool, not a test), under torchrun: `bench ep`'s DSV4-Flash
+W4A4 layer (`bench_ep_layer`, the balanced router) as `CapturedEP` at T tokens per rank and `bench_capacity`, on the
+schedule `capture_schedule` picks, profiled with torch.profiler (CUPTI) over N replays, every rank starting together.
+Rank 0 writes OUT.json: per replay, every kernel, copy and memset with its stream, its start (us from the replay's first
+event) and its duration; and prints the median replay (by span) as a table, with the time each stream was busy.
+
+    torchrun --nproc-per-node 2 tests/ep_timeline.py OUT.json [--tokens 2048] [--payload nvfp4] [--replays 8]"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout, installed or not
+from dsv4_nvfp4.bench.ep import bench_capacity, bench_ep_layer
+from dsv4_nvfp4.ep.capture import CapturedEP
+from dsv4_nvfp4.ep.layer import EPMoE
+from dsv4_nvfp4.moe import FLASH
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--payload", default="nvfp4")
+    ap.add_argument("--replays", type=int, default=8)
+    a = ap.parse_args()
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    lay = bench_ep_layer(FLASH, dev)
+    ep = EPMoE(lay, payload=a.payload).to(dev)
+    T = a.tokens
+    g = torch.Generator(device=dev).manual_seed(1000 + T)
+    x = (torch.randn(W * T, FLASH.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)[r * T:(r + 1) * T].contiguous()
+    c = CapturedEP(ep, T, capacity=bench_capacity(T, FLASH, W))
+    for _ in range(3): c(x)
+    torch.cuda.synchronize(); dist.barrier()
+    marks = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.replays):
+            dist.barrier(); torch.cuda.synchronize()
+            marks.append(len(marks))
+            c(x)
+            torch.cuda.synchronize()
+    dist.barrier()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    # replays are separated by the host barrier (hundreds of us of idle GPU); a gap over 300 us starts a new one
+    reps, cur, last = [], None, None
+    for e in ev:
+        if "nccl" in e.name.lower() and "allreduce" in e.name.lower(): continue      # the barrier's own all-reduce
+        if last is None or e.time_range.start - last > 300:
+            cur = []; reps.append(cur)
+        cur.append(e); last = max(last or 0, e.time_range.end)
+    out = []
+    for rep in reps:
+        t0 = rep[0].time_range.start
+        out.append(dict(span_us=round(max(e.time_range.end for e in rep) - t0, 1),
+                        events=[dict(name=e.name[:100], stream=getattr(e, "device_resource_id", None),
+                                     start_us=round(e.time_range.start - t0, 1), dur_us=round(e.time_range.elapsed_us(), 1))
+                                for e in rep]))
+    if r == 0:
+        res = dict(gpu=torch.cuda.get_device_name(dev), world=W, tokens_per_rank=T, payload=a.payload,
+                   schedule=dict(copy_engines=c.schedule.copy_engines, shared_after=c.schedule.shared_after),
+                   capacity=c.capacity, replays=out)
+        json.dump(res, open(a.out, "w"), indent=1)
+        full = [o for o in out if len(o["events"]) >= max(len(p["events"]) for p in out) // 2]
+        med = sorted(full, key=lambda o: o["span_us"])[len(full) // 2]
+        print(f"{res['gpu']} x{W}, T/rank {T}, {a.payload}, {res['schedule']}: {len(out)} replays, spans "
+              f"{sorted(o['span_us'] for o in full)} us; the median one:")
+        busy = {}
+        for e in med["events"]:
+            print(f"  s{e['stream']!s:>3} {e['start_us']:9.1f} {e['dur_us']:8.1f}  {e['name']}")
+            busy[e["stream"]] = busy.get(e["stream"], 0) + e["dur_us"]
+        print("  busy per stream (us): " + ", ".join(f"s{k}: {v:.1f}" for k, v in busy.items()))
+    c.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
