@@ -135,7 +135,7 @@ def main(acts=("w4a16", "w4a4")):
                 for n_ in (62000, 15520, 4097):                        # bench sizes: many batches of tiles per warp
                     if not sort_same_large(n_, n_): fails.append(f"{act}: ep_recv_sort != recv_sort_torch (n={n_})")
             rule = capture_(MAX_T, given=True)                                  # the schedule's own choice at 320 tokens
-            want_ce = CE and payload == "nvfp4"
+            want_ce = CE and MAX_T >= EPc.SCHEDULE_CE_MIN_T
             if rule.schedule != (want_ce, 0.0): fails.append(f"{act} {payload}: schedule {rule.schedule}, expected ({want_ce}, 0.0)")
             caps = {"rule": rule,                                                # each transport, the shared expert whole or split
                     "kernels": capture_(MAX_T, given=True, how=(False, 0.0)), "kernels, split": capture_(MAX_T, given=True, how=(False, 0.75)),

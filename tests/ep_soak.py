@@ -101,7 +101,7 @@ def main():
     ap.add_argument("--broken", action="store_true")
     ap.add_argument("--payloads", default="bf16,nvfp4", help="W4A4's payloads to soak (W4A16 sends bf16 only)")
     ap.add_argument("--kept", action="store_true", help="only the schedules `capture_schedule` picks for each payload "
-                    "(below and from SCHEDULE_LARGE_T tokens per rank), instead of the five variants")
+                    "(at 1, SCHEDULE_CE_MIN_T and SCHEDULE_LARGE_T tokens per rank), instead of the five variants")
     ap.add_argument("--variants", default="", help="comma-separated substrings: only the variants whose name holds one "
                     "(e.g. 'copy engines'); empty: all. For splitting a 10,000-replay soak over several runs")
     args = ap.parse_args()
@@ -118,10 +118,11 @@ def main():
             ep = EPMoE(lay, payload=payload).to(dev)
             variants = [("kernels", (False, 0.0)), ("kernels, shared split", (False, 0.5)), ("kernels, shared after", (False, 1.0))]
             if CE: variants += [("copy engines", (True, 0.0)), ("copy engines, shared split", (True, 0.75))]
-            if args.variants: variants = [v for v in variants if any(k in v[0] for k in args.variants.split(","))]
-            if args.kept:                                       # the schedules the layer runs: below and from SCHEDULE_LARGE_T
-                kept = dict.fromkeys(tuple(EPc.capture_schedule(payload, t, W, CE)) for t in (1, EPc.SCHEDULE_LARGE_T))
+            if args.kept:                                       # the schedules the layer runs, at each threshold of the rule
+                ts = (1, EPc.SCHEDULE_CE_MIN_T, EPc.SCHEDULE_LARGE_T)
+                kept = dict.fromkeys(tuple(EPc.capture_schedule(payload, t, W, CE)) for t in ts)
                 variants = [(f"kept: {'copy engines' if ce else 'kernels'}, shared {after:.0%} after", (ce, after)) for ce, after in kept]
+            if args.variants: variants = [v for v in variants if any(k in v[0] for k in args.variants.split(","))]
             for name, how in variants:
                 with forced(*how): c = CapturedEP(ep, args.max_tokens, given=True)
                 made.append(c)

@@ -17,10 +17,11 @@ from .transport import (EP_PLAN_MAX_KEYS, SymmetricWindow, copy_engine_group, co
 from .layer import EPMoE, Slots
 
 # %% auto #0
-__all__ = ['SCHEDULE_LARGE_T', 'SHARED_AFTER', 'CaptureSchedule', 'capture_schedule', 'CapturedEP']
+__all__ = ['SCHEDULE_CE_MIN_T', 'SCHEDULE_LARGE_T', 'SHARED_AFTER', 'CaptureSchedule', 'capture_schedule', 'CapturedEP']
 
 # %% ../../nbs/08c_ep_capture.ipynb #2b7cfd96
-SCHEDULE_LARGE_T = 2048    # tokens per rank from which the copy engines carry bf16 and the shared expert is split
+SCHEDULE_CE_MIN_T = 128    # tokens per rank from which the all-to-alls run on the copy engines (both payloads)
+SCHEDULE_LARGE_T = 2048    # tokens per rank from which the shared expert is split around the return
 SHARED_AFTER = {"bf16": 0.5, "nvfp4": 0.75}   # from SCHEDULE_LARGE_T on: the fraction of the shared expert beside the return
 
 class CaptureSchedule(NamedTuple):
@@ -29,12 +30,13 @@ class CaptureSchedule(NamedTuple):
     shared_after: float      # the last fraction of the tokens whose shared expert runs beside the return (the rest beside the dispatch)
 
 def capture_schedule(payload: str, max_tokens: int, world: int, copy_engines_ok: bool) -> CaptureSchedule:
-    """The schedule that won on the measurements (notebook 08c): the copy engines where supported (`copy_engines_ok`)
-    with 2+ ranks, except for the bf16 payload below `SCHEDULE_LARGE_T` tokens per rank, where NCCL's kernels were
-    faster; one chunk; from `SCHEDULE_LARGE_T` tokens on, the last `SHARED_AFTER[payload]` of the shared expert beside
-    the return, below it the whole shared expert beside the dispatch."""
+    """The schedule that won on the measurements (notebook 08c): from `SCHEDULE_CE_MIN_T` tokens per rank the copy
+    engines where supported (`copy_engines_ok`) with 2+ ranks, below it NCCL's kernels (whose launch costs less than
+    the copy engines' synchronization on a few rows), for both payloads; one chunk; from `SCHEDULE_LARGE_T` tokens on,
+    the last `SHARED_AFTER[payload]` of the shared expert beside the return, below it the whole shared expert beside
+    the dispatch."""
     large = max_tokens >= SCHEDULE_LARGE_T
-    ce = bool(copy_engines_ok) and world > 1 and (payload == "nvfp4" or large)
+    ce = bool(copy_engines_ok) and world > 1 and max_tokens >= SCHEDULE_CE_MIN_T
     return CaptureSchedule(ce, SHARED_AFTER[payload] if large else 0.0)
 
 # %% ../../nbs/08c_ep_capture.ipynb #52074354
