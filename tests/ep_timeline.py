@@ -1,8 +1,9 @@
 """Timeline of the captured expert-parallel forward (a GPU tool, not a test), under torchrun: `bench ep`'s DSV4-Flash
 W4A4 layer (`bench_ep_layer`, the balanced router) as `CapturedEP` at T tokens per rank and `bench_capacity`, on the
 schedule `capture_schedule` picks, profiled with torch.profiler (CUPTI) over N replays, every rank starting together.
-Rank 0 writes OUT.json: per replay, every kernel, copy and memset with its stream, its start (us from the replay's first
-event) and its duration; and prints the median replay (by span) as a table, with the time each stream was busy.
+Rank 0 writes OUT.json: per replay (from the call's copy of x into the graph's input), every kernel, copy and memset
+with its stream, its start (us from that copy) and its duration; and prints the median replay (by span) as a table,
+with the time each stream was busy.
 
     torchrun --nproc-per-node 2 tests/ep_timeline.py OUT.json [--tokens 2048] [--payload nvfp4] [--replays 8]"""
 import argparse
@@ -40,22 +41,21 @@ def main():
     c = CapturedEP(ep, T, capacity=bench_capacity(T, FLASH, W))
     for _ in range(3): c(x)
     torch.cuda.synchronize(); dist.barrier()
-    marks = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.replays):
             dist.barrier(); torch.cuda.synchronize()
-            marks.append(len(marks))
             c(x)
             torch.cuda.synchronize()
     dist.barrier()
     ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    # replays are separated by the host barrier (hundreds of us of idle GPU); a gap over 300 us starts a new one
-    reps, cur, last = [], None, None
+    # a replay starts at the call's copy of x into the graph's input (the one device-to-device memcpy of a call: the
+    # all-to-alls' copies are peer-to-peer) and runs to the next one; the barriers' own all-reduces are left out
+    reps, cur = [], None
     for e in ev:
-        if "nccl" in e.name.lower() and "allreduce" in e.name.lower(): continue      # the barrier's own all-reduce
-        if last is None or e.time_range.start - last > 300:
+        if "nccl" in e.name.lower() and "allreduce" in e.name.lower(): continue
+        if e.name.startswith("Memcpy DtoD"):
             cur = []; reps.append(cur)
-        cur.append(e); last = max(last or 0, e.time_range.end)
+        if cur is not None: cur.append(e)
     out = []
     for rep in reps:
         t0 = rep[0].time_range.start
