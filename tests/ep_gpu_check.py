@@ -115,13 +115,25 @@ def main(acts=("w4a16", "w4a4")):
             if payload == "nvfp4":                                      # the payload kernel and the receiver's sort kernel
                 g_ = torch.Generator(device=dev).manual_seed(11)       # against the torch ops they replace
                 xs_ = (torch.randn(50, CFG.hidden, generator=g_, device=dev) * 0.5).to(torch.bfloat16)
-                tok_ = torch.randint(0, 50, (300,), generator=g_, device=dev)
-                ms_ = torch.stack([torch.randint(-1, CFG.num_experts, (300,), generator=g_, device=dev, dtype=torch.int32),
-                                   torch.rand(300, generator=g_, device=dev).view(torch.int32)], 1)
-                c_, s_ = EPt.pack_nvfp4(xs_, tok_, ms_, ep.a1_all, torch.empty(300, CFG.hidden // 2, dtype=torch.uint8, device=dev),
-                                        torch.empty(300, CFG.hidden // 16, dtype=torch.uint8, device=dev))
-                c0, s0 = ep.quantize_rows(xs_.index_select(0, tok_), ms_)
-                if not (torch.equal(c_, c0) and torch.equal(s_, s0)): fails.append(f"{act}: ep_pack_nvfp4 != gather + quantize")
+                R_ = 320                                                # 50 tokens x 6 slots: each slot sent to its own
+                row_ = torch.randperm(R_, generator=g_, device=dev)[:300].int()   # row, some not sent (dropped), some
+                fate_ = torch.randint(0, 3, (300,), generator=g_, device=dev)      # own (spos = row), the rest far
+                spos_ = torch.where(fate_ == 0, 2 * R_, torch.where(fate_ == 1, row_, row_ + R_)).int()
+                ms_ = torch.stack([torch.randint(-1, CFG.num_experts, (R_,), generator=g_, device=dev, dtype=torch.int32),
+                                   torch.rand(R_, generator=g_, device=dev).view(torch.int32)], 1)
+                c_, s_ = EPt.pack_nvfp4(xs_, spos_, ms_, ep.a1_all, R_, torch.full((R_, CFG.hidden // 2), 0xAB, dtype=torch.uint8, device=dev),
+                                        torch.full((R_, CFG.hidden // 16), 0xAB, dtype=torch.uint8, device=dev))
+                sent_ = fate_ != 0
+                tok_ = torch.full((R_,), -1, dtype=torch.long, device=dev)
+                tok_[row_[sent_].long()] = torch.arange(300, device=dev)[sent_] // CFG.top_k
+                got_ = tok_ >= 0                                        # the send rows some slot was packed into
+                c0, s0 = ep.quantize_rows(xs_.index_select(0, tok_[got_]), ms_[got_])
+                if not (torch.equal(c_[got_], c0) and torch.equal(s_[got_], s0) and bool((c_[~got_] == 0xAB).all())
+                        and bool((s_[~got_] == 0xAB).all())):
+                    fails.append(f"{act}: ep_pack_nvfp4 != gather + quantize (or a row no slot was sent to was written)")
+                tok_ = torch.randint(0, 50, (300,), generator=g_, device=dev)   # the receiver's rows: any tokens' payload
+                ms_ = ms_[:300]
+                c_, s_ = ep.quantize_rows(xs_.index_select(0, tok_), ms_)
                 for n_ in (300, 1, 37):                                 # the sorted decoded rows, their (a1, weight), the
                     d_, sc_, m_ = c_[:n_], s_[:n_], ms_[:n_]            # experts' ends, the inverse order; and the experts' rows
                     args_ = (d_, sc_, m_[:, 1].view(torch.float32), m_[:, 0])

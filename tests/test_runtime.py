@@ -55,7 +55,7 @@ EXPECTED_KERNELS = {
     | {f"nvfp4_{k}_{dt}" for k in ("amax_tensor", "amax_rows", "quantize", "quantize_rowgs") for dt in _DT3},
     "nvfp4_dequantize.cu": {"nvfp4_dequantize_bf16", "nvfp4_dequantize_f32"},
     "nvfp4_gather.cu": {"nvfp4_gather_dequant_bf16"},
-    "ep_plan.cu": {"ep_plan", "ep_pack_nvfp4", "ep_recv_sort"},
+    "ep_plan.cu": {"ep_plan_count", "ep_plan_place", "ep_pack_nvfp4", "ep_sort_count", "ep_sort_place"},
     "nvfp4_rmsnorm_quantize.cu": {f"nvfp4_{k}_{dt}" for k in ("rmsnorm_quantize", "mhc_rmsnorm_quantize")
                                   for dt in _DT3},
     "fp8_quantize.cu": {f"fp8_quantize_rows_{dt}" for dt in _DT3},
@@ -611,15 +611,16 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
                                              torch.empty(R_, dtype=torch.long), torch.zeros((), dtype=torch.long),
                                              per_rank=4, world=2, capacity=6, rank=1, far=R_)))
     H_ = 256                                                          # its NVFP4 payload, and the receiver's sort
-    seen |= set(run(lambda: EPT.pack_nvfp4(torch.randn(Tm_, H_).bfloat16(), torch.zeros(R_, dtype=torch.long), torch.zeros(R_, 2, dtype=torch.int32),
-                                           torch.ones(8), torch.empty(R_, H_ // 2, dtype=torch.uint8), torch.empty(R_, H_ // 16, dtype=torch.uint8))))
+    seen |= set(run(lambda: EPT.pack_nvfp4(torch.randn(Tm_, H_).bfloat16(), torch.zeros(Tm_ * k_, dtype=torch.int32),
+                                           torch.zeros(R_, 2, dtype=torch.int32), torch.ones(8), R_,
+                                           torch.empty(R_, H_ // 2, dtype=torch.uint8), torch.empty(R_, H_ // 16, dtype=torch.uint8))))
     meta_ = torch.zeros(R_, 2, dtype=torch.int32)
     from types import SimpleNamespace as NS
     from dsv4_nvfp4.ep.layer import EPMoE
     fake_ep = NS(per_rank=4, experts=range(4, 8), a1_all=torch.ones(8))
     seq = run(lambda: EPMoE.sort_decode(fake_ep, torch.zeros(R_, H_ // 2, dtype=torch.uint8), torch.zeros(R_, H_ // 16, dtype=torch.uint8),
                                         meta_[:, 1].view(torch.float32), meta_[:, 0]))
-    assert seq == ["ep_recv_sort", "nvfp4_gather_dequant_bf16"], seq
+    assert seq == ["ep_sort_count", "ep_sort_place", "nvfp4_gather_dequant_bf16"], seq
     seen |= set(seq)
     from dsv4_nvfp4 import attention as AT                            # the fused decode attention over the NVFP4 pool
     qa_, ia_ = torch.zeros(2, 64, 512, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.int32)
@@ -633,8 +634,17 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     EPm = EPT
     ep_src = rt.kernel_source("ep_plan.cu")
     define = lambda nm: int(re.search(rf"^#define\s+{nm}\s+(\d+)", ep_src, re.M).group(1))
-    assert blocks["ep_plan"] == blocks["ep_recv_sort"] == {define("EP_THREADS")}, blocks
+    for nm in ("ep_plan_count", "ep_plan_place", "ep_sort_count", "ep_sort_place"):
+        assert blocks[nm] == {define("EP_THREADS")} == {EPm._EP_THREADS}, (nm, blocks)
     assert blocks["ep_pack_nvfp4"] == {define("EP_PACK_THREADS")}, blocks
     assert (EPm.EP_PLAN_MAX_KEYS, EPm.EP_SORT_MAXK) == (define("EP_MAXB"), define("EP_SORT_MAXK"))
+    assert (EPm.EP_GMAX, EPm.EP_PACK_MAXK) == (define("EP_GMAX"), define("EP_PACK_MAXK"))
+    assert EPm.EP_WORK_INTS == 32 + define("EP_SORT_MAXK") * (define("EP_GMAX") + 1)    # the kernels' EP_WORK_INTS
+    assert re.search(r"^#define\s+EP_WORK_INTS\s+\(32 \+ EP_SORT_MAXK \* EP_WSTRIDE\)", ep_src, re.M)
+    assert re.search(r"^#define\s+EP_WSTRIDE\s+\(EP_GMAX \+ 1\)", ep_src, re.M)
+    for n_ in (0, 1, 1024, 12288, 15488, 49152, 61568, 10 ** 6):    # the grids: at most EP_GMAX CTAs covering n slots
+        G_, per_ = EPm.ep_grid(n_)
+        assert 1 <= G_ <= EPm.EP_GMAX and per_ % EPm._EP_THREADS == 0 and per_ >= 2 * EPm._EP_THREADS and G_ * per_ >= n_
+        assert (G_ - 1) * per_ < max(n_, 1)
     every = set().union(*EXPECTED_KERNELS.values())
     assert seen == every, f"kernels no launcher uses: {sorted(every - seen)}"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..routing import (ROUTE_FUSED_MAX_T, bad_expert_rows, combine_tokens, permute_rows, route_permute_fused,
                                 route_rows, router_logits)
 from .transport import (EP_PLAN_MAX_KEYS, SymmetricWindow, copy_engine_group, copy_engines_supported,
-                                     ep_send_plan, pack_nvfp4)
+                                     ep_send_plan, ep_workspace, pack_nvfp4)
 from .layer import EPMoE, Slots
 
 # %% auto #0
@@ -171,6 +171,7 @@ class CapturedEP:
         self.fused_plan = W <= EP_PLAN_MAX_KEYS
         self.plan_meta = self.send_meta if ce else torch.zeros(R, 2, dtype=i32, device=dev)
         self.plan_spos, self.plan_tok = torch.zeros(Tm * k, dtype=i32, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
+        self.plan_work, self.sort_work = ep_workspace(dev), ep_workspace(dev)   # the plan's and the receiver's sorts'
         # a row that reaches no local expert: an expert of another rank (no row); with one rank an invalid id
         # (the router gives it a NaN row on expert 0, never read)
         self.sentinel = (ep.experts.stop % ep.cfg.num_experts) if W > 1 else -1
@@ -268,22 +269,24 @@ class CapturedEP:
         if self.fused_plan:
             ep = self.ep
             return ep_send_plan(ids, w, self.n, self.seg, self.plan_spos, self.plan_meta, self.plan_tok, self.dropped_,
-                                per_rank=ep.per_rank, world=ep.world, capacity=self.capacity, rank=ep.rank, far=self.far)
+                                per_rank=ep.per_rank, world=ep.world, capacity=self.capacity, rank=ep.rank, far=self.far,
+                                work=self.plan_work)
         spos, src = self._plan(ids, self.n)
         meta, tok = self._meta(w, ids, src, out=self.plan_meta)
         return spos, meta, tok
 
-    def _send(self, x, meta, tok):
+    def _send(self, x, spos, meta, tok):
         """(GPU) The payload: [(sent, received)] buffer pairs, (R, ...) each, for the all-to-alls; the rows' metadata
         last (its all-to-all is already under way). bf16: the rows gathered straight into the send buffer (NCCL's
-        kernels: this rank's own straight into the receive buffer); NVFP4: the codes and block scales made from the
-        tokens in one launch (`pack_nvfp4`). NCCL's kernels: the own segments of the others are copied into place."""
+        kernels: this rank's own straight into the receive buffer); NVFP4: the codes and block scales of the sent slots
+        made from the tokens in one launch (`pack_nvfp4`; the padding rows are not written). NCCL's kernels: the own
+        segments of the others are copied into place."""
         ep, own = self.ep, self.own
         if self.schedule.copy_engines:
             if ep.payload == "bf16":
                 torch.index_select(x, 0, tok, out=self.send)
                 return [(self.send, self.recv), (meta, self.recv_meta)]
-            pack_nvfp4(x, tok, meta, ep.a1_all, self.send, self.send_scale)
+            pack_nvfp4(x, spos, meta, ep.a1_all, self.far, self.send, self.send_scale)
             return [(self.send, self.recv), (self.send_scale, self.recv_scale), (meta, self.recv_meta)]
         if ep.payload == "bf16":
             torch.index_select(x, 0, tok[self.wire], out=self.send[self.wire])
@@ -292,7 +295,7 @@ class CapturedEP:
             copy = pairs[1:]
         else:
             H = ep.cfg.hidden
-            data, scale = pack_nvfp4(x, tok, meta, ep.a1_all, torch.empty(self.rows, H // 2, dtype=torch.uint8, device=x.device),
+            data, scale = pack_nvfp4(x, spos, meta, ep.a1_all, self.far, torch.empty(self.rows, H // 2, dtype=torch.uint8, device=x.device),
                                      torch.empty(self.rows, H // 16, dtype=torch.uint8, device=x.device))
             pairs = copy = [(data, self.recv), (scale, self.recv_scale), (meta, self.recv_meta)]
         for sent, recv in copy: recv[own].copy_(sent[own])                  # this rank's own segment: never on the wire
@@ -338,7 +341,8 @@ class CapturedEP:
             return ep.routed.forward_device(self.recv, given=(wr[:, None].contiguous(), er[:, None].contiguous()), out=self.yout,
                                             bufs=self.rbufs)
         m = self.recv_meta
-        return ep.rows_nvfp4(self.recv, self.recv_scale, m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs, out=self.yout)
+        return ep.rows_nvfp4(self.recv, self.recv_scale, m[:, 1].view(torch.float32), m[:, 0], bufs=self.rbufs, out=self.yout,
+                             work=self.sort_work)
 
     def _body(self):
         "The forward on the GPU: fixed shapes, no host read (the graph's body)."
@@ -350,7 +354,7 @@ class CapturedEP:
         if W > 1:                                                            # the rows' metadata first, while the payload is made
             self.comm.wait_stream(main)
             with torch.cuda.stream(self.comm): dist.all_to_all_single(self.recv_meta[o], meta[o], self.splits, self.splits, group=g)
-        pairs = self._send(self.x, meta, tok)
+        pairs = self._send(self.x, spos, meta, tok)
         self.comm.wait_stream(main)
         with torch.cuda.stream(self.comm):                                   # the dispatch, beside the shared expert
             if W > 1:

@@ -157,16 +157,17 @@ class EPMoE(torch.nn.Module):
         (expert id, weight bits) `ms`: uint8 (n, H/2 + H/16 + 8)."""
         return torch.cat([*self.quantize_rows(xs, ms), ms.contiguous().view(torch.uint8)], 1)
 
-    def sort_decode(self, data: torch.Tensor, scale: torch.Tensor, wr: torch.Tensor, er: torch.Tensor):
+    def sort_decode(self, data: torch.Tensor, scale: torch.Tensor, wr: torch.Tensor, er: torch.Tensor, work=None):
         """(GPU) The received NVFP4 rows (n >= 1) sorted stably by local expert and decoded to bf16 (code x block scale:
         exact), each sorted row's (a1, weight), each local expert's end and each row's sorted position: (xr, rs, offs,
-        back). Where E/W + 1 <= `EP_SORT_MAXK` and the rows are contiguous: one sort kernel (`recv_sort`) and the
+        back). Where E/W + 1 <= `EP_SORT_MAXK` and the rows are contiguous: the sort kernels (`recv_sort`, `work` its
+        `ep_workspace`, default a new one) and the
         gather-and-decode kernel of the KV path (`gather_dequant_nvfp4`, global scale 1); else the torch ops
         (`recv_sort_torch`, two row gathers, `dequantize_nvfp4_cuda`). The GPU check compares the two."""
         n, dev = data.shape[0], data.device
         if self.per_rank + 1 <= EP_SORT_MAXK and data.is_contiguous() and scale.is_contiguous():
             from dsv4_nvfp4.quantize_cuda import gather_dequant_nvfp4
-            order, back, offs, rs = recv_sort(er, wr, self.experts, self.a1_all)
+            order, back, offs, rs = recv_sort(er, wr, self.experts, self.a1_all, work)
             return gather_dequant_nvfp4(data, order, scale=scale.view(torch.float8_e4m3fn), global_scale=1.0), rs, offs, back
         from dsv4_nvfp4.quantize_cuda import dequantize_nvfp4_cuda
         order, offs, a1 = recv_sort_torch(er, self.experts, self.a1_all)
@@ -176,16 +177,17 @@ class EPMoE(torch.nn.Module):
         return xr, rs, offs, torch.empty_like(order).scatter_(0, order, torch.arange(n, device=dev))   # where each row went
 
     def rows_nvfp4(self, data: torch.Tensor, scale: torch.Tensor, wr: torch.Tensor, er: torch.Tensor,
-                   bufs=None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   bufs=None, out: torch.Tensor | None = None, work=None) -> torch.Tensor:
         """Received NVFP4 rows, codes uint8 (n, H/2) and block scales uint8 (n, H/16), with their weights wr fp32 (n,)
         and expert ids er int32 (n,), through the local experts: exactly what the single-GPU W4A4 permute would feed
-        them. bf16 (n, H) on the GPU (into `out` when given; `bufs`: `self.routed.buffers(...)`), float64 on the CPU.
+        them. bf16 (n, H) on the GPU (into `out` when given; `bufs`: `self.routed.buffers(...)`; `work`: the sort's
+        `ep_workspace`), float64 on the CPU.
         Rows whose id is no local expert (`CapturedEP`'s padding) sort after the last group: not computed, their output
         rows undefined."""
         H, n, dev = self.cfg.hidden, data.shape[0], data.device
         if n == 0: return torch.empty(0, H, dtype=torch.bfloat16 if data.is_cuda else torch.float64, device=dev)
         if data.is_cuda:
-            xr, rs, offs, back = self.sort_decode(data, scale, wr, er)
+            xr, rs, offs, back = self.sort_decode(data, scale, wr, er, work)
             rows = self.routed.expert_rows(xr, rs, offs, bufs, copy=False)  # a row gather back (the row scatter
             return rows.index_select(0, back) if out is None else torch.index_select(rows, 0, back, out=out)   # ran at half the speed)
         order, offs, a1 = recv_sort_torch(er, self.experts, self.a1_all)  # the float64 reference

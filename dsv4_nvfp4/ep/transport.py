@@ -14,9 +14,10 @@ import torch.distributed as dist
 from ..moe import MoEConfig
 
 # %% auto #0
-__all__ = ['PAYLOADS', 'EP_PLAN_MAX_KEYS', 'EP_SORT_MAXK', 'NCCL_SMS', 'ep_experts', 'payload_bytes', 'ep_traffic',
-           'DispatchPlan', 'dispatch_plan', 'Pending', 'exchange_async', 'exchange', 'ep_send_plan', 'pack_nvfp4',
-           'recv_sort_torch', 'recv_sort', 'copy_engines_supported', 'copy_engine_group', 'SymmetricWindow']
+__all__ = ['PAYLOADS', 'EP_PLAN_MAX_KEYS', 'EP_SORT_MAXK', 'EP_GMAX', 'EP_WORK_INTS', 'EP_PACK_MAXK', 'NCCL_SMS', 'ep_experts',
+           'payload_bytes', 'ep_traffic', 'DispatchPlan', 'dispatch_plan', 'Pending', 'exchange_async', 'exchange',
+           'ep_workspace', 'ep_grid', 'ep_send_plan', 'pack_nvfp4', 'recv_sort_torch', 'recv_sort',
+           'copy_engines_supported', 'copy_engine_group', 'SymmetricWindow']
 
 # %% ../../nbs/08a_ep_transport.ipynb #83a77a33
 PAYLOADS = ("bf16", "nvfp4")
@@ -109,6 +110,28 @@ def exchange(t: torch.Tensor, out_rows: list, in_rows: list, group=None, out: to
 # %% ../../nbs/08a_ep_transport.ipynb #29572a8a
 EP_PLAN_MAX_KEYS = 64   # the fused send plan's destination keys at most (kernels_cu/ep_plan.cu's EP_MAXB)
 EP_SORT_MAXK = 400      # the receiver's sort kernel's keys at most, E/W + 1 (kernels_cu/ep_plan.cu's EP_SORT_MAXK)
+EP_GMAX = 32            # the CTAs of one of the sorts at most (kernels_cu/ep_plan.cu's EP_GMAX)
+EP_WORK_INTS = 32 + EP_SORT_MAXK * (EP_GMAX + 1)   # a sort's int32 workspace (kernels_cu/ep_plan.cu's EP_WORK_INTS)
+_EP_THREADS = 512       # (kernels_cu/ep_plan.cu's EP_THREADS)
+
+def ep_workspace(device) -> torch.Tensor:
+    """A workspace for one of the EP sorts (`ep_send_plan`, `recv_sort`): int32 (EP_WORK_INTS,) zeros. The kernels leave
+    it ready for the next launch; two launches in flight at once (two streams) need two workspaces."""
+    return torch.zeros(EP_WORK_INTS, dtype=torch.int32, device=device)
+
+def ep_grid(n: int) -> tuple[int, int]:
+    """(CTAs, slots per CTA) of a sort over n slots: at least two 32-slot tiles per warp, at most EP_GMAX CTAs (the
+    count kernel's last CTA scans one lane per CTA), the slots per CTA a multiple of the CTA's threads."""
+    per = max(2 * _EP_THREADS, -(-n // EP_GMAX))
+    per = -(-per // _EP_THREADS) * _EP_THREADS
+    return max(1, -(-n // per)), per
+
+def _check_work(work, dev, what):
+    from dsv4_nvfp4 import runtime as rt
+    if work is None: return ep_workspace(dev)
+    rt.check_tensor(work, what, "work", (torch.int32,), device=dev)
+    if tuple(work.shape) != (EP_WORK_INTS,): raise ValueError(f"{what}: work must be ({EP_WORK_INTS},), got {tuple(work.shape)}")
+    return work
 
 def ep_send_plan(ids: torch.Tensor,          # int32 (Tm, k): the routed expert ids of the capture's token buffer
                  w: torch.Tensor,            # fp32 (Tm, k): their weights
@@ -118,11 +141,13 @@ def ep_send_plan(ids: torch.Tensor,          # int32 (Tm, k): the routed expert 
                  meta: torch.Tensor,         # int32 (R, 2) out: each send row's (expert id, weight bits); padding (-1, 0)
                  tok: torch.Tensor,          # int64 (R,) out: each send row's token
                  dropped: torch.Tensor,      # int64 (): += the real slots past the capacity
-                 per_rank: int, world: int, capacity: int, rank: int, far: int):
-    """(GPU) The fixed-shape send plan in one launch (kernels_cu/ep_plan.cu, `ep_plan`, one chunk): each routed slot's
-    row in a send buffer of R = W `capacity` rows (destination segment `seg[d]`, in slot order; a slot past the
-    capacity is dropped and counted), `far` added to the row of every slot the final combine reads from the returned
-    rows (all but this rank's own sent slots), and each send row's metadata and token. No host read."""
+                 per_rank: int, world: int, capacity: int, rank: int, far: int,
+                 work: torch.Tensor | None = None):   # `ep_workspace` (default: a new one)
+    """(GPU) The fixed-shape send plan in two launches (kernels_cu/ep_plan.cu, `ep_plan_count` and `ep_plan_place` over
+    up to EP_GMAX CTAs, one chunk): each routed slot's row in a send buffer of R = W `capacity` rows (destination
+    segment `seg[d]`, in slot order; a slot past the capacity is dropped and counted), `far` added to the row of every
+    slot the final combine reads from the returned rows (all but this rank's own sent slots), and each send row's
+    metadata and token. No host read; CUDA-graph capturable with a `work` made outside the capture."""
     from dsv4_nvfp4 import runtime as rt
     Tm, k = ids.shape
     R = world * capacity
@@ -132,28 +157,38 @@ def ep_send_plan(ids: torch.Tensor,          # int32 (Tm, k): the routed expert 
                              (meta, "meta", torch.int32, (R, 2)), (tok, "tok", torch.int64, (R,)), (dropped, "dropped", torch.int64, ())):
         rt.check_tensor(t, "ep_send_plan", nm, (dt,), device=ids.device)
         if tuple(t.shape) != shape: raise ValueError(f"ep_send_plan: {nm} must be {shape}, got {tuple(t.shape)}")
-    rt.launch_1d("ep_plan.cu", "ep_plan", 1, 512,
-                 [rt.ptr(ids), rt.ptr(w), rt.ptr(n), rt.ptr(seg), rt.ptr(spos), rt.ptr(meta), rt.ptr(tok), rt.ptr(dropped),
-                  rt.i32(Tm * k), rt.i32(k), rt.i32(per_rank), rt.i32(world), rt.i32(1), rt.i32(Tm), rt.i32(capacity),
-                  rt.i32(R), rt.i32(Tm), rt.i32(0), rt.i32(rank), rt.i32(far)])
+    work = _check_work(work, ids.device, "ep_send_plan")
+    G, per = ep_grid(Tm * k)
+    keys = [rt.i32(Tm * k), rt.i32(k), rt.i32(per_rank), rt.i32(world), rt.i32(1), rt.i32(Tm)]
+    rt.launch_1d("ep_plan.cu", "ep_plan_count", G, _EP_THREADS, [rt.ptr(ids), rt.ptr(n), *keys, rt.i32(0), rt.i32(per), rt.ptr(work)])
+    rt.launch_1d("ep_plan.cu", "ep_plan_place", G, _EP_THREADS,
+                 [rt.ptr(ids), rt.ptr(w), rt.ptr(n), rt.ptr(seg), rt.ptr(work), rt.ptr(spos), rt.ptr(meta), rt.ptr(tok),
+                  rt.ptr(dropped), *keys, rt.i32(capacity), rt.i32(R), rt.i32(Tm), rt.i32(0), rt.i32(rank), rt.i32(far), rt.i32(per)])
     return spos, meta, tok
 
-def pack_nvfp4(x, tok, meta, a1, codes, sf):
-    """(GPU) The NVFP4 payload of the send rows in one launch (kernels_cu/ep_plan.cu, `ep_pack_nvfp4`): row r's codes and
-    block scales are token tok[r]'s under a1[its expert id], bit for bit `quantize_nvfp4_cuda` of the gathered rows.
-    x bf16 (T, K), tok int64 (R,), meta int32 (R, 2) (expert id, weight bits), a1 fp32 (E,); codes uint8 (R, K/2) and
-    sf uint8 (R, K/16) out."""
+EP_PACK_MAXK = 32       # slots per token at most (kernels_cu/ep_plan.cu's EP_PACK_MAXK)
+
+def pack_nvfp4(x, spos, meta, a1, far, codes, sf):
+    """(GPU) The NVFP4 payload of the sent slots in one launch, one CTA per token (kernels_cu/ep_plan.cu,
+    `ep_pack_nvfp4`): each sent slot's send row (from `ep_send_plan`'s spos: row = spos if spos < R else spos - far;
+    R: not sent) gets the codes and block scales of its token under a1[the row's expert id], bit for bit
+    `quantize_nvfp4_cuda` of the gathered rows. x bf16 (T, K), spos int32 (T k,), meta int32 (R, 2) (expert id, weight
+    bits), a1 fp32 (E,), far 0 or R; codes uint8 (R, K/2) and sf uint8 (R, K/16) out: the padding rows are not written."""
     from dsv4_nvfp4 import runtime as rt
     what, dev = "pack_nvfp4", x.device
-    for t, nm, dt, al in ((x, "x", torch.bfloat16, 16), (tok, "tok", torch.int64, 8), (meta, "meta", torch.int32, 8),
+    for t, nm, dt, al in ((x, "x", torch.bfloat16, 16), (spos, "spos", torch.int32, 4), (meta, "meta", torch.int32, 8),
                           (a1, "a1", torch.float32, 4), (codes, "codes", torch.uint8, 8), (sf, "sf", torch.uint8, 1)):
         rt.check_tensor(t, what, nm, (dt,), device=dev, align=al)
-    R, K = tok.shape[0], x.shape[1]
-    if x.dim() != 2 or K % 16 or tuple(meta.shape) != (R, 2) or tuple(codes.shape) != (R, K // 2) or tuple(sf.shape) != (R, K // 16):
-        raise ValueError(f"pack_nvfp4: shapes x {tuple(x.shape)}, tok {tuple(tok.shape)}, meta {tuple(meta.shape)}, codes "
-                         f"{tuple(codes.shape)}, sf {tuple(sf.shape)} do not fit (K % 16 == 0, (R, 2), (R, K/2), (R, K/16))")
-    if R: rt.launch_1d("ep_plan.cu", "ep_pack_nvfp4", R, 256, [rt.ptr(x), rt.ptr(tok), rt.ptr(meta), rt.ptr(a1), rt.i32(a1.numel()),
-                                                                 rt.i64(R), rt.i64(K), rt.ptr(codes), rt.ptr(sf)])
+    R, K, T = meta.shape[0], x.shape[1], x.shape[0]
+    if x.dim() != 2 or K % 16 or T == 0 or spos.numel() % T or tuple(meta.shape) != (R, 2) or tuple(codes.shape) != (R, K // 2) \
+            or tuple(sf.shape) != (R, K // 16):
+        raise ValueError(f"pack_nvfp4: shapes x {tuple(x.shape)}, spos {tuple(spos.shape)}, meta {tuple(meta.shape)}, codes "
+                         f"{tuple(codes.shape)}, sf {tuple(sf.shape)} do not fit (K % 16 == 0, (T k,), (R, 2), (R, K/2), (R, K/16))")
+    k = spos.numel() // T
+    if k > EP_PACK_MAXK: raise ValueError(f"pack_nvfp4: {k} slots per token > EP_PACK_MAXK = {EP_PACK_MAXK}")
+    if far not in (0, R): raise ValueError(f"pack_nvfp4: far must be 0 or R = {R}, got {far}")
+    if R: rt.launch_1d("ep_plan.cu", "ep_pack_nvfp4", T, 256, [rt.ptr(x), rt.ptr(spos), rt.ptr(meta), rt.ptr(a1), rt.i32(a1.numel()),
+                                                                 rt.i32(k), rt.i64(R), rt.i64(far), rt.i64(K), rt.ptr(codes), rt.ptr(sf)])
     return codes, sf
 
 def recv_sort_torch(er: torch.Tensor, experts: range, a1_all: torch.Tensor):
@@ -167,20 +202,25 @@ def recv_sort_torch(er: torch.Tensor, experts: range, a1_all: torch.Tensor):
     counts = torch.zeros(per + 1, dtype=torch.long, device=er.device).index_add_(0, g, torch.ones_like(g))   # no host read
     return order, torch.cumsum(counts[:-1], 0).to(torch.int32), a1_all[er.long().clamp(min=0)]
 
-def recv_sort(er: torch.Tensor, wr: torch.Tensor, experts: range, a1_all: torch.Tensor):
-    """(GPU) `recv_sort_torch` and the sorted rows' (a1, weight) in one launch (kernels_cu/ep_plan.cu, `ep_recv_sort`,
-    E/W + 1 <= `EP_SORT_MAXK`): (order int32 (n,), back int32 (n,): each row's sorted position, offs int32 (E/W,),
-    rs fp32 (n, 2)). er int32, wr fp32 (n,), strided rows allowed."""
+def recv_sort(er: torch.Tensor, wr: torch.Tensor, experts: range, a1_all: torch.Tensor, work: torch.Tensor | None = None):
+    """(GPU) `recv_sort_torch` and the sorted rows' (a1, weight) in two launches (kernels_cu/ep_plan.cu, `ep_sort_count`
+    and `ep_sort_place` over up to EP_GMAX CTAs, E/W + 1 <= `EP_SORT_MAXK`): (order int32 (n,), back int32 (n,): each
+    row's sorted position, offs int32 (E/W,), rs fp32 (n, 2)). er int32, wr fp32 (n,), strided rows allowed; `work` an
+    `ep_workspace` (default: a new one)."""
     from dsv4_nvfp4 import runtime as rt
     n, dev, per = er.shape[0], er.device, len(experts)
     if per + 1 > EP_SORT_MAXK: raise ValueError(f"recv_sort: E/W + 1 = {per + 1} keys > EP_SORT_MAXK = {EP_SORT_MAXK}")
     a1 = rt.check_tensor(a1_all, "recv_sort", "a1_all", (torch.float32,), device=dev, align=4)
+    work = _check_work(work, dev, "recv_sort")
     er, wr = er.to(torch.int32), wr.to(torch.float32)                  # (no copy where they are: the captured forward)
     order, back = torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.int32, device=dev)
     offs, rs = torch.empty(per, dtype=torch.int32, device=dev), torch.empty(n, 2, dtype=torch.float32, device=dev)
-    rt.launch_1d("ep_plan.cu", "ep_recv_sort", 1, 512,
+    G, cta = ep_grid(n)
+    rt.launch_1d("ep_plan.cu", "ep_sort_count", G, _EP_THREADS,
+                 [rt.ptr(er), rt.i64(er.stride(0)), rt.i32(n), rt.i32(experts.start), rt.i32(per), rt.i32(cta), rt.ptr(work), rt.ptr(offs)])
+    rt.launch_1d("ep_plan.cu", "ep_sort_place", G, _EP_THREADS,
                  [rt.ptr(er), rt.i64(er.stride(0)), rt.ptr(wr), rt.i64(wr.stride(0)), rt.i32(n), rt.i32(experts.start),
-                  rt.i32(per), rt.ptr(a1), rt.i32(a1.numel()), rt.ptr(order), rt.ptr(back), rt.ptr(offs), rt.ptr(rs)])
+                  rt.i32(per), rt.ptr(a1), rt.i32(a1.numel()), rt.ptr(work), rt.i32(cta), rt.ptr(order), rt.ptr(back), rt.ptr(rs)])
     return order, back, offs, rs
 
 # %% ../../nbs/08a_ep_transport.ipynb #8ea9b89e
