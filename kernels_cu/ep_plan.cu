@@ -34,13 +34,14 @@
 //
 // Both sorts run over G <= EP_GMAX CTAs of EP_THREADS = 512 threads, each on a contiguous range of `per_cta` slots (a
 // multiple of EP_THREADS; the launcher picks it). The count kernel counts its range per key (shared atomics: counts
-// only), writes them to a workspace, and the CTA that finishes last (a ticket) turns them into each (key, CTA)'s first
-// position: the exclusive scan over the CTAs, plus (sort) the keys before it, or (plan) each key's total; it resets
-// the ticket. The place kernel starts each key at its CTA's position, counts its warps' slots per key, scans over the
-// warps, and places every slot in slot order: a warp's 32-slot tile groups equal keys with __match_any_sync and each
-// warp issues the loads of EP_BATCH tiles before it uses any. One CTA did the whole sort before (07d): it was bound by
-// its own work per tile (37 / 142 us for the plan at 2048 / 8192 tokens per rank on an H200). Workspace: int32,
-// EP_WORK_INTS = 32 + EP_SORT_MAXK (EP_GMAX + 1) entries, zero the first time; the kernels leave its ticket at zero.
+// only), writes them to a workspace, and the CTA that finishes last (a ticket, which atomicInc wraps back to zero)
+// turns them into each (key, CTA)'s first position: the exclusive scan over the CTAs, plus (sort) the keys before it,
+// or (plan) each key's total. The place kernel starts each key at its CTA's position, counts its warps' slots per
+// key, scans over the warps, and places every slot in slot order: a warp's 32-slot tile groups equal keys with
+// __match_any_sync, and each warp issues the loads of EP_BATCH tiles before it uses any. One CTA did the whole sort
+// before: it was bound by its own work per tile (37 / 142 us for the plan at 2048 / 8192 tokens per rank on an H200).
+// Workspace: int32, EP_WORK_INTS = 32 + EP_SORT_MAXK (EP_GMAX + 1) entries, zero the first time (the ticket); a place
+// kernel traps on a position outside its outputs (a corrupted workspace) rather than write there.
 // Keys: at most EP_MAXB = 64 (chunks x ranks) for the plan; the launchers check. No host read: CUDA-graph capturable.
 
 #include "nvfp4_common.cuh"
@@ -99,7 +100,8 @@ __device__ __forceinline__ void count_finish(const int* c, int B, int* __restric
     for (int b = tid; b < B; b += EP_THREADS) cnt[b * EP_WSTRIDE + g] = c[b];
     __threadfence();
     __syncthreads();
-    if (tid == 0) s_last = atomicAdd(reinterpret_cast<unsigned*>(work), 1u) == (unsigned)(G - 1);
+    // the ticket counts 0 .. G - 1 and wraps to 0 at the last CTA (atomicInc): the next launch finds it at zero
+    if (tid == 0) s_last = atomicInc(reinterpret_cast<unsigned*>(work), (unsigned)(G - 1)) == (unsigned)(G - 1);
     __syncthreads();
     if (!s_last) return;
     __threadfence();
@@ -140,7 +142,6 @@ __device__ __forceinline__ void count_finish(const int* c, int B, int* __restric
         if (lane < G) cnt[b * EP_WSTRIDE + lane] = ex[i] + (SORT ? s_tot[b] : 0);
         if (!SORT && lane == 0) cnt[b * EP_WSTRIDE + EP_GMAX] = s_tot[b];
     }
-    if (tid == 0) *work = 0;                                        // the ticket, for the next launch
 }
 
 extern "C" __global__ void __launch_bounds__(EP_THREADS)
@@ -227,6 +228,7 @@ ep_plan_place(const int* __restrict__ ids,          // int32 (T_max * k): expert
             if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
             __syncwarp();
             if (s < end) {
+                if (within < 0) __trap();                           // (a corrupted workspace: never write outside)
                 const bool ok = key < B && within < cap;
                 const int row = ok ? (chunk * W + sseg[dest]) * cap + within : R;
                 spos[s] = row + (ok && dest == rank ? 0 : far);
@@ -380,6 +382,7 @@ ep_sort_place(const int* __restrict__ ids, long long ids_stride,   // int32: eac
             if (key < B && lane == __ffs(m) - 1) cnt[wid][key] += __popc(m);
             __syncwarp();
             if (s < end) {
+                if (p < 0 || p >= n) __trap();                      // (a corrupted workspace: never write outside)
                 order[p] = s;
                 back[s] = p;
                 reinterpret_cast<float2*>(rs)[p] = make_float2(av[j], wv[j]);

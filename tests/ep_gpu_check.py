@@ -108,6 +108,41 @@ def main(acts=("w4a16", "w4a4")):
         o0, f0, a0 = EPt.recv_sort_torch(er_, ep.experts, ep.a1_all)
         return (torch.equal(order.long(), o0) and torch.equal(offs, f0) and torch.equal(back.long()[o0], torch.arange(n_, device=dev))
                 and torch.equal(rs, torch.stack([a0[o0], wr_[o0]], 1)))
+    def kernels_at_real_key_counts():                                   # the sorts' kernels at the layers' real key counts
+        ws, k = EPt.ep_workspace(dev), CFG.top_k                        # (Flash E/W + 1 = 129, Pro at W = 1: 385), many
+        g_ = torch.Generator(device=dev).manual_seed(5)                 # CTAs (up to EP_GMAX), one workspace reused
+        for per in (31, 32, 33, 128, 384, 399):
+            e0, E = 5, 5 + per + 1
+            a1 = torch.rand(E, generator=g_, device=dev)
+            for n_ in (1, 4097, 32768, 65536):
+                m_ = torch.stack([torch.randint(-1, E, (n_,), generator=g_, device=dev, dtype=torch.int32),
+                                  torch.rand(n_, generator=g_, device=dev).view(torch.int32)], 1)
+                er_, wr_ = m_[:, 0], m_[:, 1].view(torch.float32)
+                order, back, offs, rs = EPt.recv_sort(er_, wr_, range(e0, e0 + per), a1, work=ws)
+                o0, f0, a0 = EPt.recv_sort_torch(er_, range(e0, e0 + per), a1)
+                if not (torch.equal(order.long(), o0) and torch.equal(offs, f0) and torch.equal(back.long()[o0], torch.arange(n_, device=dev))
+                        and torch.equal(rs, torch.stack([a0[o0], wr_[o0]], 1))):
+                    fails.append(f"ep_sort kernels != recv_sort_torch (E/W = {per}, n = {n_})")
+        for Wf, per_rank in ((17, 3), (33, 2), (64, 4)):                # the plan at many destinations (a made-up world)
+            for Tm_, cap_, T_ in ((2048, 2048 * k // Wf + 64, 2000), (8192, 200, 8192), (5, 4, 3)):
+                ep_ = types.SimpleNamespace(per_rank=per_rank, world=Wf, rank=Wf // 3, cfg=types.SimpleNamespace(top_k=k))
+                seg_ = torch.randperm(Wf, generator=g_, device=dev)
+                ns = types.SimpleNamespace(ep=ep_, capacity=cap_, rows=Wf * cap_, slot_token=torch.arange(Tm_ * k, device=dev) // k,
+                                           dropped_=torch.zeros((), dtype=torch.long, device=dev), seg=seg_,
+                                           buckets=torch.arange(Wf + 1, device=dev)[:, None], far=Wf * cap_,
+                                           none=torch.tensor([[-1, 0]], dtype=torch.int32, device=dev), max_tokens=Tm_)
+                ids_ = torch.randint(-1, Wf * per_rank + 1, (Tm_, k), generator=g_, device=dev, dtype=torch.int32)
+                w_ = torch.rand(Tm_, k, generator=g_, device=dev)
+                n_ = torch.tensor(T_, device=dev)
+                spos, src = CapturedEP._plan(ns, ids_, n_)
+                meta, tok = CapturedEP._meta(ns, w_, ids_, src)
+                d1 = ns.dropped_.clone(); ns.dropped_.zero_()
+                z = lambda *s_, dt=torch.int32: torch.full(s_, -7, dtype=dt, device=dev)
+                fs, fm, ft = EPt.ep_send_plan(ids_, w_, n_, seg_, z(Tm_ * k), z(Wf * cap_, 2), z(Wf * cap_, dt=torch.long), ns.dropped_,
+                                              per_rank=per_rank, world=Wf, capacity=cap_, rank=ep_.rank, far=ns.far, work=ws)
+                if not (torch.equal(spos.int(), fs) and torch.equal(meta, fm) and torch.equal(tok, ft) and torch.equal(d1, ns.dropped_)):
+                    fails.append(f"ep_plan kernels != the torch plan (W = {Wf}, Tm = {Tm_}, capacity = {cap_}, T = {T_})")
+    kernels_at_real_key_counts()
     for act in acts:
         lay = M.DSV4MoE.synthetic(CFG, seed=7, act=act, device=dev).to(dev)     # the same layer on every rank
         for payload in ("bf16", "nvfp4") if act == "w4a4" else ("bf16",):
@@ -118,6 +153,7 @@ def main(acts=("w4a16", "w4a4")):
                 R_ = 320                                                # 50 tokens x 6 slots: each slot sent to its own
                 row_ = torch.randperm(R_, generator=g_, device=dev)[:300].int()   # row, some not sent (dropped), some
                 fate_ = torch.randint(0, 3, (300,), generator=g_, device=dev)      # own (spos = row), the rest far
+                fate_[:6] = 0                                           # (token 0: no slot sent, the kernel's early exit)
                 spos_ = torch.where(fate_ == 0, 2 * R_, torch.where(fate_ == 1, row_, row_ + R_)).int()
                 ms_ = torch.stack([torch.randint(-1, CFG.num_experts, (R_,), generator=g_, device=dev, dtype=torch.int32),
                                    torch.rand(R_, generator=g_, device=dev).view(torch.int32)], 1)
@@ -143,9 +179,9 @@ def main(acts=("w4a16", "w4a4")):
                     finally: EPl.EP_SORT_MAXK = keep
                     loc = (m_[:, 0] >= ep.experts.start) & (m_[:, 0] < ep.experts.stop)   # (other rows: undefined)
                     if not (all(torch.equal(a_, b_.to(a_.dtype)) for a_, b_ in zip(k1, k0)) and torch.equal(y1[loc], y0[loc])):
-                        fails.append(f"{act}: ep_recv_sort + gather_dequant != the torch ops (n={n_})")
+                        fails.append(f"{act}: the sort kernels + gather_dequant != the torch ops (n={n_})")
                 for n_ in (62000, 15520, 4097):                        # bench sizes: many batches of tiles per warp
-                    if not sort_same_large(n_, n_): fails.append(f"{act}: ep_recv_sort != recv_sort_torch (n={n_})")
+                    if not sort_same_large(n_, n_): fails.append(f"{act}: the sort kernels != recv_sort_torch (n={n_})")
             rule = capture_(MAX_T, given=True)                                  # the schedule's own choice at 320 tokens
             want_ce = CE and MAX_T >= EPc.SCHEDULE_CE_MIN_T
             if rule.schedule != (want_ce, 0.0): fails.append(f"{act} {payload}: schedule {rule.schedule}, expected ({want_ce}, 0.0)")

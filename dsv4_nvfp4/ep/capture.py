@@ -273,7 +273,7 @@ class CapturedEP:
                                 work=self.plan_work)
         spos, src = self._plan(ids, self.n)
         meta, tok = self._meta(w, ids, src, out=self.plan_meta)
-        return spos, meta, tok
+        return spos.int(), meta, tok                                        # (int32, as the kernel's: < 2R + 1 rows)
 
     def _send(self, x, spos, meta, tok):
         """(GPU) The payload: [(sent, received)] buffer pairs, (R, ...) each, for the all-to-alls; the rows' metadata
