@@ -195,7 +195,7 @@ def main(acts=("w4a16", "w4a4")):
                     fails.append(f"{act} {payload} {nm}: transport not taken as asked")
                 for T_ in (MAX_T, 37, 1, 0):
                     if not plan_same(c_, T_, T_ + 1): fails.append(f"{act} {payload} fused send plan != torch ops ({nm}, T={T_})")
-                if nm in ("rule", "copy engines"):                             # both layouts, bench sizes: every slot fits, or
+                if nm in ("kernels", "copy engines"):                          # both layouts, bench sizes: every slot fits, or
                     for Tm_, cap_, T_ in ((8192, 8192 * CFG.top_k // W + 64, 8000), (2048, 1000, 2048)):   # many are dropped
                         if not plan_same_large(c_, Tm_, cap_, T_, Tm_ + cap_):
                             fails.append(f"{act} {payload} fused send plan != torch ops ({nm}, Tm={Tm_}, capacity={cap_}, T={T_})")

@@ -8,7 +8,8 @@ that writes it is ordered before it shows as a mismatch on any replay, not only 
 
 The replays run in queues of 8 back to back, as a decode loop runs them (the references first; no host sync between the
 replays of a queue). It can fail, and shows it: `--broken` captures one more forward (NCCL's kernels, the shared
-expert after the return, a schedule the unbroken variants soak too) with the main stream's wait for the dispatch
+expert after the return: the schedule on which a read that overtakes the dispatch shows soonest, and one the default
+variant list soaks unbroken; with --kept it is not a kept schedule) with the main stream's wait for the dispatch
 removed (`torch.cuda.Stream.wait_event` a no-op during that capture: the experts may read the rows before they
 arrive) and requires mismatches there; the run fails if the broken forward stays exact. Mismatches only on the copy
 engines could be a rank poisoning its window while a slower peer still reads it: rerun with a barrier before each
@@ -102,8 +103,8 @@ def main():
     ap.add_argument("--payloads", default="bf16,nvfp4", help="W4A4's payloads to soak (W4A16 sends bf16 only)")
     ap.add_argument("--kept", action="store_true", help="only the schedules `capture_schedule` picks for each payload "
                     "(at 1, SCHEDULE_CE_MIN_T and SCHEDULE_LARGE_T tokens per rank), instead of the five variants")
-    ap.add_argument("--variants", default="", help="comma-separated substrings: only the variants whose name holds one "
-                    "(e.g. 'copy engines'); empty: all. For splitting a 10,000-replay soak over several runs")
+    ap.add_argument("--variants", default="", help="';'-separated substrings: only the variants whose name holds one "
+                    "(e.g. 'copy engines, shared 0%%'); empty: all. For splitting a 10,000-replay soak over several runs")
     args = ap.parse_args()
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -122,7 +123,7 @@ def main():
                 ts = (1, EPc.SCHEDULE_CE_MIN_T, EPc.SCHEDULE_LARGE_T)
                 kept = dict.fromkeys(tuple(EPc.capture_schedule(payload, t, W, CE)) for t in ts)
                 variants = [(f"kept: {'copy engines' if ce else 'kernels'}, shared {after:.0%} after", (ce, after)) for ce, after in kept]
-            if args.variants: variants = [v for v in variants if any(k in v[0] for k in args.variants.split(","))]
+            if args.variants: variants = [v for v in variants if any(k in v[0] for k in args.variants.split(";"))]
             for name, how in variants:
                 with forced(*how): c = CapturedEP(ep, args.max_tokens, given=True)
                 made.append(c)
@@ -130,6 +131,7 @@ def main():
                 br, bt = soak(lay, c, args.replays, W, r, dev)
                 lines.append(f"{act} {payload} {name}: {args.replays} replays, {br} mismatching ({bt} tokens), "
                              f"{c.dropped} slots dropped, {time.time() - t0:.0f} s")
+                print(f"rank {r}: {lines[-1]}", flush=True)                  # (as each finishes: a cut run keeps them)
                 if br or c.dropped: fails.append(lines[-1])
             if args.broken:                                     # the dispatch not awaited: must be caught
                 with forced(False, 1.0, broken=True): c = CapturedEP(ep, args.max_tokens, given=True)
@@ -140,8 +142,8 @@ def main():
                 dist.all_reduce(caught)
                 lines.append(f"{act} {payload} BROKEN wait (kernels, shared after the return): {n} replays, "
                              f"{int(caught.item())} mismatching over the ranks ({bt} tokens here)")
+                print(f"rank {r}: {lines[-1]}", flush=True)
                 if caught.item() == 0: fails.append("the broken event wait was not caught: " + lines[-1])
-    for ln in lines: print(f"rank {r}: {ln}", flush=True)
     bad = torch.tensor([len(fails)], device=dev)
     dist.all_reduce(bad)
     dist.barrier()

@@ -1,9 +1,10 @@
 """Timeline of the captured expert-parallel forward (a GPU tool, not a test), under torchrun: `bench ep`'s DSV4-Flash
 W4A4 layer (`bench_ep_layer`, the balanced router) as `CapturedEP` at T tokens per rank and `bench_capacity`, on the
 schedule `capture_schedule` picks, profiled with torch.profiler (CUPTI) over N replays, every rank starting together.
-Rank 0 writes OUT.json: per replay (from the call's copy of x into the graph's input), every kernel, copy and memset
-with its stream, its start (us from that copy) and its duration; and prints the median replay (by span) as a table,
-with the time each stream was busy.
+Rank 0 writes OUT.json: per replay (what follows a marker kernel launched before each call: the copy of x into the
+graph's input, then the graph), every kernel, copy and memset with its stream, its start (us from the replay's first
+event) and its duration; and prints the median replay (by span) as a table, with the time each stream was busy. The
+barriers between replays run on a gloo group, so they put no work on the GPUs.
 
     torchrun --nproc-per-node 2 tests/ep_timeline.py OUT.json [--tokens 2048] [--payload nvfp4] [--replays 8]"""
 import argparse
@@ -40,24 +41,23 @@ def main():
     x = (torch.randn(W * T, FLASH.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)[r * T:(r + 1) * T].contiguous()
     c = CapturedEP(ep, T, capacity=bench_capacity(T, FLASH, W))
     for _ in range(3): c(x)
-    torch.cuda.synchronize(); dist.barrier()
+    host = dist.new_group(backend="gloo")                   # the barriers between replays: no GPU work of their own
+    torch.cuda.synchronize(); dist.barrier(group=host)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.replays):
-            dist.barrier(); torch.cuda.synchronize()
+            dist.barrier(group=host); torch.cuda.synchronize()
+            torch.cuda._sleep(100)                          # a marker kernel: a replay is what follows it
             c(x)
             torch.cuda.synchronize()
-    dist.barrier()
+    dist.barrier(group=host)
     ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    # a replay starts at the call's copy of x into the graph's input (the one device-to-device memcpy of a call: the
-    # all-to-alls' copies are peer-to-peer) and runs to the next one; the barriers' own all-reduces are left out
     reps, cur = [], None
     for e in ev:
-        if "nccl" in e.name.lower() and "allreduce" in e.name.lower(): continue
-        if e.name.startswith("Memcpy DtoD"):
-            cur = []; reps.append(cur)
+        if "spin" in e.name.lower():
+            cur = []; reps.append(cur); continue
         if cur is not None: cur.append(e)
     out = []
-    for rep in reps:
+    for rep in filter(None, reps):
         t0 = rep[0].time_range.start
         out.append(dict(span_us=round(max(e.time_range.end for e in rep) - t0, 1),
                         events=[dict(name=e.name[:100], stream=getattr(e, "device_resource_id", None),

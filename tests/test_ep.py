@@ -151,7 +151,7 @@ def test_partition_and_payload_bytes():
 
 
 def test_the_schedule_is_a_size_rule():
-    "One schedule per (payload, size): NCCL's kernels only for bf16 below 2048 tokens per rank; the shared expert split from 2048."
+    "One schedule per (payload, size): NCCL's kernels below 128 tokens per rank, the copy engines from 128 (both payloads); the shared expert split from 2048."
     from dsv4_nvfp4.ep.capture import SCHEDULE_CE_MIN_T, SCHEDULE_LARGE_T, capture_schedule
     for T in (1, 4, SCHEDULE_CE_MIN_T - 1):
         assert capture_schedule("bf16", T, 2, True) == (False, 0.0) and capture_schedule("nvfp4", T, 2, True) == (False, 0.0)
