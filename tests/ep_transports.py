@@ -7,7 +7,12 @@ reports). Rank 0 prints one JSON row per size, keyed as the records in
 nbs/measured/bench_ep_*.json are (`graph_cap`: NCCL's kernels at the bench's capacity, `graph_cap_ce`: the copy
 engines), and with OUT.json writes them as one record's `res`.
 
-    torchrun --nproc-per-node 2 tests/ep_transports.py [--out OUT.json] [T ...]        (default T: 1 4 32 128 512)"""
+With `--shared-after F,F,...` it times instead the copy engines with the last F of the shared expert beside the return,
+one key per F (`graph_cap_shP_ce`, P = 100 F), to place the split where the first part covers the dispatch and the
+rest covers the return.
+
+    torchrun --nproc-per-node 2 tests/ep_transports.py [--out OUT.json] [--shared-after F,...] [T ...]
+        (default T: 1 4 32 128 512)"""
 import json
 import os
 import sys
@@ -26,8 +31,12 @@ from ep_gpu_check import forced
 
 def main():
     args = sys.argv[1:]
-    out = args[args.index("--out") + 1] if "--out" in args else None
-    sizes = [int(a) for i, a in enumerate(args) if a != "--out" and (i == 0 or args[i - 1] != "--out")] or [1, 4, 32, 128, 512]
+    opt = lambda nm: args[args.index(nm) + 1] if nm in args else None
+    out, after = opt("--out"), opt("--shared-after")
+    flags = ("--out", "--shared-after")
+    sizes = [int(a) for i, a in enumerate(args) if a not in flags and (i == 0 or args[i - 1] not in flags)] or [1, 4, 32, 128, 512]
+    variants = ([(True, float(f), f"graph_cap_sh{round(100 * float(f))}_ce") for f in after.split(",")] if after else
+                [(False, 0.0, "graph_cap"), (True, 0.0, "graph_cap_ce")])
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"])); dist.init_process_group("nccl")
     W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
@@ -42,8 +51,8 @@ def main():
         t1 = _timed(lambda: one(x_all), 20); want = one(x_all).clone(); del one
         row = dict(tokens_per_rank=T, world=W, t_one_graph_ms=round(t1, 4), bit_exact_one_graph=True)
         for p, ep in eps.items():
-            for ce, key in ((False, "graph_cap"), (True, "graph_cap_ce")):
-                with forced(ce, 0.0): c = CapturedEP(ep, T, capacity=bench_capacity(T, FLASH, W))
+            for ce, sh, key in variants:
+                with forced(ce, sh): c = CapturedEP(ep, T, capacity=bench_capacity(T, FLASH, W))
                 y = c(x).clone()
                 row[f"t_ep_{p}_{key}_ms"] = round(_timed(lambda: c(x), 20), 4)
                 row[f"bit_exact_{p}_{key}"] = bool(torch.equal(y, want[r * T:(r + 1) * T]))   # (the one GPU's own routing)
