@@ -253,9 +253,8 @@ class DSV4MoE(torch.nn.Module):
         """What a captured forward reads that can change under it: the backend and activation kind, the prepared weights
         `w` (by identity) and the addresses of the `_GRAPH_READS` buffers."""
         b = self._buffers                                 # straight from the dict (Module.__getattr__ is the slow path)
-        gw, gb, tid, s1, s2 = b["gate_weight"], b["gate_bias"], b["tid2eid"], b["a1_scales"], b["a2_scales"]
-        return (self.backend, self.act, id(w[0]), id(w[1]), gw.data_ptr(), None if gb is None else gb.data_ptr(),
-                None if tid is None else tid.data_ptr(), None if s1 is None else s1.data_ptr(), None if s2 is None else s2.data_ptr())
+        return (self.backend, self.act, id(w[0]), id(w[1]),
+                *[None if (t := b[n]) is None else t.data_ptr() for n in self._GRAPH_READS])
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                        check: bool = True,  # GPU: read the bad-routing counter after the launch (a host sync)
@@ -295,12 +294,12 @@ class DSV4MoE(torch.nn.Module):
             if len(self._choice) > 64: self._choice.clear()
             key = self._choice[memo] = (dev, b.name)
         hit = self._prepared.get(key)
-        if hit is None or getattr(hit, "src", (None, None))[0] is not self.w13 or hit.src[1] is not self.w2:
+        src = getattr(hit, "src", None)                   # (a layer pickled before `_Prepared` holds plain tuples: none)
+        if src is None or src[0] is not self.w13 or src[1] is not self.w2:
             # key[1]: the backend's name (b is unset when the choice was remembered); prepared again when `w13` or `w2`
             # was replaced (an assignment of new weights is seen; changing their tensors in place is not). What the
             # stale preparation fed goes first (its decode graphs and shared-expert views), so two layouts never coexist
-            if hit is not None:
-                self._graphs.pop(dev, None); self._apart.pop(dev, None); self._prepared.pop(key, None); hit = None
+            if hit is not None: self._graphs.pop(dev, None); self._apart.pop(dev, None)
             hit = self._prepared[key] = _Prepared(prepare_weights(self.w13, device=dev, backend=key[1]),
                                                   prepare_weights(self.w2, device=dev, backend=key[1]), (self.w13, self.w2))
         return hit

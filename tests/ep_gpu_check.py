@@ -43,6 +43,15 @@ def forced(copy_engines: bool, shared_after: float, plan_keys: int | None = None
         torch.cuda.Stream.wait_event, torch.cuda.Stream.wait_stream = wait, join
 
 
+def nccl_init():
+    """Under torchrun: NVLink multicast off, this process's GPU (LOCAL_RANK) current, the NCCL process group made:
+    (world size, rank, device)."""
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    return dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+
+
 def teardown(made: list, r: int):
     """Close every capture, then destroy the process group: the graphs and the registered windows go before the
     communicators they use (a teardown with graphs alive hung); a teardown that hangs exits the process at once."""
@@ -59,10 +68,7 @@ def teardown(made: list, r: int):
 
 def main(acts=("w4a16", "w4a4")):
     if not acts or any(a not in ("w4a16", "w4a4") for a in acts): raise SystemExit(f"ep_gpu_check: kinds are w4a16 and w4a4, got {acts}")
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")   # no NVLink multicast
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    W, r, dev = nccl_init()
     fails, made = [], []
     CE = W > 1 and EPt.copy_engines_supported()
     if r == 0: print(f"world {W}, copy engines {'supported' if CE else 'not supported: NCCL kernels only'}", flush=True)

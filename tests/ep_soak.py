@@ -32,7 +32,7 @@ from dsv4_nvfp4.ep import capture as EPc
 from dsv4_nvfp4.ep import transport as EPt
 from dsv4_nvfp4.ep.capture import CapturedEP
 from dsv4_nvfp4.ep.layer import EPMoE
-from ep_gpu_check import forced, teardown                                          # (tests/, this script's folder)
+from ep_gpu_check import forced, nccl_init, teardown                                          # (tests/, this script's folder)
 
 CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scaling_factor=1.5)
 POISON = {torch.bfloat16: float("nan"), torch.uint8: 0xFF}
@@ -106,10 +106,7 @@ def main():
     ap.add_argument("--variants", default="", help="';'-separated substrings: only the variants whose name holds one "
                     "(e.g. 'copy engines, shared 0%%'); empty: all. For splitting a 10,000-replay soak over several runs")
     args = ap.parse_args()
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    W, r, dev = nccl_init()
     if W < 2 or CFG.num_experts % W: raise SystemExit(f"ep_soak: needs 2 or more ranks dividing {CFG.num_experts} experts, got {W}")
     CE = EPt.copy_engines_supported()
     fails, made, lines = [], [], []

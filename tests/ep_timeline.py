@@ -21,6 +21,7 @@ from dsv4_nvfp4.bench.ep import bench_capacity, bench_ep_layer
 from dsv4_nvfp4.ep.capture import CapturedEP
 from dsv4_nvfp4.ep.layer import EPMoE
 from dsv4_nvfp4.moe import FLASH
+from ep_gpu_check import nccl_init                                              # (tests/, this script's folder)
 
 
 def main():
@@ -30,10 +31,7 @@ def main():
     ap.add_argument("--payload", default="nvfp4")
     ap.add_argument("--replays", type=int, default=8)
     a = ap.parse_args()
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    W, r, dev = nccl_init()
     lay = bench_ep_layer(FLASH, dev)
     ep = EPMoE(lay, payload=a.payload).to(dev)
     T = a.tokens

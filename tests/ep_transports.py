@@ -13,6 +13,7 @@ rest covers the return.
 
     torchrun --nproc-per-node 2 tests/ep_transports.py [--out OUT.json] [--shared-after F,...] [T ...]
         (default T: 1 4 32 128 512)"""
+import argparse
 import json
 import os
 import sys
@@ -26,29 +27,27 @@ from dsv4_nvfp4.bench.ep import _timed, bench_capacity, bench_ep_layer
 from dsv4_nvfp4.ep.capture import CapturedEP
 from dsv4_nvfp4.ep.layer import EPMoE
 from dsv4_nvfp4.moe import FLASH
-from ep_gpu_check import forced
+from ep_gpu_check import forced, nccl_init
 
 
 def main():
-    args = sys.argv[1:]
-    opt = lambda nm: args[args.index(nm) + 1] if nm in args else None
-    out, after = opt("--out"), opt("--shared-after")
-    flags = ("--out", "--shared-after")
-    sizes = [int(a) for i, a in enumerate(args) if a not in flags and (i == 0 or args[i - 1] not in flags)] or [1, 4, 32, 128, 512]
-    variants = ([(True, float(f), f"graph_cap_sh{round(100 * float(f))}_ce") for f in after.split(",")] if after else
-                [(False, 0.0, "graph_cap"), (True, 0.0, "graph_cap_ce")])
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"])); dist.init_process_group("nccl")
-    W, r, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tokens", type=int, nargs="*", default=[1, 4, 32, 128, 512], help="tokens per rank")
+    ap.add_argument("--out", default=None, help="rank 0 writes the rows here as one record's `res`")
+    ap.add_argument("--shared-after", default=None, help="F,F,...: the copy engines with each split instead")
+    a = ap.parse_args()
+    variants = ([(True, float(f), f"graph_cap_sh{round(100 * float(f))}_ce") for f in a.shared_after.split(",")] if a.shared_after
+                else [(False, 0.0, "graph_cap"), (True, 0.0, "graph_cap_ce")])
+    W, r, dev = nccl_init()
     lay = bench_ep_layer(FLASH, dev)
     eps = {p: EPMoE(lay, payload=p).to(dev) for p in ("bf16", "nvfp4")}
     rows = []
-    for T in sizes:
+    for T in a.tokens:
         g = torch.Generator(device=dev).manual_seed(1000 + T)
         x_all = (torch.randn(W * T, FLASH.hidden, generator=g, device=dev) * 0.5).to(torch.bfloat16)
         x = x_all[r * T:(r + 1) * T].contiguous()
         one = lay.capture(W * T); one(x_all)
-        t1 = _timed(lambda: one(x_all), 20); want = one(x_all).clone(); del one
+        t1 = _timed(lambda: one(x_all), 20); want = one(x_all).clone(); one = None
         row = dict(tokens_per_rank=T, world=W, t_one_graph_ms=round(t1, 4), bit_exact_one_graph=True)
         for p, ep in eps.items():
             for ce, sh, key in variants:
@@ -56,11 +55,11 @@ def main():
                 y = c(x).clone()
                 row[f"t_ep_{p}_{key}_ms"] = round(_timed(lambda: c(x), 20), 4)
                 row[f"bit_exact_{p}_{key}"] = bool(torch.equal(y, want[r * T:(r + 1) * T]))   # (the one GPU's own routing)
-                c.close(); del c
+                c.close(); c = None
         rows.append(row)
         if r == 0: print(json.dumps(row), flush=True)
-    if r == 0 and out:
-        json.dump(dict(rows=rows, gpu=torch.cuda.get_device_name(dev), world=W, router="balanced"), open(out, "w"), indent=1)
+    if r == 0 and a.out:
+        json.dump(dict(rows=rows, gpu=torch.cuda.get_device_name(dev), world=W, router="balanced"), open(a.out, "w"), indent=1)
     dist.barrier(); dist.destroy_process_group()
 
 
