@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NVRTC = [("pytest_kernels", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider -n {ngpu} tests/test_kernels_gpu.py", "all", 300),
          ("pytest_kv_route", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_kv_gpu.py tests/test_moe_route_gpu.py tests/test_attention_gpu.py", 1, 120)]
 NVRTC_NBS = ["03_runtime", "03a_quantize_cuda", "03b_norm_quantize", "06_kv_compress", "07_dequant_gather", "07b_sparse_attention", "07c_bench_attn", "index"]
-CUTE = [("pytest_ep_2gpu", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_ep_gpu.py", 2, 130),
+CUTE = [("pytest_ep_2gpu", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_ep_gpu.py tests/test_ep_soak_gpu.py", 2, 250),
         ("pytest_gemm", "python3 -m pytest -v -rA --tb=short -m gpu -p no:cacheprovider tests/test_gemm_gpu.py tests/test_w4a8_gpu.py", 1, 220),
         ("pytest_mlp", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_mlp_gpu.py tests/test_swiglu_gpu.py tests/test_mxfp4_gpu.py", 1, 190),
         ("pytest_moe", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_moe_gpu.py tests/test_moe_formats_gpu.py -k 'not flash_layer_accuracy'", 1, 330),
