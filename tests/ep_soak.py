@@ -38,6 +38,11 @@ CFG = M.MoEConfig(hidden=2048, inter=1024, num_experts=16, top_k=6, routed_scali
 POISON = {torch.bfloat16: float("nan"), torch.uint8: 0xFF}
 
 
+def say(line: str):
+    "One line in one write: the ranks share the terminal, and print's two writes (text, newline) interleave."
+    sys.stdout.write(line + "\n"); sys.stdout.flush()
+
+
 def poison(c: CapturedEP):
     """Fill what a replay must overwrite: the row buffers with NaN (bf16) or 0xFF (codes, scales: an E4M3 NaN scale),
     the rows' metadata with -1 (expert -1, weight bits NaN). Not the plan's slot indices (-1 would index out of bounds)
@@ -128,7 +133,7 @@ def main():
                 br, bt = soak(lay, c, args.replays, W, r, dev)
                 lines.append(f"{act} {payload} {name}: {args.replays} replays, {br} mismatching ({bt} tokens), "
                              f"{c.dropped} slots dropped, {time.time() - t0:.0f} s")
-                print(f"rank {r}: {lines[-1]}", flush=True)                  # (as each finishes: a cut run keeps them)
+                say(f"rank {r}: {lines[-1]}")                                 # (as each finishes: a cut run keeps them)
                 if br or c.dropped: fails.append(lines[-1])
             if args.broken:                                     # the dispatch not awaited: must be caught
                 with forced(False, 1.0, broken=True): c = CapturedEP(ep, args.max_tokens, given=True)
@@ -139,7 +144,7 @@ def main():
                 dist.all_reduce(caught)
                 lines.append(f"{act} {payload} BROKEN wait (kernels, shared after the return): {n} replays, "
                              f"{int(caught.item())} mismatching over the ranks ({bt} tokens here)")
-                print(f"rank {r}: {lines[-1]}", flush=True)
+                say(f"rank {r}: {lines[-1]}")
                 if caught.item() == 0: fails.append("the broken event wait was not caught: " + lines[-1])
     bad = torch.tensor([len(fails)], device=dev)
     dist.all_reduce(bad)
