@@ -324,7 +324,8 @@ class DSV4MoE(torch.nn.Module):
         return torch.where(held, rows.double()[rt.inv.clamp(min=0)], 0.0).sum(1).to(torch.bfloat16)
 
     @torch.inference_mode(False)
-    def buffers(self, capacity: int, device) -> tuple:
+    def buffers(self, capacity: int, device,
+                out_rows: bool = True) -> tuple:   # False: no L2 output rows (a caller that passes its own), None there
         """(RouteBuffers, h, h decoded or None, L2 output rows, the shared expert's own or None) for up to `capacity`
         tokens: every buffer one forward needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales
         for W4A4). The last: (h (c, I), its L2 output (c, H), offsets int32 (1,), row scales (c, 2) of ones) with
@@ -346,7 +347,7 @@ class DSV4MoE(torch.nn.Module):
             side = (e(cs, I), e(cs, c.hidden), torch.zeros(1, dtype=torch.int32, device=dev),
                     torch.ones(cs, 2, dtype=torch.float32, device=dev))
         return (route_buffers(capacity, c.num_experts, c.top_k, c.hidden, dev, experts=self.experts, shared=self.shared),
-                h, h_dec, e(R, c.hidden), side)
+                h, h_dec, e(R, c.hidden) if out_rows else None, side)
 
     def local(self, experts, shared: bool = True) -> "DSV4MoE":
         """The expert-parallel slice of this layer that holds `experts` (increasing global ids, all held here) and, if

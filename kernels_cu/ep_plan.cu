@@ -40,6 +40,8 @@
 // key, scans over the warps, and places every slot in slot order: a warp's 32-slot tile groups equal keys with
 // __match_any_sync, and each warp issues the loads of EP_BATCH tiles before it uses any. One CTA did the whole sort
 // before: it was bound by its own work per tile (37 / 142 us for the plan at 2048 / 8192 tokens per rank on an H200).
+// Where the slots fit one CTA (the launcher's grid of one), ep_plan_one and ep_sort_one run the count and the place in
+// one launch: the one CTA is the count's last, so its positions are in the workspace when its barrier passes.
 // Workspace: int32, EP_WORK_INTS = 32 + EP_SORT_MAXK (EP_GMAX + 1) entries, zero the first time (the ticket); a place
 // kernel traps on a position outside its outputs (a corrupted workspace) rather than write there.
 // Keys: at most EP_MAXB = 64 (chunks x ranks) for the plan; the launchers check. No host read: CUDA-graph capturable.
@@ -61,7 +63,7 @@ using namespace nvfp4;
 #define EP_WSTRIDE (EP_GMAX + 1)              // workspace row of one key: its CTAs, then (plan) its total
 #define EP_WORK_INTS (32 + EP_SORT_MAXK * EP_WSTRIDE)
 static_assert(EP_SORT_MAXK * (EP_WARPS + 1) * 4 + EP_SORT_MAXK * 4 <= 48 * 1024,
-              "ep_sort_place: its counters must fit 48 KB of static shared memory");
+              "ep_sort_place and ep_sort_one (the count's counters too): must fit 48 KB of static shared memory");
 
 struct PlanKeys {
     int k, per_rank, W, C, Tc, by_expert;
@@ -144,12 +146,12 @@ __device__ __forceinline__ void count_finish(const int* c, int B, int* __restric
     }
 }
 
-extern "C" __global__ void __launch_bounds__(EP_THREADS)
-ep_plan_count(const int* __restrict__ ids,          // int32 (T_max * k): expert id of each slot
-              const long long* __restrict__ n_ptr,  // int64 (): real tokens (<= T_max)
-              int Tk, int k, int per_rank, int W, int C, int Tc, int by_expert,
-              int per_cta,                          // slots per CTA (a multiple of EP_THREADS)
-              int* __restrict__ work)               // int32 (EP_WORK_INTS,): the workspace
+__device__ __forceinline__ void
+plan_count(const int* __restrict__ ids,          // int32 (T_max * k): expert id of each slot
+           const long long* __restrict__ n_ptr,  // int64 (): real tokens (<= T_max)
+           int Tk, int k, int per_rank, int W, int C, int Tc, int by_expert,
+           int per_cta,                          // slots per CTA (a multiple of EP_THREADS)
+           int* __restrict__ work)               // int32 (EP_WORK_INTS,): the workspace
 {
     __shared__ int c[EP_MAXB];
     const int tid = threadIdx.x, B = C * W;
@@ -167,20 +169,20 @@ ep_plan_count(const int* __restrict__ ids,          // int32 (T_max * k): expert
     count_finish<(EP_MAXB + EP_WARPS - 1) / EP_WARPS, false>(c, B, work, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(EP_THREADS)
-ep_plan_place(const int* __restrict__ ids,          // int32 (T_max * k): expert id of each slot
-              const float* __restrict__ w,          // fp32 (T_max * k): routing weight of each slot
-              const long long* __restrict__ n_ptr,  // int64 (): real tokens (<= T_max)
-              const long long* __restrict__ seg,    // int64 (W,): segment of each destination within a chunk
-              const int* __restrict__ work,         // int32: ep_plan_count's positions
-              int* __restrict__ spos,               // int32 (T_max * k) out: each slot's row for the combine (R + far: none)
-              int* __restrict__ meta,               // int32 (R, 2) out: (expert id, weight bits) of each send row
-              long long* __restrict__ tok,          // int64 (R,) out: token of each send row
-              unsigned long long* __restrict__ dropped,   // int64 (): += real slots past the capacity
-              int Tk, int k, int per_rank, int W, int C, int Tc, int cap, int R, int T_max, int by_expert,
-              int rank,                             // this rank
-              int far,                              // added to spos but for this rank's own slots
-              int per_cta)                          // slots per CTA, as ep_plan_count's
+__device__ __forceinline__ void
+plan_place(const int* __restrict__ ids,          // int32 (T_max * k): expert id of each slot
+           const float* __restrict__ w,          // fp32 (T_max * k): routing weight of each slot
+           const long long* __restrict__ n_ptr,  // int64 (): real tokens (<= T_max)
+           const long long* __restrict__ seg,    // int64 (W,): segment of each destination within a chunk
+           const int* __restrict__ work,         // int32: ep_plan_count's positions
+           int* __restrict__ spos,               // int32 (T_max * k) out: each slot's row for the combine (R + far: none)
+           int* __restrict__ meta,               // int32 (R, 2) out: (expert id, weight bits) of each send row
+           long long* __restrict__ tok,          // int64 (R,) out: token of each send row
+           unsigned long long* __restrict__ dropped,   // int64 (): += real slots past the capacity
+           int Tk, int k, int per_rank, int W, int C, int Tc, int cap, int R, int T_max, int by_expert,
+           int rank,                             // this rank
+           int far,                              // added to spos but for this rank's own slots
+           int per_cta)                          // slots per CTA, as ep_plan_count's
 {
     __shared__ int cnt[EP_WARPS][EP_MAXB];          // per warp, per key: slots; then the next free place
     __shared__ int total[EP_MAXB];
@@ -256,6 +258,40 @@ ep_plan_place(const int* __restrict__ ids,          // int32 (T_max * k): expert
     }
 }
 
+extern "C" __global__ void __launch_bounds__(EP_THREADS)
+ep_plan_count(const int* __restrict__ ids, const long long* __restrict__ n_ptr,
+              int Tk, int k, int per_rank, int W, int C, int Tc, int by_expert, int per_cta, int* __restrict__ work)
+{
+    plan_count(ids, n_ptr, Tk, k, per_rank, W, C, Tc, by_expert, per_cta, work);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS)
+ep_plan_place(const int* __restrict__ ids, const float* __restrict__ w, const long long* __restrict__ n_ptr,
+              const long long* __restrict__ seg, const int* __restrict__ work, int* __restrict__ spos, int* __restrict__ meta,
+              long long* __restrict__ tok, unsigned long long* __restrict__ dropped,
+              int Tk, int k, int per_rank, int W, int C, int Tc, int cap, int R, int T_max, int by_expert, int rank, int far,
+              int per_cta)
+{
+    plan_place(ids, w, n_ptr, seg, work, spos, meta, tok, dropped, Tk, k, per_rank, W, C, Tc, cap, R, T_max, by_expert,
+               rank, far, per_cta);
+}
+
+// One CTA (the launcher's grid when the slots fit one): the count and the place in one launch, ep_plan_place's
+// arguments. The CTA is the count's last: its positions are in the workspace when the barrier passes.
+extern "C" __global__ void __launch_bounds__(EP_THREADS)
+ep_plan_one(const int* __restrict__ ids, const float* __restrict__ w, const long long* __restrict__ n_ptr,
+            const long long* __restrict__ seg, int* __restrict__ work, int* __restrict__ spos, int* __restrict__ meta,
+            long long* __restrict__ tok, unsigned long long* __restrict__ dropped,
+            int Tk, int k, int per_rank, int W, int C, int Tc, int cap, int R, int T_max, int by_expert, int rank, int far,
+            int per_cta)
+{
+    if (gridDim.x != 1) __trap();                                   // (the launcher picks it for one CTA only)
+    plan_count(ids, n_ptr, Tk, k, per_rank, W, C, Tc, by_expert, per_cta, work);
+    __syncthreads();
+    plan_place(ids, w, n_ptr, seg, work, spos, meta, tok, dropped, Tk, k, per_rank, W, C, Tc, cap, R, T_max, by_expert,
+               rank, far, per_cta);
+}
+
 // ---------------------------------------------------------------------------------------------
 #define EP_PACK_THREADS 256
 #define EP_PACK_MAXK 32                               // slots per token at most (the launcher checks)
@@ -313,12 +349,12 @@ ep_pack_nvfp4(const __nv_bfloat16* __restrict__ x,   // bf16 (T_max, K): the tok
 }
 
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(EP_THREADS)
-ep_sort_count(const int* __restrict__ ids, long long ids_stride,   // int32: each received row's expert id
-              int n, int e0, int per_rank,
-              int per_cta,                                         // rows per CTA (a multiple of EP_THREADS)
-              int* __restrict__ work,                              // int32 (EP_WORK_INTS,): the workspace
-              int* __restrict__ offs)                              // int32 (per_rank,) out
+__device__ __forceinline__ void
+sort_count(const int* __restrict__ ids, long long ids_stride,   // int32: each received row's expert id
+           int n, int e0, int per_rank,
+           int per_cta,                                         // rows per CTA (a multiple of EP_THREADS)
+           int* __restrict__ work,                              // int32 (EP_WORK_INTS,): the workspace
+           int* __restrict__ offs)                              // int32 (per_rank,) out
 {
     __shared__ int c[EP_SORT_MAXK];
     const int tid = threadIdx.x, B = per_rank + 1;
@@ -331,16 +367,16 @@ ep_sort_count(const int* __restrict__ ids, long long ids_stride,   // int32: eac
     count_finish<(EP_SORT_MAXK + EP_WARPS - 1) / EP_WARPS, true>(c, B, work, offs);
 }
 
-extern "C" __global__ void __launch_bounds__(EP_THREADS)
-ep_sort_place(const int* __restrict__ ids, long long ids_stride,   // int32: each received row's expert id
-              const float* __restrict__ w, long long w_stride,     // fp32: its routing weight
-              int n, int e0, int per_rank,
-              const float* __restrict__ a1, int E,                 // fp32 (E,): each expert's activation global scale
-              const int* __restrict__ work,                        // int32: ep_sort_count's positions
-              int per_cta,                                         // rows per CTA, as ep_sort_count's
-              int* __restrict__ order,                             // int32 (n,) out
-              int* __restrict__ back,                              // int32 (n,) out
-              float* __restrict__ rs)                              // fp32 (n, 2) out
+__device__ __forceinline__ void
+sort_place(const int* __restrict__ ids, long long ids_stride,   // int32: each received row's expert id
+           const float* __restrict__ w, long long w_stride,     // fp32: its routing weight
+           int n, int e0, int per_rank,
+           const float* __restrict__ a1, int E,                 // fp32 (E,): each expert's activation global scale
+           const int* __restrict__ work,                        // int32: ep_sort_count's positions
+           int per_cta,                                         // rows per CTA, as ep_sort_count's
+           int* __restrict__ order,                             // int32 (n,) out
+           int* __restrict__ back,                              // int32 (n,) out
+           float* __restrict__ rs)                              // fp32 (n, 2) out
 {
     __shared__ int cnt[EP_WARPS][EP_SORT_MAXK];    // per warp, per key: rows; then the next free place
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, g = blockIdx.x;
@@ -389,4 +425,31 @@ ep_sort_place(const int* __restrict__ ids, long long ids_stride,   // int32: eac
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS)
+ep_sort_count(const int* __restrict__ ids, long long ids_stride, int n, int e0, int per_rank, int per_cta,
+              int* __restrict__ work, int* __restrict__ offs)
+{
+    sort_count(ids, ids_stride, n, e0, per_rank, per_cta, work, offs);
+}
+
+extern "C" __global__ void __launch_bounds__(EP_THREADS)
+ep_sort_place(const int* __restrict__ ids, long long ids_stride, const float* __restrict__ w, long long w_stride,
+              int n, int e0, int per_rank, const float* __restrict__ a1, int E, const int* __restrict__ work, int per_cta,
+              int* __restrict__ order, int* __restrict__ back, float* __restrict__ rs)
+{
+    sort_place(ids, ids_stride, w, w_stride, n, e0, per_rank, a1, E, work, per_cta, order, back, rs);
+}
+
+// One CTA: the count and the place in one launch (ep_sort_place's arguments, then offs), as ep_plan_one.
+extern "C" __global__ void __launch_bounds__(EP_THREADS)
+ep_sort_one(const int* __restrict__ ids, long long ids_stride, const float* __restrict__ w, long long w_stride,
+            int n, int e0, int per_rank, const float* __restrict__ a1, int E, int* __restrict__ work, int per_cta,
+            int* __restrict__ order, int* __restrict__ back, float* __restrict__ rs, int* __restrict__ offs)
+{
+    if (gridDim.x != 1) __trap();
+    sort_count(ids, ids_stride, n, e0, per_rank, per_cta, work, offs);
+    __syncthreads();
+    sort_place(ids, ids_stride, w, w_stride, n, e0, per_rank, a1, E, work, per_cta, order, back, rs);
 }

@@ -120,7 +120,7 @@ def main(acts=("w4a16", "w4a4")):
         for per in (31, 32, 33, 128, 384, 399):
             e0, E = 5, 5 + per + 1
             a1 = torch.rand(E, generator=g_, device=dev)
-            for n_ in (1, 4097, 32768, 65536):
+            for n_ in (1, 1000, 1025, 4097, 32768, 65536):          # (up to 1024: one CTA, one launch)
                 m_ = torch.stack([torch.randint(-1, E, (n_,), generator=g_, device=dev, dtype=torch.int32),
                                   torch.rand(n_, generator=g_, device=dev).view(torch.int32)], 1)
                 er_, wr_ = m_[:, 0], m_[:, 1].view(torch.float32)
@@ -130,7 +130,7 @@ def main(acts=("w4a16", "w4a4")):
                         and torch.equal(rs, torch.stack([a0[o0], wr_[o0]], 1))):
                     fails.append(f"ep_sort kernels != recv_sort_torch (E/W = {per}, n = {n_})")
         for Wf, per_rank in ((17, 3), (33, 2), (64, 4)):                # the plan at many destinations (a made-up world)
-            for Tm_, cap_, T_ in ((2048, 2048 * k // Wf + 64, 2000), (8192, 200, 8192), (5, 4, 3)):
+            for Tm_, cap_, T_ in ((2048, 2048 * k // Wf + 64, 2000), (8192, 200, 8192), (5, 4, 3), (170, 80, 169)):
                 ep_ = types.SimpleNamespace(per_rank=per_rank, world=Wf, rank=Wf // 3, cfg=types.SimpleNamespace(top_k=k))
                 seg_ = torch.randperm(Wf, generator=g_, device=dev)
                 ns = types.SimpleNamespace(ep=ep_, capacity=cap_, rows=Wf * cap_, slot_token=torch.arange(Tm_ * k, device=dev) // k,

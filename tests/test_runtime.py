@@ -55,7 +55,7 @@ EXPECTED_KERNELS = {
     | {f"nvfp4_{k}_{dt}" for k in ("amax_tensor", "amax_rows", "quantize", "quantize_rowgs") for dt in _DT3},
     "nvfp4_dequantize.cu": {"nvfp4_dequantize_bf16", "nvfp4_dequantize_f32"},
     "nvfp4_gather.cu": {"nvfp4_gather_dequant_bf16"},
-    "ep_plan.cu": {"ep_plan_count", "ep_plan_place", "ep_pack_nvfp4", "ep_sort_count", "ep_sort_place"},
+    "ep_plan.cu": {"ep_plan_count", "ep_plan_place", "ep_plan_one", "ep_pack_nvfp4", "ep_sort_count", "ep_sort_place", "ep_sort_one"},
     "nvfp4_rmsnorm_quantize.cu": {f"nvfp4_{k}_{dt}" for k in ("rmsnorm_quantize", "mhc_rmsnorm_quantize")
                                   for dt in _DT3},
     "fp8_quantize.cu": {f"fp8_quantize_rows_{dt}" for dt in _DT3},
@@ -606,10 +606,15 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
                                                              1e-6, round_to_bf16=True)))
     from dsv4_nvfp4.ep import transport as EPT                        # the expert-parallel layer's fused send plan
     Tm_, k_, R_ = 10, 3, 12
-    seen |= set(run(lambda: EPT.ep_send_plan(torch.zeros(Tm_, k_, dtype=torch.int32), torch.rand(Tm_, k_), torch.tensor(Tm_),
-                                             torch.tensor([1, 0]), torch.empty(Tm_ * k_, dtype=torch.int32), torch.empty(R_, 2, dtype=torch.int32),
-                                             torch.empty(R_, dtype=torch.long), torch.zeros((), dtype=torch.long),
-                                             per_rank=4, world=2, capacity=6, rank=1, far=R_)))
+    plan_ = lambda Tm, R: run(lambda: EPT.ep_send_plan(torch.zeros(Tm, k_, dtype=torch.int32), torch.rand(Tm, k_), torch.tensor(Tm),
+                                                       torch.tensor([1, 0]), torch.empty(Tm * k_, dtype=torch.int32),
+                                                       torch.empty(R, 2, dtype=torch.int32), torch.empty(R, dtype=torch.long),
+                                                       torch.zeros((), dtype=torch.long), per_rank=4, world=2, capacity=R // 2,
+                                                       rank=1, far=R))
+    assert plan_(Tm_, R_) == ["ep_plan_one"]                         # slots that fit one CTA: one launch
+    seq = plan_(400, 800)                                            # 1200 slots: two CTAs, the count then the place
+    assert seq == ["ep_plan_count", "ep_plan_place"], seq
+    seen |= {"ep_plan_one"} | set(seq)
     H_ = 256                                                          # its NVFP4 payload, and the receiver's sort
     seen |= set(run(lambda: EPT.pack_nvfp4(torch.randn(Tm_, H_).bfloat16(), torch.zeros(Tm_ * k_, dtype=torch.int32),
                                            torch.zeros(R_, 2, dtype=torch.int32), torch.ones(8), R_,
@@ -620,6 +625,11 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     fake_ep = NS(per_rank=4, experts=range(4, 8), a1_all=torch.ones(8))
     seq = run(lambda: EPMoE.sort_decode(fake_ep, torch.zeros(R_, H_ // 2, dtype=torch.uint8), torch.zeros(R_, H_ // 16, dtype=torch.uint8),
                                         meta_[:, 1].view(torch.float32), meta_[:, 0]))
+    assert seq == ["ep_sort_one", "nvfp4_gather_dequant_bf16"], seq
+    seen |= set(seq)
+    n_ = 1500                                                         # rows past one CTA: the count then the place
+    seq = run(lambda: EPMoE.sort_decode(fake_ep, torch.zeros(n_, H_ // 2, dtype=torch.uint8), torch.zeros(n_, H_ // 16, dtype=torch.uint8),
+                                        torch.ones(n_), torch.zeros(n_, dtype=torch.int32)))
     assert seq == ["ep_sort_count", "ep_sort_place", "nvfp4_gather_dequant_bf16"], seq
     seen |= set(seq)
     from dsv4_nvfp4 import attention as AT                            # the fused decode attention over the NVFP4 pool
@@ -634,7 +644,7 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     EPm = EPT
     ep_src = rt.kernel_source("ep_plan.cu")
     define = lambda nm: int(re.search(rf"^#define\s+{nm}\s+(\d+)", ep_src, re.M).group(1))
-    for nm in ("ep_plan_count", "ep_plan_place", "ep_sort_count", "ep_sort_place"):
+    for nm in ("ep_plan_count", "ep_plan_place", "ep_plan_one", "ep_sort_count", "ep_sort_place", "ep_sort_one"):
         assert blocks[nm] == {define("EP_THREADS")} == {EPm._EP_THREADS}, (nm, blocks)
     assert blocks["ep_pack_nvfp4"] == {define("EP_PACK_THREADS")}, blocks
     assert (EPm.EP_PLAN_MAX_KEYS, EPm.EP_SORT_MAXK) == (define("EP_MAXB"), define("EP_SORT_MAXK"))

@@ -145,8 +145,15 @@ class CapturedEP:
         ep, Tm, R, k, H, W = self.ep, self.max_tokens, self.rows, self.ep.cfg.top_k, self.ep.cfg.hidden, self.ep.world
         sh, ce = ep.shared_expert, self.schedule.copy_engines
         S = Tm - round(self.schedule.shared_after * Tm)                      # tokens [0, S): the shared expert beside the dispatch
-        self.sbufs = sh.buffers(Tm, dev) if S == Tm else (sh.buffers(Tm, dev)[0],)
-        self.shared_parts = [(a, b, sh.buffers(b - a, dev)) if b > a else None for a, b in ((0, S), (S, Tm))] if S < Tm else None
+        # (the shared expert's L2 writes its rows straight into rows_all: no output rows of its own)
+        self.sbufs = sh.buffers(Tm, dev, out_rows=False) if S == Tm else (sh.buffers(Tm, dev)[0],)
+        self.shared_parts = [(a, b, sh.buffers(b - a, dev, out_rows=False)) if b > a else None
+                             for a, b in ((0, S), (S, Tm))] if S < Tm else None
+        for part in self.shared_parts or ():                                # each part's routing, once: see `_shared`
+            if part is not None:
+                m = part[1] - part[0]
+                ids0 = torch.arange(k, dtype=torch.int32, device=dev).expand(m, k).contiguous()   # any valid ids: none held
+                route_rows(part[2][0], m, None, given=(torch.zeros(m, k, device=dev), ids0))
         # the routed experts' rows (bf16: as tokens of the one-slot layer; NVFP4: `expert_rows`' rows)
         self.rbufs = ep.routed.buffers(R if ep.payload == "bf16" else -(-R // (ep.routed.cfg.top_k + 1)), dev)
         # back: the experts' output rows (yout, [0, R)), then rows_all: [0, R) the returned slots, R a NaN row (dropped
@@ -321,16 +328,22 @@ class CapturedEP:
             xr, rs = (None, None) if split else permute_rows(x, buf, a1, n)
         return buf.topk_weights[:Tm], buf.topk_ids[:Tm], xr, rs
 
-    def _shared(self, part, w, ids, xr=None, rs=None):
-        "(GPU) The shared expert's rows: of every token (from the permuted rows xr, rs), or of one part's tokens [a, b)."
-        R, sh = self.rows, self.ep.shared_expert
+    def _shared(self, part, xr=None, rs=None):
+        """(GPU) The shared expert's rows, its L2 storing them straight into their slots of `rows_all` (token order): of
+        every token, from the router's permuted rows (xr, rs), or of one part's tokens [a, b), permuted under the part's
+        fixed routing. The shared-only layer gives token t < n row t, its only group's rows [0, n), whatever the ids (it
+        holds none of the routed experts): so a part's routing is made once, at capture, and a replay only sets the
+        group's end to the part's real tokens and permutes (no route launch, no combine: the one-slot combine of a bf16
+        row with weight 1 is that row, bit for bit). Rows of padding tokens are not written (the final combine skips them)."""
+        R, Tm, sh = self.rows, self.max_tokens, self.ep.shared_expert
         if part is None:
-            buf = self.sbufs[0]
-            combine_tokens(sh.run_experts(xr, rs, buf.offsets, self.sbufs), buf, self.rows_all[R + 1:R + 1 + self.max_tokens], self.n)
+            sh.run_experts(xr[:Tm], rs[:Tm], self.sbufs[0].offsets, self.sbufs[:3] + (self.rows_all[R + 1:R + 1 + Tm],))
             return
         a, b, bufs = part
         n = (self.n - a).clamp(0, b - a)                                     # (the padding tokens excluded)
-        sh.forward_device(self.x[a:b], given=(w[a:b], ids[a:b]), n_tokens=n, out=self.rows_all[R + 1 + a:R + 1 + b], bufs=bufs)
+        bufs[0].offsets.copy_(n)
+        xp, rp = permute_rows(self.x[a:b], bufs[0], sh.a1_scales if sh.act == "w4a4" else None, n)
+        sh.run_experts(xp[:b - a], rp[:b - a], bufs[0].offsets, bufs[:3] + (self.rows_all[R + 1 + a:R + 1 + b],))
 
     def _experts(self):
         "(GPU) The received rows through this rank's experts, into `yout` (the own rows stay there for the final combine)."
@@ -361,15 +374,15 @@ class CapturedEP:
                 for sent, recv in pairs[:-1]: dist.all_to_all_single(recv[o], sent[o], self.splits, self.splits, group=g)
             arrived = torch.cuda.Event(); arrived.record(self.comm)
         before, after = self.shared_parts or (None, None)
-        if self.shared_parts is None: self._shared(None, w, ids, xr, rs)
-        elif before is not None: self._shared(before, w, ids)
+        if self.shared_parts is None: self._shared(None, xr, rs)
+        elif before is not None: self._shared(before)
         main.wait_event(arrived)
         y = self._experts()
         if W > 1:
             self.comm.wait_stream(main)
             with torch.cuda.stream(self.comm):                               # the rows back to the other ranks
                 dist.all_to_all_single(self.rows_all[o], y[o], self.splits, self.splits, group=g)
-        if after is not None: self._shared(after, w, ids)                   # the last tokens' shared expert, beside the return
+        if after is not None: self._shared(after)                           # the last tokens' shared expert, beside the return
         main.wait_stream(self.comm)
         inv = torch.cat([spos.view(Tm, k).to(torch.int32), self.shared_slot], 1)   # dropped slots: the NaN row (R + far)
         combine_tokens(self.back, Slots(self.back, inv, H, Tm, k, c.num_experts), self.out, self.n)

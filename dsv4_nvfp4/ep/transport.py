@@ -144,7 +144,7 @@ def ep_send_plan(ids: torch.Tensor,          # int32 (Tm, k): the routed expert 
                  per_rank: int, world: int, capacity: int, rank: int, far: int,
                  work: torch.Tensor | None = None):   # `ep_workspace` (default: a new one)
     """(GPU) The fixed-shape send plan in two launches (kernels_cu/ep_plan.cu, `ep_plan_count` and `ep_plan_place` over
-    up to EP_GMAX CTAs, one chunk): each routed slot's row in a send buffer of R = W `capacity` rows (destination
+    up to EP_GMAX CTAs, one chunk; one launch, `ep_plan_one`, where the slots fit one CTA): each routed slot's row in a send buffer of R = W `capacity` rows (destination
     segment `seg[d]`, in slot order; a slot past the capacity is dropped and counted), `far` added to the row of every
     slot the final combine reads from the returned rows (all but this rank's own sent slots), and each send row's
     metadata and token. No host read; CUDA-graph capturable with a `work` made outside the capture."""
@@ -160,10 +160,13 @@ def ep_send_plan(ids: torch.Tensor,          # int32 (Tm, k): the routed expert 
     work = _check_work(work, ids.device, "ep_send_plan")
     G, per = ep_grid(Tm * k)
     keys = [rt.i32(Tm * k), rt.i32(k), rt.i32(per_rank), rt.i32(world), rt.i32(1), rt.i32(Tm)]
+    place = [rt.ptr(ids), rt.ptr(w), rt.ptr(n), rt.ptr(seg), rt.ptr(work), rt.ptr(spos), rt.ptr(meta), rt.ptr(tok),
+             rt.ptr(dropped), *keys, rt.i32(capacity), rt.i32(R), rt.i32(Tm), rt.i32(0), rt.i32(rank), rt.i32(far), rt.i32(per)]
+    if G == 1:                                                       # (a decode step: one launch less)
+        rt.launch_1d("ep_plan.cu", "ep_plan_one", 1, _EP_THREADS, place)
+        return spos, meta, tok
     rt.launch_1d("ep_plan.cu", "ep_plan_count", G, _EP_THREADS, [rt.ptr(ids), rt.ptr(n), *keys, rt.i32(0), rt.i32(per), rt.ptr(work)])
-    rt.launch_1d("ep_plan.cu", "ep_plan_place", G, _EP_THREADS,
-                 [rt.ptr(ids), rt.ptr(w), rt.ptr(n), rt.ptr(seg), rt.ptr(work), rt.ptr(spos), rt.ptr(meta), rt.ptr(tok),
-                  rt.ptr(dropped), *keys, rt.i32(capacity), rt.i32(R), rt.i32(Tm), rt.i32(0), rt.i32(rank), rt.i32(far), rt.i32(per)])
+    rt.launch_1d("ep_plan.cu", "ep_plan_place", G, _EP_THREADS, place)
     return spos, meta, tok
 
 EP_PACK_MAXK = 32       # slots per token at most (kernels_cu/ep_plan.cu's EP_PACK_MAXK)
@@ -204,7 +207,7 @@ def recv_sort_torch(er: torch.Tensor, experts: range, a1_all: torch.Tensor):
 
 def recv_sort(er: torch.Tensor, wr: torch.Tensor, experts: range, a1_all: torch.Tensor, work: torch.Tensor | None = None):
     """(GPU) `recv_sort_torch` and the sorted rows' (a1, weight) in two launches (kernels_cu/ep_plan.cu, `ep_sort_count`
-    and `ep_sort_place` over up to EP_GMAX CTAs, E/W + 1 <= `EP_SORT_MAXK`): (order int32 (n,), back int32 (n,): each
+    and `ep_sort_place` over up to EP_GMAX CTAs, E/W + 1 <= `EP_SORT_MAXK`; one, `ep_sort_one`, where the rows fit one CTA): (order int32 (n,), back int32 (n,): each
     row's sorted position, offs int32 (E/W,), rs fp32 (n, 2)). er int32, wr fp32 (n,), strided rows allowed; `work` an
     `ep_workspace` (default: a new one)."""
     from dsv4_nvfp4 import runtime as rt
@@ -216,11 +219,14 @@ def recv_sort(er: torch.Tensor, wr: torch.Tensor, experts: range, a1_all: torch.
     order, back = torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.int32, device=dev)
     offs, rs = torch.empty(per, dtype=torch.int32, device=dev), torch.empty(n, 2, dtype=torch.float32, device=dev)
     G, cta = ep_grid(n)
+    place = [rt.ptr(er), rt.i64(er.stride(0)), rt.ptr(wr), rt.i64(wr.stride(0)), rt.i32(n), rt.i32(experts.start),
+             rt.i32(per), rt.ptr(a1), rt.i32(a1.numel()), rt.ptr(work), rt.i32(cta), rt.ptr(order), rt.ptr(back), rt.ptr(rs)]
+    if G == 1:
+        rt.launch_1d("ep_plan.cu", "ep_sort_one", 1, _EP_THREADS, place + [rt.ptr(offs)])
+        return order, back, offs, rs
     rt.launch_1d("ep_plan.cu", "ep_sort_count", G, _EP_THREADS,
                  [rt.ptr(er), rt.i64(er.stride(0)), rt.i32(n), rt.i32(experts.start), rt.i32(per), rt.i32(cta), rt.ptr(work), rt.ptr(offs)])
-    rt.launch_1d("ep_plan.cu", "ep_sort_place", G, _EP_THREADS,
-                 [rt.ptr(er), rt.i64(er.stride(0)), rt.ptr(wr), rt.i64(wr.stride(0)), rt.i32(n), rt.i32(experts.start),
-                  rt.i32(per), rt.ptr(a1), rt.i32(a1.numel()), rt.ptr(work), rt.i32(cta), rt.ptr(order), rt.ptr(back), rt.ptr(rs)])
+    rt.launch_1d("ep_plan.cu", "ep_sort_place", G, _EP_THREADS, place)
     return order, back, offs, rs
 
 # %% ../../nbs/08a_ep_transport.ipynb #8ea9b89e
