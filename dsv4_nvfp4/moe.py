@@ -462,13 +462,20 @@ class DSV4MoE(torch.nn.Module):
                     *,
                     sms_free: int = 0,             # SMs the GEMMs leave free for a kernel beside them
                     weights: tuple | None = None,  # (w13, w2) prepared for these groups (default: the layer's, all groups)
-                   ) -> torch.Tensor:              # bf16 (R, H): a view of `bufs`' output rows
+                    out_rows: torch.Tensor | None = None,  # int32 (R,): the L2 stores row i at out[out_rows[i]] (W4A16, W4A4)
+                    out: torch.Tensor | None = None,       # bf16 (M, H) with out_rows (default: `bufs`' output rows)
+                   ) -> torch.Tensor:              # bf16 (R, H): a view of `bufs`' output rows (with out_rows: `out`)
         """The fused L1 (SwiGLU, routing weight, for W4A4 h's NVFP4 quantization) and the L2 over expert-major rows, with
         the inputs already checked (`expert_rows` is the checked entry): two launches (W4A8: four, x and h quantized
         per row, each row's E4M3 scale written into `row_scales[:, 0]`; three when x comes in E4M3 already), no sync,
         no allocation; the result is a view of
-        `bufs`' output rows that the next call overwrites."""
+        `bufs`' output rows that the next call overwrites. With `out_rows` the L2's epilogue stores each row at its place
+        in `out` (`grouped_gemm_nvfp4`'s row map: the EP receiver's rows back in receive order without a row gather);
+        W4A8's L2 has no row map: ValueError."""
         c, (_, h, h_dec, rows_out) = self.cfg, bufs[:4]
+        if out_rows is not None:
+            if self.act == "w4a8": raise ValueError("DSV4MoE.run_experts: out_rows needs the W4A16 or W4A4 L2 (W4A8's has no row map)")
+            if out is None: raise ValueError("DSV4MoE.run_experts: out_rows needs out=")
         w13p, w2p = self.prepared(xr.device) if weights is None else weights
         R = xr.shape[0]
         kw = dict(swiglu_limit=c.swiglu_limit, row_scales=row_scales, scales_given=True, sms_free=sms_free)
@@ -486,8 +493,8 @@ class DSV4MoE(torch.nn.Module):
         else:
             h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out_dtype="nvfp4", out_scale=self.a2_scales,
                                           out=NVFP4Tensor(h.data[:R], h.scale[:R], h.global_scale[:R], (R, c.inter)), **kw)
-        return grouped_gemm_nvfp4(h, w2p, offs, out=rows_out[:R], workspace=None if h_dec is None else h_dec[:R],
-                                  sms_free=sms_free)
+        return grouped_gemm_nvfp4(h, w2p, offs, out=rows_out[:R] if out_rows is None else out,
+                                  workspace=None if h_dec is None else h_dec[:R], sms_free=sms_free, out_rows=out_rows)
 
     def expert_rows(self, xr: torch.Tensor,       # bf16 (R, H) expert-major rows (W4A4: code x block scale, as the permute stores them)
                     row_scales: torch.Tensor,     # fp32 (R, 2): per row (gs_a, routing weight); gs_a is W4A4's a1 of the row's group
@@ -496,7 +503,9 @@ class DSV4MoE(torch.nn.Module):
                     bufs: tuple | None = None,    # `buffers(n)` with n (k + 1) >= R (a captured graph's own); default: the eager ones
                     copy: bool = True,            # False: return a view of `bufs`' output rows (the next call overwrites it)
                     sms_free: int = 0,            # SMs the GEMMs leave free for a kernel beside them (EP)
-                   ) -> torch.Tensor:             # bf16 (R, H): each row's weighted expert output
+                    out_rows: torch.Tensor | None = None,  # int32 (R,): row i stored at out[out_rows[i]] (`run_experts`)
+                    out: torch.Tensor | None = None,       # bf16 (M, H): with out_rows, the rows' destination (returned)
+                   ) -> torch.Tensor:             # bf16 (R, H): each row's weighted expert output (with out_rows: `out`)
         """The fused L1 and L2 alone, over rows that are already expert-major (the expert-parallel layer's received rows):
         what the forward does between its permute and its combine, row for row. A CUDA graph passes its own `bufs`: the
         eager ones are replaced (and freed) when a larger call needs more. The result is a new tensor, or with
@@ -506,15 +515,16 @@ class DSV4MoE(torch.nn.Module):
         if tuple(row_scales.shape) != (R, 2) or tuple(offsets.shape) != (self.num_groups,):
             raise ValueError(f"DSV4MoE.expert_rows: row_scales must be ({R}, 2) and offsets ({self.num_groups},), got "
                              f"{tuple(row_scales.shape)} and {tuple(offsets.shape)}")
-        if R == 0: return torch.empty(0, self.cfg.hidden, dtype=torch.bfloat16, device=dev)
+        if R == 0: return out if out_rows is not None else torch.empty(0, self.cfg.hidden, dtype=torch.bfloat16, device=dev)
         cap = -(-R // (self.cfg.top_k + 1))
         if bufs is not None:
             if bufs[0].capacity < cap: raise ValueError(f"DSV4MoE.expert_rows: {R} rows need buffers for {cap} tokens, got {bufs[0].capacity}")
         else:
             bufs = self._eager.get(dev)
             if bufs is None or bufs[0].capacity < cap: bufs = self._eager[dev] = self.buffers(cap, dev)
-        y = self.run_experts(xr.contiguous(), row_scales.float().contiguous(), offsets, bufs, sms_free=sms_free)
-        return y.clone() if copy else y
+        y = self.run_experts(xr.contiguous(), row_scales.float().contiguous(), offsets, bufs, sms_free=sms_free,
+                             out_rows=out_rows, out=out)
+        return y.clone() if copy and out_rows is None else y
 
 # %% ../nbs/08_moe_layer.ipynb #d079dfb3
 def _ref_route(x, layer, input_ids):

@@ -593,6 +593,57 @@ def test_sm90_kernel_compiles_without_gpu(tok_tile, monkeypatch):
     assert S90K.compile_sm90(cfg) is not None
     if tok_tile == 16:
         assert S90K.compile_sm90(cfg._replace(epilogue=S90.Epilogue.WO_A_ROW_GS)) is not None
+    if tok_tile in (16, 64):                            # the row map of the plain epilogues (the EP receiver's L2: per row)
+        assert S90K.compile_sm90(cfg._replace(epilogue=S90.Epilogue.BF16_ROW_GS, row_map=True)) is not None
+        assert S90K.compile_sm90(S90.WIDE_CONFIG._replace(epilogue=S90.Epilogue.BF16_ROW_GS, row_map=True)) is not None
+
+
+def test_out_rows_reference_is_the_plain_product_scattered(monkeypatch):
+    """`out_rows` on the reference backend: row i of C lands at out[out_rows[i]]; indices outside out's rows are not
+    stored (the rest of out is untouched); the checks refuse what does not fit."""
+    E, N, K = 3, 32, 64
+    w = GC.prepare_weights(pow2_experts(E, N, K, seed=3), device="cpu", backend="reference")
+    a = (torch.randn(10, K, generator=gen(4)) * 2).to(torch.bfloat16)
+    offs = torch.tensor([2, 2, 10], dtype=I32)
+    plain = GC.grouped_gemm_nvfp4(a, w, offs)
+    to = torch.tensor([5, 0, 11, 3, -1, 12, 7, 1, 2, 4], dtype=I32)       # 12: outside out's 12 rows; -1 likewise
+    out = torch.full((12, N), 7.0, dtype=torch.bfloat16)
+    assert GC.grouped_gemm_nvfp4(a, w, offs, out=out, out_rows=to) is out
+    for i in range(10):
+        if 0 <= to[i] < 12: assert torch.equal(out[to[i]], plain[i]), i
+    assert bool((out[[6, 8, 9, 10]] == 7).all())                           # no row was mapped there
+    with pytest.raises(ValueError, match="needs out="): GC.grouped_gemm_nvfp4(a, w, offs, out_rows=to)
+    with pytest.raises(TypeError, match="out_rows"): GC.grouped_gemm_nvfp4(a, w, offs, out=out, out_rows=to.long())
+    with pytest.raises(ValueError, match=r"out_rows must be \(10,\)"): GC.grouped_gemm_nvfp4(a, w, offs, out=out, out_rows=to[:9])
+    with pytest.raises(ValueError, match="out"): GC.grouped_gemm_nvfp4(a, w, offs, out=torch.empty(12, N + 1, dtype=torch.bfloat16), out_rows=to)
+    monkeypatch.setattr(GR.ReferenceBackend, "stores_rows", False)
+    with pytest.raises(ValueError, match="cannot store rows"): GC.grouped_gemm_nvfp4(a, w, offs, out=out, out_rows=to)
+
+
+def test_out_rows_sm90_plans_the_row_map_variant(monkeypatch):
+    """The sm90 backend plans `out_rows` as the kernel's row-map variant of the plain epilogue and passes the map to
+    the launch (recorded here, not executed: CPU tensors made to look like a Hopper device); the plain call does not,
+    and W4A8's backend refuses it (its loop's map is not built)."""
+    pytest.importorskip("cutlass")
+    from dsv4_nvfp4 import runtime as rt
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
+    monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(GC, "_FAST", {})
+    calls = []
+    monkeypatch.setattr(S90K, "run_sm90", lambda cfg, *args, row_map=None, **kw: calls.append((cfg, row_map)))
+    pw = GC.prepare_weights(Q.quantize_experts(torch.randn(4, 128, 256, generator=gen(9))), device="cpu", backend="sm90")
+    a, offs = torch.randn(6, 256).to(torch.bfloat16), torch.tensor([1, 3, 3, 6], dtype=I32)
+    to = torch.tensor([5, 4, 3, 2, 1, 0], dtype=I32)
+    GC.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(6, 128, dtype=torch.bfloat16), out_rows=to)
+    GC.grouped_gemm_nvfp4(a, pw, offs, out=torch.empty(6, 128, dtype=torch.bfloat16))
+    (c1, m1), (c2, m2) = calls
+    assert c1.row_map and m1 is to and not c2.row_map and m2 is None
+    assert c1._replace(row_map=False) == c2
+    ok, why = S90.Sm90Backend().can_implement(GC.Problem(6, 4, 256, 256, epilogue="swiglu_bf16", out_rows=True))
+    assert not ok and "plain bf16" in why
+    from dsv4_nvfp4.gemm import w4a8 as W8
+    assert not W8.Sm90W4A8Backend.stores_rows
 
 
 def test_launch_fast_path_keeps_every_check(monkeypatch):

@@ -231,6 +231,35 @@ def test_bad_input_gpu():
     assert bool((out[12:] == 0).all())
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4_rows"])
+def test_out_rows_is_the_plain_store_scattered(mode):
+    """`out_rows`: the row-map variant stores row i of the plain product at out[out_rows[i]], the same bits; a map
+    entry outside out's rows (negative, or past them) stores nothing, and the rows past the last expert's end are not
+    stored (their places keep what was there): every configuration, both launch paths' default (W4A16: a bf16 gs; W4A4:
+    the EP receiver's case, a per-row gs over the exact decode)."""
+    E, N, K = 6, 1024, 2048
+    pw, _ = experts(E, N, K, seed=31)
+    sizes = torch.tensor([3, 0, 70, 1, 0, 9])
+    offs = torch.cumsum(sizes, 0).to(I32).to(DEV)
+    R_ = int(sizes.sum()) + 5                                  # 5 rows past the last expert's end: not computed
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(R_, K, generator=g) * 2
+    a = x.to(torch.bfloat16).to(DEV) if mode == "w4a16" else ref_quantize_nvfp4(x, per_row=True).to(DEV)
+    M = R_ + 7
+    to = torch.randperm(M, generator=g)[:R_].to(I32)
+    to[[0, 5, R_ - 1]] = torch.tensor([-1, M, -5], dtype=I32)  # outside out: not stored
+    to = to.to(DEV)
+    for c in [None] + list(S90.CONFIGS.values()) + [S90.WIDE_CONFIG]:
+        plain = GC.grouped_gemm_nvfp4(a, pw, offs, config=c)
+        out = torch.full((M, N), 3.0, device=DEV, dtype=torch.bfloat16)
+        GC.grouped_gemm_nvfp4(a, pw, offs, out=out, out_rows=to, config=c)   # (the plan adds the row map)
+        want = torch.full((M, N), 3.0, device=DEV, dtype=torch.bfloat16)
+        ok = (to >= 0) & (to < M)
+        ok[int(sizes.sum()):] = False                              # (no expert's rows)
+        want[to[ok].long()] = plain[ok]
+        assert torch.equal(out, want), f"{mode} {c}: {(out != want).any(1).sum().item()} rows differ"
+
+
 def test_tvm_ffi_and_python_launch_paths_agree(monkeypatch):
     """The thin TVM-FFI launch and CuTeDSL's Python launch run the same compiled kernel: bit-identical outputs
     (W4A16, W4A4 per-row gs, wo_a), and the TVM-FFI path is the one taken when apache-tvm-ffi is installed."""

@@ -155,7 +155,9 @@ class CapturedEP:
                 ids0 = torch.arange(k, dtype=torch.int32, device=dev).expand(m, k).contiguous()   # any valid ids: none held
                 route_rows(part[2][0], m, None, given=(torch.zeros(m, k, device=dev), ids0))
         # the routed experts' rows (bf16: as tokens of the one-slot layer; NVFP4: `expert_rows`' rows)
-        self.rbufs = ep.routed.buffers(R if ep.payload == "bf16" else -(-R // (ep.routed.cfg.top_k + 1)), dev)
+        # (NVFP4: the L2 stores its rows straight into yout, in receive order: no output rows of their own)
+        self.rbufs = ep.routed.buffers(R if ep.payload == "bf16" else -(-R // (ep.routed.cfg.top_k + 1)), dev,
+                                       out_rows=ep.payload == "bf16")
         # back: the experts' output rows (yout, [0, R)), then rows_all: [0, R) the returned slots, R a NaN row (dropped
         # slots point at it), then the shared rows. bf16: the rows gathered into send (kernels: the own ones straight into
         # recv); NVFP4: the codes and scales; meta: each row's (expert id, weight bits). Copy engines: the send side too

@@ -42,6 +42,7 @@ class Problem(NamedTuple):
     swiglu_limit: float = math.inf     # the SwiGLU kinds' L (math.inf: no clamp)
     sms_free: int = 0                  # SMs the launch leaves to a kernel beside it (EP's all-to-all)
     dump: bool = False                 # swiglu_nvfp4: also store h before quantization (a test output)
+    out_rows: bool = False             # the plain epilogue stores row i at out[out_rows[i]] (`Backend.stores_rows`)
 
 class EpilogueArgs(NamedTuple):
     "The epilogue's operands, as data: each is a tensor on the activations' device, or None where the kind has none."
@@ -49,6 +50,7 @@ class EpilogueArgs(NamedTuple):
     row_scales: torch.Tensor | None = None   # SwiGLU kinds: fp32 (R, 2), per row (gs_a, routing weight p)
     out_scale: torch.Tensor | None = None    # swiglu_nvfp4: fp32 (E,), the static global scale of each expert's h
     dump: torch.Tensor | None = None         # swiglu_nvfp4 with Problem.dump: fp32 (R, N/2), h before quantization
+    out_rows: torch.Tensor | None = None     # with Problem.out_rows: int32 (R,), where each row of the product is stored
 
 @dataclass(eq=False)
 class ExpertWeights:
@@ -87,6 +89,7 @@ class Backend:
     name: str = "?"
     weights_type: type = ExpertWeights
     out_dtypes: tuple = (torch.bfloat16,)   # what the plain and wo_a epilogues can write (the reference also writes float64)
+    stores_rows: bool = False               # whether `run` honours EpilogueArgs.out_rows (grouped_gemm_nvfp4 refuses it otherwise)
 
     def supports(self, device: torch.device) -> bool:
         "Whether this backend runs on `device` (the registry's first choice per device is the first that does)."
@@ -316,10 +319,17 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
                        config=None,                            # a backend configuration (sm90: a GemmConfig) instead of its plan
                        check: bool = False,                    # validate the offsets on the host (a sync)
                        sms_free: int = 0,                      # SMs the launch leaves free for a kernel beside it (EP's all-to-all)
+                       out_rows: torch.Tensor | None = None,   # int32 (R,): row i of C stored at out[out_rows[i]] (needs out=)
                       ) -> torch.Tensor:                       # `out`
     """`C[rows of e] = gs_a * gs_w[e] * A[rows of e] @ W[e]^T` for every expert e: the MoE grouped GEMM with NVFP4
     weights, run by the backend the weights were prepared for (Hopper: `sm90`, the in-register decode; the CPU: the
     float64 `reference`).
+
+    With `out_rows` the epilogue stores row i of C at `out[out_rows[i]]` instead of `out[i]` (`out` of any number of
+    rows): a scatter in the store, for a caller that wants the rows in another order (the EP receiver's rows back in
+    receive order). An index outside `out`'s rows stores nothing (checked on the device, no sync); rows outside every
+    expert's range are not stored, as without it. Two rows mapped to one place leave either. Backends with
+    `stores_rows` only (sm90, reference): ValueError elsewhere.
 
     Rows are expert-major (see `routing.route_topk`): expert e owns rows `[expert_offsets[e-1], expert_offsets[e])`,
     empty experts allowed. No host sync (`check=True` validates the offsets instead: a sync); offsets outside [0, R]
@@ -328,7 +338,7 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
     for wrong kinds or dtypes, ValueError for shapes, devices, K % 16, weights prepared for another backend or device,
     and a problem the backend cannot run."""
     what = "grouped_gemm_nvfp4"
-    if out is not None and not check and config is None and type(sms_free) is int and sms_free >= 0:
+    if out is not None and out_rows is None and not check and config is None and type(sms_free) is int and sms_free >= 0:
         b = _FAST.get(type(w))
         if b is not None and b.fast_path(a, w, expert_offsets, out, sms_free): return out
     check_sms_free(sms_free, what)
@@ -338,13 +348,19 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
     b = backend_of(w, what, dev)
     R = a.shape[0]
     check_offsets_operand(expert_offsets, E, R, dev, what, check)
-    out = out_operand(out, what, "out", (R, N), b.out_dtypes, dev)
+    if out_rows is not None:
+        if not b.stores_rows: raise ValueError(f"{what}: the {b.name!r} backend cannot store rows at out_rows")
+        if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] < 1:
+            raise ValueError(f"{what}: out_rows needs out= (M >= 1, {N}), got {None if out is None else tuple(out.shape)}")
+        check_tensor(out_rows, what, "out_rows", (torch.int32,), dev, dim=1, align=4, cuda=False)
+        if out_rows.shape[0] != R: raise ValueError(f"{what}: out_rows must be ({R},), got {tuple(out_rows.shape)}")
+    out = out_operand(out, what, "out", (R if out_rows is None else out.shape[0], N), b.out_dtypes, dev)
     if R == 0 or N == 0: return out
     per_row = gs_a is not None and gs_a.numel() != 1
     if per_row and gs_a.numel() != R: raise ValueError(f"{what}: per-row global scale must have {R} entries, got {gs_a.numel()}")
-    plan = plan_for(b, Problem(R, E, N, K, act, "bf16", per_row, math.inf, sms_free), config, what)
-    b.run(plan, a, w, expert_offsets, out, EpilogueArgs(gs_a=gs_a), workspace)
-    if config is None and act == "bf16":
+    plan = plan_for(b, Problem(R, E, N, K, act, "bf16", per_row, math.inf, sms_free, out_rows=out_rows is not None), config, what)
+    b.run(plan, a, w, expert_offsets, out, EpilogueArgs(gs_a=gs_a, out_rows=out_rows), workspace)
+    if config is None and act == "bf16" and out_rows is None:
         b.remember(w, plan, R, sms_free)
         _FAST[type(w)] = b
     return out

@@ -204,6 +204,7 @@ class ReferenceBackend(Backend):
     Slow and exact: CI runs the expert MLP and the MoE layer through it."""
     weights_type = ReferenceWeights
     out_dtypes = (torch.bfloat16, torch.float64)
+    stores_rows = True
 
     def supports(self, device) -> bool: return torch.device(device).type == "cpu"
     def prepare(self, experts: NVFP4Experts, a_gs) -> ReferenceWeights:
@@ -223,7 +224,13 @@ class ReferenceBackend(Backend):
         return p
     def run(self, plan: Problem, a, w: ReferenceWeights, offsets, out, epi: EpilogueArgs, workspace=None):
         wx = w.experts()
-        put = lambda c: out.copy_(c if out.dtype == torch.float64 else _f64_to_bf16(c))
+        def put(c):
+            c = c if out.dtype == torch.float64 else _f64_to_bf16(c)
+            if epi.out_rows is None: return out.copy_(c)
+            r = epi.out_rows.long()                                          # each row to its place (outside out: dropped)
+            keep = (r >= 0) & (r < out.shape[0])
+            out[r[keep]] = c[keep]
+            return out
         if plan.epilogue == "wo_a": return put(ref_wo_a_nvfp4(a, wx))
         if plan.act == "fp8":                     # W4A8: the weights as E4M3 times 2^c (gemm.w4a8), once per weights object
             from dsv4_nvfp4.gemm.w4a8 import ref_grouped_gemm_w4a8, w4a8_weights

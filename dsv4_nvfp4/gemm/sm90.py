@@ -220,6 +220,7 @@ class GemmConfig(NamedTuple):
     dump: bool = False                 # SWIGLU_NVFP4: also store the fp32 h before quantization (the bit-exactness test)
     fp8: bool = False                  # W4A8: gemm.w4a8's slabs decoded to E4M3, E4M3 activations, FP8 WGMMA (k32)
     table: bool = False                # W4A8 only: also the PRMT table loop, for the experts whose row table is negative
+    row_map: bool = False              # BF16 / BF16_ROW_GS: row r of the product stored at C[map[r]] (map in mGr's slot)
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
@@ -346,6 +347,7 @@ class Sm90Backend(Backend):
     """Hopper (sm_90a): NVFP4 weights decoded in registers into WGMMA's A operand (`GroupedGemmSm90`), every epilogue
     kind; W4A4 activations are decoded exactly to bf16 by a separate pass first (into `workspace` when given)."""
     weights_type = Sm90Weights
+    stores_rows = True                          # the plain epilogues' row map (GemmConfig.row_map)
 
     def supports(self, device) -> bool:
         device = torch.device(device)
@@ -363,12 +365,13 @@ class Sm90Backend(Backend):
         if p.epilogue.startswith("swiglu") and p.n % 32:
             return False, f"W13 has {p.n} rows; 2I with I a multiple of 16 (NVFP4 blocks of the L2 input) is needed"
         if p.dump and p.epilogue != "swiglu_nvfp4": return False, "dump is a debug output of the swiglu_nvfp4 epilogue only"
+        if p.out_rows and p.epilogue != "bf16": return False, f"out_rows is a store of the plain bf16 epilogue, not {p.epilogue!r}"
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
         return GroupedGemmSm90.can_implement(CONFIGS[16], p.experts, p.k)
     def variant(self, cfg: GemmConfig, p: Problem) -> GemmConfig:
         "The kernel variant of `cfg` for problem `p`: its epilogue kind, dump and SwiGLU limit (a subclass adds its own)."
         swiglu = p.epilogue.startswith("swiglu")
-        return cfg._replace(epilogue=_KIND[(p.epilogue, p.per_row)], dump=p.dump,
+        return cfg._replace(epilogue=_KIND[(p.epilogue, p.per_row)], dump=p.dump, row_map=p.out_rows,
                             **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
     def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
@@ -397,7 +400,7 @@ class Sm90Backend(Backend):
             run(cfg, w.w_sm90, a, out, offsets, w.w_gs, epi.row_scales, sms_free=free)
         else:
             gs = cached_ones((1, 1), dev) if epi.gs_a is None else epi.gs_a.reshape(-1, 1) if kind.per_row else epi.gs_a.reshape(1, 1)
-            run(cfg, w.w_sm90, a, out, offsets, w.w_gs, gs, sms_free=free)
+            run(cfg, w.w_sm90, a, out, offsets, w.w_gs, gs, sms_free=free, row_map=epi.out_rows)
         return out
     def remember(self, w: Sm90Weights, plan: Sm90Plan, rows: int, sms_free: int):
         d = w.__dict__

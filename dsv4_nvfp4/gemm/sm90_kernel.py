@@ -344,7 +344,12 @@ class _EpilogueStore:
                     ga = mGa[row, l]
                 if cutlass.const_expr(self.fp8):
                     ga = ga * mSfC[e, n]                    # W4A8: the row's 2^c
-                mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
+                if cutlass.const_expr(self.row_map):        # the row's place in C (mGr: the int32 map); outside C: not stored
+                    orow = mGr[row]
+                    if orow >= 0 and orow < mC.shape[0]:
+                        mC[orow, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
+                else:
+                    mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
 
     @cute.jit
     def swiglu_value(self, acc_frag, i, s, p, su):
@@ -451,6 +456,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.limit = cfg.swiglu_limit
         self.fp8 = cfg.fp8                          # W4A8: E4M3 weights (decoded) x E4M3 activations, k32 WGMMA
         self.table = cfg.fp8 and cfg.table          # W4A8: the PRMT table decode (power-of-two block scales)
+        self.row_map = cfg.row_map                  # the plain epilogues: each row stored at its place in C (mGr's slot)
         self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
@@ -474,6 +480,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if cfg.dump and not cfg.epilogue.fp4_out: return False, "dump is a debug output of the SWIGLU_NVFP4 epilogue only"
         if cfg.table and not cfg.fp8:
             return False, "table is the W4A8 loop's table decode (tile_weights_w4a8_table's slabs): it needs fp8=True"
+        if cfg.row_map and cfg.epilogue not in (Epilogue.BF16, Epilogue.BF16_ROW_GS):
+            return False, f"row_map stores the plain bf16 epilogues' rows (BF16, BF16_ROW_GS), got {cfg.epilogue.name}"
         if cfg.fp8 and cfg.epilogue not in (Epilogue.BF16_ROW_GS, Epilogue.SWIGLU_BF16):
             return False, ("W4A8 (fp8) runs with the BF16_ROW_GS and SWIGLU_BF16 epilogues (one activation scale per row), "
                            f"got {cfg.epilogue.name}")
@@ -650,7 +658,8 @@ def _fake_args(tvm_ffi: bool, cfg: GemmConfig):
             cutlass.Int32(1),                                      # n_ctas
             t2(cutlass.Uint8) if epi.fp4_out else t2(cutlass.Float32, 4) if cfg.fp8 else None,   # mSfC (rows, N/32) e4m3 bytes; W4A8: 2^c (E, Np) fp32
             t1(cutlass.Float32) if epi.fp4_out else None,          # mGc (E,) static global scale of h per expert
-            t1(cutlass.Float32) if epi.fp4_out else None,          # mGr (rows,) out: the global scale of each row of h
+            t1(cutlass.Float32) if epi.fp4_out else t1(cutlass.Int32) if cfg.row_map else None,   # mGr (rows,) out: the global
+                                                                   # scale of each row of h; row_map: int32 (rows,) each row's place in C
             t2(cutlass.Float32) if epi.fp4_out and cfg.dump else None,  # mDump (rows, N/2) fp32 h
             make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
 
@@ -708,12 +717,15 @@ def run_sm90(cfg: GemmConfig,
              gs_r: torch.Tensor | None = None,    # SWIGLU_NVFP4: fp32 (rows,) out, gs_c of each row's expert
              dump: torch.Tensor | None = None,    # SWIGLU_NVFP4 with cfg.dump: fp32 (rows, N/2), h before quantization
              sms_free: int = 0,                   # SMs' worth of CTAs the persistent grid leaves free (at least one SM's worth runs)
+             row_map: torch.Tensor | None = None, # cfg.row_map: int32 (rows,), row r stored at out3[row_map[r]] (outside
+                                                  # out3's rows: not stored); it rides in gs_r's slot
             ):
     """Launch the kernel for `cfg` on the current torch stream (compiled on first use per config and device). No checks:
     the launcher's job. With `sms_free = n` the persistent grid is n SMs' worth of CTAs smaller: its tiles are dealt
     round-robin over a fixed grid, so when another kernel holds SMs (NCCL's keep theirs until they finish) the CTAs
     waiting for them would delay the whole GEMM; with n SMs left free both run side by side. The bits do not change (a
     tile is computed alike by whichever CTA owns it)."""
+    if cfg.row_map: gs_r = row_map
     tvm = have_tvm_ffi()
     fn, n_ctas, sms = _compiled(cfg, a3.device, tvm)
     if sms_free: n_ctas = max(n_ctas // sms, n_ctas - sms_free * (n_ctas // sms))   # (at least one SM's worth)

@@ -524,6 +524,7 @@ class Sm90W4A8Backend(Sm90Backend):
     others the F2FP loop's, and a launch holding any table expert runs with `GemmConfig.table` (both loops, chosen per
     expert)."""
     weights_type = Sm90W4A8Weights
+    stores_rows = False                         # (the row map is built and tested for the bf16 loop only)
 
     def prepare(self, experts: NVFP4Experts, a_gs) -> Sm90W4A8Weights:
         tiled, c, table = tile_weights_w4a8_mixed(pad_experts(experts))            # each expert by its own decode
