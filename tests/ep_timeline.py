@@ -1,9 +1,10 @@
 """Timeline of the captured expert-parallel forward (a GPU tool, not a test), under torchrun: `bench ep`'s DSV4-Flash
 W4A4 layer (`bench_ep_layer`, the balanced router) as `CapturedEP` at T tokens per rank and `bench_capacity`, on the
 schedule `capture_schedule` picks, profiled with torch.profiler (CUPTI) over N replays, every rank starting together.
-Rank 0 writes OUT.json: per replay (what follows a marker kernel launched before each call: the copy of x into the
-graph's input, then the graph), every kernel, copy and memset with its stream, its start (us from the replay's first
-event) and its duration; and prints the median replay (by span) as a table, with the time each stream was busy. The
+Rank 0 writes OUT.json: per replay (the graph alone: x and the token count are copied into its inputs first, then a
+marker kernel runs long enough, about 0.5 ms, for the host to have queued the graph behind it, so the replay's first
+event is the graph's first kernel and its span holds no host launch time), every kernel, copy and memset with its
+stream, its start (us from the replay's first event) and its duration; and prints the median replay (by span) as a table, with the time each stream was busy. The
 barriers between replays run on a gloo group, so they put no work on the GPUs.
 
     torchrun --nproc-per-node 2 tests/ep_timeline.py OUT.json [--tokens 2048] [--payload nvfp4] [--replays 8]"""
@@ -43,9 +44,10 @@ def main():
     torch.cuda.synchronize(); dist.barrier(group=host)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.replays):
+            c.x[:T].copy_(x); c.n.fill_(T)                  # the inputs, as c(x) copies them
             dist.barrier(group=host); torch.cuda.synchronize()
-            torch.cuda._sleep(100)                          # a marker kernel: a replay is what follows it
-            c(x)
+            torch.cuda._sleep(1_000_000)                    # the marker: a replay is what follows it (long: see above)
+            c.graph.replay()
             torch.cuda.synchronize()
     dist.barrier(group=host)
     ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
