@@ -62,7 +62,8 @@ using namespace nvfp4;
 #define EP_GMAX 32                            // CTAs of a sort at most: one lane per CTA in the last CTA's scan
 #define EP_WSTRIDE (EP_GMAX + 1)              // workspace row of one key: its CTAs, then (plan) its total
 #define EP_WORK_INTS (32 + EP_SORT_MAXK * EP_WSTRIDE)
-static_assert(EP_SORT_MAXK * (EP_WARPS + 1) * 4 + EP_SORT_MAXK * 4 <= 48 * 1024,
+static_assert(EP_SORT_MAXK * (EP_WARPS + 1) * 4                                      // the place's and the count's counters
+              + (EP_SORT_MAXK + EP_WARPS - 1) / EP_WARPS * EP_WARPS * 4 + 4 <= 48 * 1024, // count_finish's totals, ticket flag
               "ep_sort_place and ep_sort_one (the count's counters too): must fit 48 KB of static shared memory");
 
 struct PlanKeys {

@@ -75,6 +75,17 @@ def main(acts=("w4a16", "w4a4")):
     def capture_(*a_, how=None, **k_):                                  # a capture, closed (collective) at the end
         with (forced(*how) if how else contextlib.nullcontext()): made.append(CapturedEP(ep, *a_, **k_))
         return made[-1]
+    def shared_rows_ok(c, T_):                                          # the shared expert's parts, routed once at capture:
+        k = CFG.top_k                                                   # after a call of T_ tokens, the part [a, b)'s permute
+        for part in c.shared_parts or ():                               # put token t's shared row at t for its real tokens
+            if part is None: continue
+            a_, b_, bufs_ = part
+            n_ = min(max(T_ - a_, 0), b_ - a_)
+            inv_ = bufs_[0].inv.view(-1, k + 1)[:n_, k]
+            if not (torch.equal(inv_, torch.arange(n_, dtype=inv_.dtype, device=dev)) and int(bufs_[0].offsets[0]) == n_):
+                return False
+        return True
+
     def plan_same(c, T_, seed):                                         # the fused send plan (one kernel) against the torch ops
         g_ = torch.Generator(device=dev).manual_seed(seed)
         ids_ = torch.randint(0, CFG.num_experts, (c.max_tokens, CFG.top_k), generator=g_, device=dev, dtype=torch.int32)
@@ -218,6 +229,7 @@ def main(acts=("w4a16", "w4a4")):
                     want_r = lay.forward_routed(x_all, w, ids)[a:a + Ts[r]]
                     for nm, c_ in caps.items():
                         if not torch.equal(c_(x, w[a:a + Ts[r]], ids[a:a + Ts[r]]), want_r): fails.append(f"{act} {payload} captured, {nm}, T={Ts}")
+                        if not shared_rows_ok(c_, Ts[r]): fails.append(f"{act} {payload} captured, {nm}, T={Ts}: a shared part's rows are not its tokens")
                 # skewed: four of every token's six experts on rank 0, two elsewhere
                 if x_all.shape[0] and W > 1:
                     w, _ = lay.route(x_all)

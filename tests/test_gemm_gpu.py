@@ -116,7 +116,8 @@ def test_every_config_and_empty_experts(tok_tile):
 
 def test_every_configuration_gives_the_same_bits():
     """Each output row of the grouped GEMM is the same bits whatever configuration computes it (token tile, consumer
-    warpgroups, stages): the plain and the fused SwiGLU epilogue. The layer relies on it where the same rows run in
+    warpgroups, stages): the plain and the fused SwiGLU epilogues (bf16 h, and W4A4's NVFP4 h). The layer relies on it
+    where the same rows run in
     launches of different sizes (the decode step's shared expert apart, EP slices, captured graphs of other capacities)."""
     from dsv4_nvfp4 import swiglu as SW
     E, N, K = 6, 1024, 2048
@@ -129,8 +130,13 @@ def test_every_configuration_gives_the_same_bits():
     cfgs = list(S90.CONFIGS.values()) + [S90.WIDE_CONFIG] + list(S90.DECODE_WIDE.values())
     plain = [GC.grouped_gemm_nvfp4(a, pw, offs, config=c) for c in cfgs]
     fused = [SW.grouped_gemm_swiglu_nvfp4(a, pw, offs, swiglu_limit=7.0, row_scales=rs, scales_given=True, config=c) for c in cfgs]
-    for c, y, h in zip(cfgs, plain, fused):
+    a2 = torch.rand(E, generator=torch.Generator().manual_seed(23)).to(DEV) * 0.01 + 1e-3   # W4A4's L1: h in NVFP4
+    q4 = [SW.grouped_gemm_swiglu_nvfp4(a, pw, offs, swiglu_limit=7.0, row_scales=rs, scales_given=True, config=c,
+                                       out_dtype="nvfp4", out_scale=a2) for c in cfgs]
+    for c, y, h, q in zip(cfgs, plain, fused, q4):
         assert torch.equal(y, plain[0]) and torch.equal(h, fused[0]), f"{c} differs from {cfgs[0]}"
+        assert torch.equal(q.data, q4[0].data) and torch.equal(q.scale.view(torch.uint8), q4[0].scale.view(torch.uint8)) \
+            and torch.equal(q.global_scale, q4[0].global_scale), f"{c}: W4A4's NVFP4 h differs from {cfgs[0]}'s"
 
 
 def test_k_padding():

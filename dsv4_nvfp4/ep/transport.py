@@ -144,10 +144,11 @@ def ep_send_plan(ids: torch.Tensor,          # int32 (Tm, k): the routed expert 
                  per_rank: int, world: int, capacity: int, rank: int, far: int,
                  work: torch.Tensor | None = None):   # `ep_workspace` (default: a new one)
     """(GPU) The fixed-shape send plan in two launches (kernels_cu/ep_plan.cu, `ep_plan_count` and `ep_plan_place` over
-    up to EP_GMAX CTAs, one chunk; one launch, `ep_plan_one`, where the slots fit one CTA): each routed slot's row in a send buffer of R = W `capacity` rows (destination
-    segment `seg[d]`, in slot order; a slot past the capacity is dropped and counted), `far` added to the row of every
-    slot the final combine reads from the returned rows (all but this rank's own sent slots), and each send row's
-    metadata and token. No host read; CUDA-graph capturable with a `work` made outside the capture."""
+    up to EP_GMAX CTAs, one chunk; in one, `ep_plan_one`, where the slots fit one CTA): each routed slot's row in a
+    send buffer of R = W `capacity` rows (destination segment `seg[d]`, in slot order; a slot past the capacity is
+    dropped and counted), `far` added to the row of every slot the final combine reads from the returned rows (all but
+    this rank's own sent slots), and each send row's metadata and token. No host read; CUDA-graph capturable with a
+    `work` made outside the capture."""
     from dsv4_nvfp4 import runtime as rt
     Tm, k = ids.shape
     R = world * capacity
@@ -207,8 +208,8 @@ def recv_sort_torch(er: torch.Tensor, experts: range, a1_all: torch.Tensor):
 
 def recv_sort(er: torch.Tensor, wr: torch.Tensor, experts: range, a1_all: torch.Tensor, work: torch.Tensor | None = None):
     """(GPU) `recv_sort_torch` and the sorted rows' (a1, weight) in two launches (kernels_cu/ep_plan.cu, `ep_sort_count`
-    and `ep_sort_place` over up to EP_GMAX CTAs, E/W + 1 <= `EP_SORT_MAXK`; one, `ep_sort_one`, where the rows fit one CTA): (order int32 (n,), back int32 (n,): each
-    row's sorted position, offs int32 (E/W,), rs fp32 (n, 2)). er int32, wr fp32 (n,), strided rows allowed; `work` an
+    and `ep_sort_place` over up to EP_GMAX CTAs, E/W + 1 <= `EP_SORT_MAXK`; in one, `ep_sort_one`, where the rows fit
+    one CTA): (order int32 (n,), back int32 (n,): each row's sorted position, offs int32 (E/W,), rs fp32 (n, 2)). er int32, wr fp32 (n,), strided rows allowed; `work` an
     `ep_workspace` (default: a new one)."""
     from dsv4_nvfp4 import runtime as rt
     n, dev, per = er.shape[0], er.device, len(experts)
