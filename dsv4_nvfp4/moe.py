@@ -515,6 +515,7 @@ class DSV4MoE(torch.nn.Module):
         if tuple(row_scales.shape) != (R, 2) or tuple(offsets.shape) != (self.num_groups,):
             raise ValueError(f"DSV4MoE.expert_rows: row_scales must be ({R}, 2) and offsets ({self.num_groups},), got "
                              f"{tuple(row_scales.shape)} and {tuple(offsets.shape)}")
+        if out_rows is not None and out is None: raise ValueError("DSV4MoE.expert_rows: out_rows needs out=")
         if R == 0: return out if out_rows is not None else torch.empty(0, self.cfg.hidden, dtype=torch.bfloat16, device=dev)
         cap = -(-R // (self.cfg.top_k + 1))
         if bufs is not None:

@@ -643,7 +643,13 @@ def test_out_rows_sm90_plans_the_row_map_variant(monkeypatch):
     ok, why = S90.Sm90Backend().can_implement(GC.Problem(6, 4, 256, 256, epilogue="swiglu_bf16", out_rows=True))
     assert not ok and "plain bf16" in why
     from dsv4_nvfp4.gemm import w4a8 as W8
-    assert not W8.Sm90W4A8Backend.stores_rows
+    assert not W8.Sm90W4A8Backend.stores_rows                        # W4A8's plan drops a caller's row map; the kernel
+    p8 = GC.Problem(6, 4, 256, 256, act="fp8", per_row=True)          # refuses the fp8 loop with one
+    assert not W8.Sm90W4A8Backend().plan(p8, S90.CONFIGS[16]._replace(row_map=True)).cfg.row_map
+    from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
+    ok, why = GroupedGemmSm90.can_implement(S90.CONFIGS[16]._replace(epilogue=S90.Epilogue.BF16_ROW_GS, fp8=True, row_map=True), 4, 256,
+                                            smem_limit=S90.HOPPER_SMEM_PER_BLOCK)
+    assert not ok and "fp8" in why
 
 
 def test_launch_fast_path_keeps_every_check(monkeypatch):

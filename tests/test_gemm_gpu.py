@@ -242,7 +242,8 @@ def test_out_rows_is_the_plain_store_scattered(mode):
     """`out_rows`: the row-map variant stores row i of the plain product at out[out_rows[i]], the same bits; a map
     entry outside out's rows (negative, or past them) stores nothing, and the rows past the last expert's end are not
     stored (their places keep what was there): every configuration, both launch paths' default (W4A16: a bf16 gs; W4A4:
-    the EP receiver's case, a per-row gs over the exact decode)."""
+    the EP receiver's case, a per-row gs over the exact decode); and with an out of fewer rows than A, and offsets past
+    A's rows."""
     E, N, K = 6, 1024, 2048
     pw, _ = experts(E, N, K, seed=31)
     sizes = torch.tensor([3, 0, 70, 1, 0, 9])
@@ -264,6 +265,18 @@ def test_out_rows_is_the_plain_store_scattered(mode):
         ok[int(sizes.sum()):] = False                              # (no expert's rows)
         want[to[ok].long()] = plain[ok]
         assert torch.equal(out, want), f"{mode} {c}: {(out != want).any(1).sum().item()} rows differ"
+    # an out of fewer rows than A (the kernel's row count is the map's, not out's), and offsets past A's rows (clamped
+    # to them, as the plain store clamps them): the same scatter of the same rows
+    Ms = R_ - 20
+    to_s = torch.randperm(R_, generator=g).to(I32).to(DEV)             # a third of the rows land past out's Ms rows
+    long = offs.clone(); long[-1] = R_ + 50                             # (unchecked: the kernels clamp it to R_)
+    plain = GC.grouped_gemm_nvfp4(a, pw, long)
+    out = torch.full((Ms, N), 3.0, device=DEV, dtype=torch.bfloat16)
+    GC.grouped_gemm_nvfp4(a, pw, long, out=out, out_rows=to_s)
+    want = torch.full((Ms, N), 3.0, device=DEV, dtype=torch.bfloat16)
+    ok = to_s < Ms
+    want[to_s[ok].long()] = plain[ok]
+    assert torch.equal(out, want), f"{mode}: out of {Ms} rows, offsets past R: {(out != want).any(1).sum().item()} rows differ"
 
 
 def test_tvm_ffi_and_python_launch_paths_agree(monkeypatch):

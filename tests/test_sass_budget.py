@@ -12,9 +12,11 @@ from dsv4_nvfp4.gemm import sm90 as L
 from dsv4_nvfp4.gemm import sm90_kernel as S
 
 
+@pytest.mark.parametrize("row_map", [False, True])         # (the EP receiver's L2: the row map changes the store only)
 @pytest.mark.parametrize("tt", sorted(L.CONFIGS))
-def test_mainloop_sass_budget(tt):
-    body = S.mainloop_sass(L.CONFIGS[tt])
+def test_mainloop_sass_budget(tt, row_map):
+    cfg = L.CONFIGS[tt]._replace(epilogue=L.Epilogue.BF16_ROW_GS, row_map=True) if row_map else L.CONFIGS[tt]
+    body = S.mainloop_sass(cfg)
     ops = S.sass_opcodes(body)
     n = sum(ops.values())
     assert n <= S.MAINLOOP_SASS_BUDGET, f"tok_tile {tt}: {n} SASS instructions per K tile > {S.MAINLOOP_SASS_BUDGET}: {ops}"
@@ -47,13 +49,13 @@ def test_kernel_artifact():
 _PICKED = [L.CONFIGS[t] for t in sorted(L.CONFIGS)] + [L.WIDE_CONFIG, *L.DECODE_WIDE.values()]
 
 
-@pytest.mark.parametrize("epi", ["BF16", "SWIGLU_NVFP4"])
+@pytest.mark.parametrize("epi", ["BF16", "SWIGLU_NVFP4", "BF16_ROW_GS+row_map"])
 @pytest.mark.parametrize("cfg", _PICKED, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _PICKED])
 def test_no_register_of_an_hgmma_in_flight_is_touched(cfg, epi):
     # the deleted overlapped loop failed this in every one-warpgroup configuration (56-86 such instructions per trip
     # pair), with wrong sums where the timing exposed it; the plain loop waits for all 8 HGMMAs inside the tile. Every
     # configuration a plan can pick, four consumer warpgroups included
-    body = S.mainloop_sass(cfg._replace(epilogue=getattr(L.Epilogue, epi)))
+    body = S.mainloop_sass(cfg._replace(epilogue=getattr(L.Epilogue, epi.split("+")[0]), row_map=epi.endswith("row_map")))
     assert S.wgmma_hazards(body) == []
 
 

@@ -328,8 +328,8 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
     With `out_rows` the epilogue stores row i of C at `out[out_rows[i]]` instead of `out[i]` (`out` of any number of
     rows): a scatter in the store, for a caller that wants the rows in another order (the EP receiver's rows back in
     receive order). An index outside `out`'s rows stores nothing (checked on the device, no sync); rows outside every
-    expert's range are not stored, as without it. Two rows mapped to one place leave either. Backends with
-    `stores_rows` only (sm90, reference): ValueError elsewhere.
+    expert's range are not stored, as without it. Two rows mapped to one place leave a mix of both: give each its own.
+    Backends with `stores_rows` only (sm90, reference): ValueError elsewhere.
 
     Rows are expert-major (see `routing.route_topk`): expert e owns rows `[expert_offsets[e-1], expert_offsets[e])`,
     empty experts allowed. No host sync (`check=True` validates the offsets instead: a sync); offsets outside [0, R]

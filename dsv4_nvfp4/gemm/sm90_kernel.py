@@ -480,8 +480,9 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if cfg.dump and not cfg.epilogue.fp4_out: return False, "dump is a debug output of the SWIGLU_NVFP4 epilogue only"
         if cfg.table and not cfg.fp8:
             return False, "table is the W4A8 loop's table decode (tile_weights_w4a8_table's slabs): it needs fp8=True"
-        if cfg.row_map and cfg.epilogue not in (Epilogue.BF16, Epilogue.BF16_ROW_GS):
-            return False, f"row_map stores the plain bf16 epilogues' rows (BF16, BF16_ROW_GS), got {cfg.epilogue.name}"
+        if cfg.row_map and (cfg.epilogue not in (Epilogue.BF16, Epilogue.BF16_ROW_GS) or cfg.fp8):
+            return False, f"row_map stores the bf16 loop's plain epilogues' rows (BF16, BF16_ROW_GS), got {cfg.epilogue.name}" + (
+                " with fp8" if cfg.fp8 else "")
         if cfg.fp8 and cfg.epilogue not in (Epilogue.BF16_ROW_GS, Epilogue.SWIGLU_BF16):
             return False, ("W4A8 (fp8) runs with the BF16_ROW_GS and SWIGLU_BF16 epilogues (one activation scale per row), "
                            f"got {cfg.epilogue.name}")
@@ -561,6 +562,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             cpasync.prefetch_descriptor(tma_a)
 
         TR = mC.shape[0]                # rows of A and C (per group L for wo_a)
+        if cutlass.const_expr(self.row_map):
+            TR = mGr.shape[0]           # row_map: C has its own row count; A's rows are the map's
         N = mC.shape[1]                 # weight rows (the GEMM's N)
         if cutlass.const_expr(self.swiglu):
             N = mC.shape[1] * 2         # SwiGLU: C holds one value per gate/up pair of rows
