@@ -473,9 +473,8 @@ class DSV4MoE(torch.nn.Module):
         in `out` (`grouped_gemm_nvfp4`'s row map: the EP receiver's rows back in receive order without a row gather);
         W4A8's L2 has no row map: ValueError."""
         c, (_, h, h_dec, rows_out) = self.cfg, bufs[:4]
-        if out_rows is not None:
-            if self.act == "w4a8": raise ValueError("DSV4MoE.run_experts: out_rows needs the W4A16 or W4A4 L2 (W4A8's has no row map)")
-            if out is None: raise ValueError("DSV4MoE.run_experts: out_rows needs out=")
+        if out_rows is not None and self.act == "w4a8":     # (its L2 returns early: the seam would never see out_rows)
+            raise ValueError("DSV4MoE.run_experts: out_rows needs the W4A16 or W4A4 L2 (W4A8's has no row map)")
         w13p, w2p = self.prepared(xr.device) if weights is None else weights
         R = xr.shape[0]
         kw = dict(swiglu_limit=c.swiglu_limit, row_scales=row_scales, scales_given=True, sms_free=sms_free)

@@ -100,31 +100,35 @@ def main(acts=("w4a16", "w4a4")):
         d2 = c.dropped_.clone()
         c.dropped_.copy_(d0)
         return torch.equal(spos.int(), fs) and torch.equal(meta, fm) and torch.equal(tok, ft) and torch.equal(d1 - d0, d2 - d1)
-    def plan_same_large(c, Tm, cap, T_, seed):                          # the same at bench sizes (many batches of tiles per
-        k = CFG.top_k                                                   # warp), with the capture's layout and a given capacity
-        ns = types.SimpleNamespace(ep=c.ep, capacity=cap, rows=W * cap, slot_token=torch.arange(Tm * k, device=dev) // k,
-                                   dropped_=torch.zeros((), dtype=torch.long, device=dev), seg=c.seg, buckets=c.buckets,
-                                   far=W * cap if c.far else 0, none=c.none, max_tokens=Tm)
-        g_ = torch.Generator(device=dev).manual_seed(seed)
-        ids_ = torch.randint(-1, CFG.num_experts + 1, (Tm, k), generator=g_, device=dev, dtype=torch.int32)   # bad ids clamp
-        w_ = torch.rand(Tm, k, generator=g_, device=dev)
+    def plan_agrees(ep_, seg_, Tm, cap, T_, ids_, w_, far, work=None):   # the plan kernels against the torch plan, on a
+        k, Wn = CFG.top_k, ep_.world                                    # layout of Wn capacity-row segments (seg_)
+        ns = types.SimpleNamespace(ep=ep_, capacity=cap, rows=Wn * cap, slot_token=torch.arange(Tm * k, device=dev) // k,
+                                   dropped_=torch.zeros((), dtype=torch.long, device=dev), seg=seg_,
+                                   buckets=torch.arange(Wn + 1, device=dev)[:, None], far=far,
+                                   none=torch.tensor([[-1, 0]], dtype=torch.int32, device=dev), max_tokens=Tm)
         n_ = torch.tensor(T_, device=dev)
         spos, src = CapturedEP._plan(ns, ids_, n_)
         meta, tok = CapturedEP._meta(ns, w_, ids_, src)
         d1 = ns.dropped_.clone(); ns.dropped_.zero_()
         z = lambda *s_, dt=torch.int32: torch.full(s_, -7, dtype=dt, device=dev)
-        fs, fm, ft = EPt.ep_send_plan(ids_, w_, n_, c.seg, z(Tm * k), z(W * cap, 2), z(W * cap, dt=torch.long), ns.dropped_,
-                                      per_rank=ep.per_rank, world=W, capacity=cap, rank=r, far=ns.far)
+        fs, fm, ft = EPt.ep_send_plan(ids_, w_, n_, seg_, z(Tm * k), z(Wn * cap, 2), z(Wn * cap, dt=torch.long), ns.dropped_,
+                                      per_rank=ep_.per_rank, world=Wn, capacity=cap, rank=ep_.rank, far=far, work=work)
         return torch.equal(spos.int(), fs) and torch.equal(meta, fm) and torch.equal(tok, ft) and torch.equal(d1, ns.dropped_)
-    def sort_same_large(n_, seed):                                      # the receiver's sort at bench sizes, strided rows
-        g_ = torch.Generator(device=dev).manual_seed(seed)
-        m_ = torch.stack([torch.randint(-1, CFG.num_experts, (n_,), generator=g_, device=dev, dtype=torch.int32),
-                          torch.rand(n_, generator=g_, device=dev).view(torch.int32)], 1)
+    def plan_same_large(c, Tm, cap, T_, seed):                          # the same at bench sizes (many batches of tiles per
+        g_ = torch.Generator(device=dev).manual_seed(seed)              # warp), with the capture's layout and a given capacity
+        ids_ = torch.randint(-1, CFG.num_experts + 1, (Tm, CFG.top_k), generator=g_, device=dev, dtype=torch.int32)   # bad ids clamp
+        w_ = torch.rand(Tm, CFG.top_k, generator=g_, device=dev)
+        return plan_agrees(c.ep, c.seg, Tm, cap, T_, ids_, w_, W * cap if c.far else 0)
+    def sort_agrees(n_, E, experts, a1, g_, work=None):                 # the receiver's sort kernels against the torch ops
+        m_ = torch.stack([torch.randint(-1, E, (n_,), generator=g_, device=dev, dtype=torch.int32),   # on n_ random rows,
+                          torch.rand(n_, generator=g_, device=dev).view(torch.int32)], 1)            # strided (a meta view)
         er_, wr_ = m_[:, 0], m_[:, 1].view(torch.float32)
-        order, back, offs, rs = EPt.recv_sort(er_, wr_, ep.experts, ep.a1_all)
-        o0, f0, a0 = EPt.recv_sort_torch(er_, ep.experts, ep.a1_all)
+        order, back, offs, rs = EPt.recv_sort(er_, wr_, experts, a1, work=work)
+        o0, f0, a0 = EPt.recv_sort_torch(er_, experts, a1)
         return (torch.equal(order.long(), o0) and torch.equal(offs, f0) and torch.equal(back.long()[o0], torch.arange(n_, device=dev))
                 and torch.equal(rs, torch.stack([a0[o0], wr_[o0]], 1)))
+    def sort_same_large(n_, seed):                                      # the receiver's sort at bench sizes, strided rows
+        return sort_agrees(n_, CFG.num_experts, ep.experts, ep.a1_all, torch.Generator(device=dev).manual_seed(seed))
     def kernels_at_real_key_counts():                                   # the sorts' kernels at the layers' real key counts
         ws, k = EPt.ep_workspace(dev), CFG.top_k                        # (Flash E/W + 1 = 129, Pro at W = 1: 385), many
         g_ = torch.Generator(device=dev).manual_seed(5)                 # CTAs (up to EP_GMAX), one workspace reused
@@ -132,32 +136,15 @@ def main(acts=("w4a16", "w4a4")):
             e0, E = 5, 5 + per + 1
             a1 = torch.rand(E, generator=g_, device=dev)
             for n_ in (1, 1000, 1025, 4097, 32768, 65536):          # (up to 1024: one CTA, one launch)
-                m_ = torch.stack([torch.randint(-1, E, (n_,), generator=g_, device=dev, dtype=torch.int32),
-                                  torch.rand(n_, generator=g_, device=dev).view(torch.int32)], 1)
-                er_, wr_ = m_[:, 0], m_[:, 1].view(torch.float32)
-                order, back, offs, rs = EPt.recv_sort(er_, wr_, range(e0, e0 + per), a1, work=ws)
-                o0, f0, a0 = EPt.recv_sort_torch(er_, range(e0, e0 + per), a1)
-                if not (torch.equal(order.long(), o0) and torch.equal(offs, f0) and torch.equal(back.long()[o0], torch.arange(n_, device=dev))
-                        and torch.equal(rs, torch.stack([a0[o0], wr_[o0]], 1))):
+                if not sort_agrees(n_, E, range(e0, e0 + per), a1, g_, work=ws):
                     fails.append(f"ep_sort kernels != recv_sort_torch (E/W = {per}, n = {n_})")
         for Wf, per_rank in ((17, 3), (33, 2), (64, 4)):                # the plan at many destinations (a made-up world)
             for Tm_, cap_, T_ in ((2048, 2048 * k // Wf + 64, 2000), (8192, 200, 8192), (5, 4, 3), (170, 80, 169)):
                 ep_ = types.SimpleNamespace(per_rank=per_rank, world=Wf, rank=Wf // 3, cfg=types.SimpleNamespace(top_k=k))
                 seg_ = torch.randperm(Wf, generator=g_, device=dev)
-                ns = types.SimpleNamespace(ep=ep_, capacity=cap_, rows=Wf * cap_, slot_token=torch.arange(Tm_ * k, device=dev) // k,
-                                           dropped_=torch.zeros((), dtype=torch.long, device=dev), seg=seg_,
-                                           buckets=torch.arange(Wf + 1, device=dev)[:, None], far=Wf * cap_,
-                                           none=torch.tensor([[-1, 0]], dtype=torch.int32, device=dev), max_tokens=Tm_)
                 ids_ = torch.randint(-1, Wf * per_rank + 1, (Tm_, k), generator=g_, device=dev, dtype=torch.int32)
                 w_ = torch.rand(Tm_, k, generator=g_, device=dev)
-                n_ = torch.tensor(T_, device=dev)
-                spos, src = CapturedEP._plan(ns, ids_, n_)
-                meta, tok = CapturedEP._meta(ns, w_, ids_, src)
-                d1 = ns.dropped_.clone(); ns.dropped_.zero_()
-                z = lambda *s_, dt=torch.int32: torch.full(s_, -7, dtype=dt, device=dev)
-                fs, fm, ft = EPt.ep_send_plan(ids_, w_, n_, seg_, z(Tm_ * k), z(Wf * cap_, 2), z(Wf * cap_, dt=torch.long), ns.dropped_,
-                                              per_rank=per_rank, world=Wf, capacity=cap_, rank=ep_.rank, far=ns.far, work=ws)
-                if not (torch.equal(spos.int(), fs) and torch.equal(meta, fm) and torch.equal(tok, ft) and torch.equal(d1, ns.dropped_)):
+                if not plan_agrees(ep_, seg_, Tm_, cap_, T_, ids_, w_, Wf * cap_, work=ws):
                     fails.append(f"ep_plan kernels != the torch plan (W = {Wf}, Tm = {Tm_}, capacity = {cap_}, T = {T_})")
     kernels_at_real_key_counts()
     for act in acts:

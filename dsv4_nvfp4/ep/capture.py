@@ -146,7 +146,7 @@ class CapturedEP:
         sh, ce = ep.shared_expert, self.schedule.copy_engines
         S = Tm - round(self.schedule.shared_after * Tm)                      # tokens [0, S): the shared expert beside the dispatch
         # (the shared expert's L2 writes its rows straight into rows_all: no output rows of its own)
-        self.sbufs = sh.buffers(Tm, dev, out_rows=False) if S == Tm else (sh.buffers(Tm, dev)[0],)
+        self.sbufs = sh.buffers(Tm, dev, out_rows=False)[:None if S == Tm else 1]      # (split: the router's alone)
         self.shared_parts = [(a, b, sh.buffers(b - a, dev, out_rows=False)) if b > a else None
                              for a, b in ((0, S), (S, Tm))] if S < Tm else None
         for part in self.shared_parts or ():                                # each part's routing, once: see `_shared`

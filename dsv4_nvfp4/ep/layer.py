@@ -160,8 +160,8 @@ class EPMoE(torch.nn.Module):
     def sort_decode(self, data: torch.Tensor, scale: torch.Tensor, wr: torch.Tensor, er: torch.Tensor, work=None):
         """(GPU) The received NVFP4 rows (n >= 1) sorted stably by local expert and decoded to bf16 (code x block scale:
         exact), each sorted row's (a1, weight), each local expert's end and the received row at each sorted position:
-        (xr, rs, offs, order), order int32. Where E/W + 1 <= `EP_SORT_MAXK` and the rows are contiguous: the sort kernels (`recv_sort`, `work` its
-        `ep_workspace`, default a new one) and the
+        (xr, rs, offs, order), order int32. Where E/W + 1 <= `EP_SORT_MAXK` and the rows are contiguous: the sort
+        kernels (`recv_sort`, `work` its `ep_workspace`, default a new one) and the
         gather-and-decode kernel of the KV path (`gather_dequant_nvfp4`, global scale 1); else the torch ops
         (`recv_sort_torch`, two row gathers, `dequantize_nvfp4_cuda`). The GPU check compares the two."""
         n, dev = data.shape[0], data.device
@@ -189,8 +189,7 @@ class EPMoE(torch.nn.Module):
         if data.is_cuda:
             xr, rs, offs, order = self.sort_decode(data, scale, wr, er, work)
             if out is None: out = torch.empty(n, H, dtype=torch.bfloat16, device=dev)
-            # the L2 stores each sorted row back at its received place (the GEMM's row map), where a row gather ran
-            # after it (68 / 273 us at 2048 / 8192 tokens per rank on 2 H200s; a torch row scatter ran at half its speed)
+            # the L2 stores each sorted row back at its received place (the GEMM's row map): no row gather after it
             return self.routed.expert_rows(xr, rs, offs, bufs, out_rows=order, out=out)
         order, offs, a1 = recv_sort_torch(er, self.experts, self.a1_all)  # the float64 reference
         xq = NVFP4Tensor(data[order], scale[order].view(torch.float8_e4m3fn), a1[order].contiguous(), (n, H))

@@ -209,8 +209,8 @@ def recv_sort_torch(er: torch.Tensor, experts: range, a1_all: torch.Tensor):
 def recv_sort(er: torch.Tensor, wr: torch.Tensor, experts: range, a1_all: torch.Tensor, work: torch.Tensor | None = None):
     """(GPU) `recv_sort_torch` and the sorted rows' (a1, weight) in two launches (kernels_cu/ep_plan.cu, `ep_sort_count`
     and `ep_sort_place` over up to EP_GMAX CTAs, E/W + 1 <= `EP_SORT_MAXK`; in one, `ep_sort_one`, where the rows fit
-    one CTA): (order int32 (n,), back int32 (n,): each row's sorted position, offs int32 (E/W,), rs fp32 (n, 2)). er int32, wr fp32 (n,), strided rows allowed; `work` an
-    `ep_workspace` (default: a new one)."""
+    one CTA): (order int32 (n,), back int32 (n,): each row's sorted position, offs int32 (E/W,), rs fp32 (n, 2)).
+    er int32, wr fp32 (n,), strided rows allowed; `work` an `ep_workspace` (default: a new one)."""
     from dsv4_nvfp4 import runtime as rt
     n, dev, per = er.shape[0], er.device, len(experts)
     if per + 1 > EP_SORT_MAXK: raise ValueError(f"recv_sort: E/W + 1 = {per + 1} keys > EP_SORT_MAXK = {EP_SORT_MAXK}")
