@@ -334,22 +334,45 @@ class _EpilogueStore:
         if cutlass.const_expr(self.swiglu):
             self.store_swiglu(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, mSfC)
             return
-        for i in cutlass.range_constexpr(cute.size(acc_frag)):
-            m_, c_ = tCc[i]                     # (weight row, token) of accumulator element i
+        # The plain epilogues. A thread's tt / 2 accumulators hold tt / 4 tokens and 2 weight rows (elements 4j + a and
+        # 4j + a + 2: rows r and r + 8 of token 8j + a + its lane's offset), so each token's row in C and activation
+        # scale, and each weight row's W4A8 2^c, are loaded once and all before the first store: a load issued after a
+        # store to C waits for it (C may alias them as far as the compiler knows), and one load per element behind
+        # each store made this epilogue the row-mapped L2's slowest part.
+        nq = cute.size(acc_frag) // 2
+        orow = cute.make_rmem_tensor((nq,), cutlass.Int32)       # the token's row in C; -1: past the expert, not stored
+        oga = cute.make_rmem_tensor((nq,), cutlass.Float32)      # the token's activation global scale
+        for q in cutlass.range_constexpr(nq):                    # pass 1: loads only
+            m_, c_ = tCc[(q // 2) * 4 + q % 2]
             row = row0 + c_
-            n = n0 + m_
-            if row < rend and n < N:
-                ga = mGa[0, 0]
+            o = cutlass.Int32(-1)
+            ga = mGa[0, 0]
+            if row < rend:
+                o = row
+                if cutlass.const_expr(self.row_map):            # the row's place in C (mGr: the int32 map)
+                    o = mGr[row]
                 if cutlass.const_expr(self.per_row):
                     ga = mGa[row, l]
-                if cutlass.const_expr(self.fp8):
-                    ga = ga * mSfC[e, n]                    # W4A8: the row's 2^c
-                if cutlass.const_expr(self.row_map):        # the row's place in C (mGr: the int32 map); outside C: not stored
-                    orow = mGr[row]
-                    if orow >= 0 and orow < mC.shape[0]:
-                        mC[orow, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
-                else:
-                    mC[row, n, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
+            orow[q] = o
+            oga[q] = ga
+        sn = cute.make_rmem_tensor((2,), cutlass.Float32)        # W4A8: weight rows r and r + 8's 2^c
+        if cutlass.const_expr(self.fp8):
+            for d in cutlass.range_constexpr(2):
+                m_, c_ = tCc[2 * d]
+                sn[d] = cutlass.Float32(0.0)
+                if n0 + m_ < N:
+                    sn[d] = mSfC[e, n0 + m_]
+        for q in cutlass.range_constexpr(nq):                    # pass 2: the stores
+            o = orow[q]
+            if o >= 0 and o < mC.shape[0]:                       # (row map: outside C, not stored)
+                for d in cutlass.range_constexpr(2):
+                    i = (q // 2) * 4 + q % 2 + 2 * d
+                    m_, c_ = tCc[i]
+                    if n0 + m_ < N:
+                        ga = oga[q]
+                        if cutlass.const_expr(self.fp8):
+                            ga = ga * sn[d]
+                        mC[o, n0 + m_, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
 
     @cute.jit
     def swiglu_value(self, acc_frag, i, s, p, su):
