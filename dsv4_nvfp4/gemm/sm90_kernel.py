@@ -336,9 +336,9 @@ class _EpilogueStore:
             return
         # The plain epilogues. A thread's tt / 2 accumulators hold tt / 4 tokens and 2 weight rows (elements 4j + a and
         # 4j + a + 2: rows r and r + 8 of token 8j + a + its lane's offset), so each token's row in C and activation
-        # scale, and each weight row's W4A8 2^c, are loaded once and all before the first store: a load issued after a
-        # store to C waits for it (C may alias them as far as the compiler knows), and one load per element behind
-        # each store made this epilogue the row-mapped L2's slowest part.
+        # scale, and each weight row's W4A8 2^c, are loaded once and all before the first store. Loaded per element,
+        # each load sat right before its use, behind the previous element's store (SASS: a load, then its store,
+        # element after element), so every element waited out a load's latency: the row-mapped L2's slowest part.
         nq = cute.size(acc_frag) // 2
         orow = cute.make_rmem_tensor((nq,), cutlass.Int32)       # the token's row in C; -1: past the expert, not stored
         oga = cute.make_rmem_tensor((nq,), cutlass.Float32)      # the token's activation global scale
