@@ -5,7 +5,10 @@ Rank 0 writes OUT.json: per replay (the graph alone: x and the token count are c
 marker kernel runs long enough, about 0.5 ms, for the host to have queued the graph behind it, so the replay's first
 event is the graph's first kernel and its span holds no host launch time), every kernel, copy and memset with its
 stream, its start (us from the replay's first event) and its duration; and prints the median replay (by span) as a table, with the time each stream was busy. The
-barriers between replays run on a gloo group, so they put no work on the GPUs.
+barriers between replays run on a gloo group, so they put no work on the GPUs. Every rank's replays go into OUT.json too
+(`ranks`), each with its first event on the host clock the profiler's timestamps share on one machine (`start_abs_us`),
+and rank 0 prints per replay how far apart the ranks' graphs started: the ranks launch their own replays, and a rank
+that starts late holds up the others at the all-to-all.
 
     torchrun --nproc-per-node 2 tests/ep_timeline.py OUT.json [--tokens 2048] [--payload nvfp4] [--replays 8]"""
 import argparse
@@ -57,16 +60,19 @@ def main():
             cur = []; reps.append(cur); continue
         if cur is not None: cur.append(e)
     out = []
+    base = prof.profiler.kineto_results.trace_start_ns() / 1e3        # the host clock (us), the same for every rank here
     for rep in filter(None, reps):
         t0 = rep[0].time_range.start
-        out.append(dict(span_us=round(max(e.time_range.end for e in rep) - t0, 1),
+        out.append(dict(span_us=round(max(e.time_range.end for e in rep) - t0, 1), start_abs_us=round(base + t0, 1),
                         events=[dict(name=e.name[:100], stream=getattr(e, "device_resource_id", None),
                                      start_us=round(e.time_range.start - t0, 1), dur_us=round(e.time_range.elapsed_us(), 1))
                                 for e in rep]))
+    ranks = [None] * W
+    dist.all_gather_object(ranks, out, group=host)                    # every rank's replays, for their skew
     if r == 0:
         res = dict(gpu=torch.cuda.get_device_name(dev), world=W, tokens_per_rank=T, payload=a.payload,
                    schedule=dict(copy_engines=c.schedule.copy_engines, shared_after=c.schedule.shared_after),
-                   capacity=c.capacity, replays=out)
+                   capacity=c.capacity, replays=out, ranks=ranks)
         json.dump(res, open(a.out, "w"), indent=1)
         full = [o for o in out if len(o["events"]) >= max(len(p["events"]) for p in out) // 2]
         med = sorted(full, key=lambda o: o["span_us"])[len(full) // 2]
@@ -77,6 +83,11 @@ def main():
             print(f"  s{e['stream']!s:>3} {e['start_us']:9.1f} {e['dur_us']:8.1f}  {e['name']}")
             busy[e["stream"]] = busy.get(e["stream"], 0) + e["dur_us"]
         print("  busy per stream (us): " + ", ".join(f"s{k}: {v:.1f}" for k, v in busy.items()))
+        if all(len(x) == len(out) for x in ranks):                       # each replay's graph start per rank (us after the
+            for k in range(len(out)):                                    # first rank's) and its span: the ranks' skew
+                t0 = min(x[k]["start_abs_us"] for x in ranks)
+                print(f"  replay {k}: starts " + " / ".join(f"+{x[k]['start_abs_us'] - t0:.1f}" for x in ranks)
+                      + " us, spans " + " / ".join(f"{x[k]['span_us']:.0f}" for x in ranks) + " us")
     c.close()
     dist.barrier()
     dist.destroy_process_group()
