@@ -6,8 +6,6 @@ tile in every configuration (decode the tile, 8 WGMMAs, one commit group, wait: 
 waited per K block was deleted, it gave wrong sums). The W4A8 loops: the F2FP one (E4M3 to f16 and back, two HMUL2 per
 register) and the table one (`GemmConfig.table`: two PRMTs per code word, no conversion, no multiply, fewer instructions).
 The epilogues: the plain kinds issue all their global loads before their first store."""
-import re
-
 import pytest
 
 pytest.importorskip("cutlass")
@@ -200,12 +198,7 @@ def test_w4a8_table_loop(cfg, epi):
 
 def _global_order(cfg):
     "'L' per global load and 'S' per global store, in the kernel's SASS order (the producer moves tiles by TMA)."
-    import subprocess, tempfile
-    from pathlib import Path
-    with tempfile.TemporaryDirectory() as d:
-        (cubin := Path(d) / "k.cubin").write_bytes(S.kernel_artifact(cfg, "cubin"))
-        text = subprocess.run([S._nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ops = [S._unpredicated(m.group(1)).split()[0] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;", text)]
+    ops = [S._unpredicated(s).split()[0] for s in S.kernel_sass(cfg)]
     return "".join("L" if o.startswith("LDG") else "S" for o in ops if o.startswith(("LDG", "STG")))
 
 

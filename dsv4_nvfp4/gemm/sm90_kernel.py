@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['PRODUCER_REGS', 'CONSUMER_REGS_4', 'USE_TVM_FFI', 'MAINLOOP_SASS_BUDGET', 'GroupedGemmSm90', 'compile_sm90',
-           'have_tvm_ffi', 'run_sm90', 'kernel_artifact', 'mainloop_sass', 'sass_opcodes', 'wgmma_hazards']
+           'have_tvm_ffi', 'run_sm90', 'kernel_artifact', 'kernel_sass', 'mainloop_sass', 'sass_opcodes',
+           'wgmma_hazards']
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #ab70ae4b
 import torch
@@ -336,9 +337,8 @@ class _EpilogueStore:
             return
         # The plain epilogues. A thread's tt / 2 accumulators hold tt / 4 tokens and 2 weight rows (elements 4j + a and
         # 4j + a + 2: rows r and r + 8 of token 8j + a + its lane's offset), so each token's row in C and activation
-        # scale, and each weight row's W4A8 2^c, are loaded once and all before the first store. Loaded per element,
-        # each load sat right before its use, behind the previous element's store (SASS: a load, then its store,
-        # element after element), so every element waited out a load's latency: the row-mapped L2's slowest part.
+        # scale, and each weight row's W4A8 2^c, are loaded once and all before the first store: a load right before
+        # its use makes the thread wait out its latency (04b's prose has the measurement).
         nq = cute.size(acc_frag) // 2
         orow = cute.make_rmem_tensor((nq,), cutlass.Int32)       # the token's row in C; -1: past the expert, not stored
         oga = cute.make_rmem_tensor((nq,), cutlass.Float32)      # the token's activation global scale
@@ -796,20 +796,27 @@ def kernel_artifact(cfg: GemmConfig, ext: str = "ptx", arch: str = "sm_90a") -> 
         (f,) = Path(d).glob(f"*.{ext}")
         return f.read_bytes()
 
-def mainloop_sass(cfg: GemmConfig, arch: str = "sm_90a", every: bool = False) -> list[str] | list[list[str]]:
-    """The SASS of the K loop of `cfg`'s kernel (compiled here, no GPU; disassembled by nvdisasm): the shortest loop
-    (a backward branch to a label) that holds the HGMMAs, one string per instruction, predicates kept. `every`: every
-    innermost loop that holds HGMMAs, in code order: the K loops (a `GemmConfig.table` kernel has two) and the unit
-    loop, whose span holds HGMMAs of its own where ptxas lays the K loop out of it."""
+def kernel_sass(cfg: GemmConfig, arch: str = "sm_90a", labels: bool = False) -> list[str] | tuple[list[str], dict]:
+    """The SASS of `cfg`'s whole kernel (compiled here, no GPU; disassembled by nvdisasm), one string per instruction in
+    code order, predicates kept; with `labels` also {label: index of the instruction it marks}."""
     import re, subprocess, tempfile
     from pathlib import Path
     with tempfile.TemporaryDirectory() as d:
         (cubin := Path(d) / "k.cubin").write_bytes(kernel_artifact(cfg, "cubin", arch))
         text = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ins, labels = [], {}
+    ins, marks = [], {}
     for line in text.splitlines():
-        if m := re.match(r"^(\.L_x_\d+):", line): labels[m.group(1)] = len(ins)
+        if m := re.match(r"^(\.L_x_\d+):", line): marks[m.group(1)] = len(ins)
         elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line): ins.append(m.group(1))
+    return (ins, marks) if labels else ins
+
+def mainloop_sass(cfg: GemmConfig, arch: str = "sm_90a", every: bool = False) -> list[str] | list[list[str]]:
+    """The SASS of the K loop of `cfg`'s kernel (`kernel_sass`): the shortest loop (a backward branch to a label) that
+    holds the HGMMAs, one string per instruction, predicates kept. `every`: every innermost loop that holds HGMMAs, in
+    code order: the K loops (a `GemmConfig.table` kernel has two) and the unit loop, whose span holds HGMMAs of its own
+    where ptxas lays the K loop out of it."""
+    import re
+    ins, labels = kernel_sass(cfg, arch, labels=True)
     spans = [(labels[m.group(1)], i + 1) for i, s in enumerate(ins)
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", s)) and labels.get(m.group(1), i + 1) <= i]
     mma = [(a, b) for a, b in spans if any("GMMA" in s for s in ins[a:b])]
