@@ -1,11 +1,13 @@
 """Run the GPU suites (`pytest -m gpu` per test file, `nbdev_test --flags gpu` per notebook) split over the visible
 GPUs: a greedy queue, multi-GPU jobs first, then longest first, each job pinned to its GPU(s) with CUDA_VISIBLE_DEVICES and its own log.
 
-    python tests/gpu_suite.py OUT PHASE [--guard SECONDS]
+    python tests/gpu_suite.py OUT PHASE [--guard SECONDS] [--only JOB,JOB...] [--slots N]
 
 PHASE `nvrtc`: what needs no CuTeDSL (the NVRTC kernels' tests and notebooks); `cute`: the rest (the GEMM, the MLP,
 the MoE layer, EP on 2 GPUs, their notebooks); `all`: both. A job still running at the guard is stopped and reported
-as such (never as passed). Writes OUT/summary.md and OUT/<job>.log; pytest runs verbose, so a stopped job's log still
+as such (never as passed); a job that needs more GPUs than the host has is reported as not run. `--slots N` runs
+up to N jobs on each GPU at once (default 1): the suites hold no timings, so sharing a GPU changes no result, and most
+of a job's time is compiling on the host's cores. Writes OUT/summary.md and OUT/<job>.log; pytest runs verbose, so a stopped job's log still
 names every test that passed or failed before the stop."""
 import os, subprocess, sys, time
 from pathlib import Path
@@ -41,6 +43,14 @@ def jobs(phase, ngpu):
     return sorted(out, key=lambda j: (-j[2], -j[3]))   # multi-GPU jobs first (they need several GPUs free at once), then longest
 
 
+def take(free, g):
+    "g distinct GPUs that each have a free slot in `free` (a GPU's id once per free slot), taken out of it; None if there are not g."
+    gpus = sorted(set(free), key=free.index)[:g]
+    if len(gpus) < g: return None
+    for x in gpus: free.remove(x)
+    return gpus
+
+
 def failures(out, names, per_job=40):
     """The failing tests and their assertion lines of each job in `names`, from its log, for summary.md: the summary
     is the one file sure to come back from a time-limited run (a run returns a limited number of files)."""
@@ -57,18 +67,21 @@ def main():
     out, phase = Path(sys.argv[1]), sys.argv[2]
     guard = float(sys.argv[sys.argv.index("--guard") + 1]) if "--guard" in sys.argv else 540
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
+    slots = int(sys.argv[sys.argv.index("--slots") + 1]) if "--slots" in sys.argv else 1
     out.mkdir(parents=True, exist_ok=True)
     import torch
     ngpu = torch.cuda.device_count()
     queue = [j for j in jobs(phase, ngpu) if only is None or j[0] in only]
-    free, running, done, t0 = list(range(ngpu)), [], [], time.time()
+    free, running, done, t0 = [g for _ in range(slots) for g in range(ngpu)], [], [], time.time()
+    for j in [j for j in queue if j[2] > ngpu]:
+        done.append((j[0], j[1], "-", "0", f"NOT RUN (needs {j[2]} GPUs)", "")); queue.remove(j)
     env0 = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="4", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                 NVSHMEM_DISABLE_NVLS="1")   # NVLink multicast stays off on shared hosts
     while queue or running:
         for j in list(queue):                                         # start what fits, longest first
             name, cmd, g, _ = j
-            if g <= len(free):
-                gpus, free[:] = free[:g], free[g:]
+            gpus = take(free, g)
+            if gpus is not None:
                 env = dict(env0, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), DSV4_TEST_GPUS=str(g))
                 log = open(out / f"{name}.log", "w")
                 p = subprocess.Popen(cmd, shell=True, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -88,7 +101,7 @@ def main():
             for j in queue: done.append((j[0], j[1], "-", "0", "NOT STARTED (guard)", ""))
             queue = []
     rows = "\n".join(f"| {n} | `{c}` | {g} | {s} | {rc} | {t} |" for n, c, g, s, rc, t in done)
-    (out / "summary.md").write_text(f"{torch.cuda.get_device_name(0)} x {ngpu}, phase {phase}, {time.time() - t0:.0f} s\n\n"
+    (out / "summary.md").write_text(f"{torch.cuda.get_device_name(0) if ngpu else 'no GPU'} x {ngpu}, phase {phase}, {time.time() - t0:.0f} s\n\n"
                                     "| job | command | GPUs | s | rc | last line |\n|---|---|---|---|---|---|\n" + rows + "\n"
                                     + failures(out, [d[0] for d in done if d[4] != 0]))
     print((out / "summary.md").read_text())

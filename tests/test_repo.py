@@ -30,6 +30,24 @@ def test_every_notebook_is_valid_nbformat():
     for p in paths: nbformat.validate(nbformat.read(p, as_version=4))
 
 
+def test_gpu_suite_slots_and_missing_gpus(tmp_path):
+    "--slots shares a GPU between jobs but a multi-GPU job still gets distinct GPUs; a job needing more GPUs than the host has is reported, not run."
+    import importlib.util, subprocess, sys
+    spec = importlib.util.spec_from_file_location("gpu_suite", Path(__file__).parent / "gpu_suite.py")
+    G = importlib.util.module_from_spec(spec); spec.loader.exec_module(G)
+    free = [0, 1, 0, 1]                                   # 2 GPUs, 2 slots each
+    assert G.take(free, 1) == [0] and free == [1, 0, 1]
+    assert G.take(free, 2) == [1, 0] and free == [1]
+    assert G.take(free, 2) is None and free == [1]       # one GPU left: a 2-GPU job waits
+    free = [0, 0, 0]                                      # 1 GPU, 3 slots
+    assert G.take(free, 2) is None and G.take(free, 1) == [0] and free == [0, 0]
+    env = dict(__import__("os").environ, CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "gpu_suite.py"), str(tmp_path), "cute", "--only", "pytest_gemm,pytest_ep_2gpu"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    summary = (tmp_path / "summary.md").read_text()
+    assert r.returncode == 1 and "pytest_gemm" in summary and "NOT RUN (needs 1 GPUs)" in summary and "NOT RUN (needs 2 GPUs)" in summary
+
+
 def test_gpu_suite_summary_names_the_failures(tmp_path):
     "tests/gpu_suite.py puts each failing job's failed tests and assertion lines into summary.md (the file sure to come back)."
     import importlib.util
