@@ -315,7 +315,7 @@ class _Consumer:
 
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #b4246b2d
-SCALE_CHUNK = 8   # the SwiGLU epilogues load this many tokens' scales at once, ahead of their stores (3 registers each)
+SCALE_CHUNK = 8   # SWIGLU_BF16's epilogue loads this many tokens' scales at once, ahead of their stores (3 registers each)
 assert SCALE_CHUNK & (SCALE_CHUNK - 1) == 0, "SCALE_CHUNK must be a power of two: its chunks tile tok_tile / 4 tokens"
 
 class _EpilogueStore:
@@ -427,8 +427,7 @@ class _EpilogueStore:
         s = g gs_a[row] (W4A8: times sg, the gate row's 2^c), p the routing weight, su = g gs_a[row] sv (W4A8 only: the
         up row's 2^c; elsewhere su is s and SU is S). The C tokens' loads are issued together, ahead of their uses (a
         load right before its use waits out its latency). Loaded only for a row inside the expert and a gate row n < N,
-        the stores' own tests (SWIGLU_NVFP4's block column hc0 < N / 2 is the same test, N a multiple of 16); elsewhere
-        placeholders, never stored. sg and sv are read under W4A8 only."""
+        the store's own test; elsewhere placeholders, never stored. sg and sv are read under W4A8 only."""
         for k in cutlass.range_constexpr(C):
             m_, c_ = tCc[((q0 + k) // 2) * 4 + (q0 + k) % 2]
             row = row0 + c_
@@ -463,29 +462,25 @@ class _EpilogueStore:
         w = t // 32                                   # warp inside the consumer warpgroup
         gq = mGc[e]
         nq = cute.size(acc_frag) // 2                 # gate values per thread: tt / 4 (of tt / 2 accumulators)
-        C = min(nq, SCALE_CHUNK)                      # both passes load C tokens' scales at once (`swiglu_scales`)
-        S = cute.make_rmem_tensor((C,), cutlass.Float32)
-        P = cute.make_rmem_tensor((C,), cutlass.Float32)
         for q in cutlass.range_constexpr(nq):         # pass 1: this warp's half-block amax per token -> xbuf
-            if cutlass.const_expr(q % C == 0):
-                self.swiglu_scales(tCc, mGa, g, row0, rend, n0, N, g, g, S, P, S, q, C)   # (no W4A8 here)
             i = (q // 2) * 4 + q % 2                  # gate elements 4j, 4j + 1 (ups: + 2)
-            m_, c_ = tCc[i]                           # (a row past the expert: placeholder scales, its amax unused)
-            a = _asm(_ABS_BITS, _f32_bits(self.swiglu_value(acc_frag, i, S[q % C], P[q % C], S[q % C])))
+            m_, c_ = tCc[i]
+            row = row0 + c_
+            rr = row if row < rend else rend - 1      # rows past the expert compute on a valid row's scales, unstored
+            a = _asm(_ABS_BITS, _f32_bits(self.swiglu_value(acc_frag, i, g * mGa[rr, 0], mGa[rr, 1], g * mGa[rr, 0])))
             for d in cutlass.range_constexpr(3):      # max over the lanes 4, 8, 16 apart (equal lane % 4: one token)
                 a = _asm(_UMAX, a, cute.arch.shuffle_sync_bfly(a, 4 << d))
             if lane < 4:
                 xbuf[(cw * 4 + w) * tt + c_] = a
         cute.arch.barrier(barrier_id=2 + cw, number_of_threads=WG_THREADS)
         for q in cutlass.range_constexpr(nq):         # pass 2: h again (registers are short), quantize, pack, store
-            if cutlass.const_expr(q % C == 0):        # the next C tokens' scales, before their stores
-                self.swiglu_scales(tCc, mGa, g, row0, rend, n0, N, g, g, S, P, S, q, C)   # (no W4A8 here)
             i = (q // 2) * 4 + q % 2
             m_, c_ = tCc[i]
             row = row0 + c_
+            rr = row if row < rend else rend - 1
             n = n0 + m_
             hc0 = (n // 16) * 8                       # first of this warp's 8 h columns
-            h = self.swiglu_value(acc_frag, i, S[q % C], P[q % C], S[q % C])   # (a row past the expert: unstored)
+            h = self.swiglu_value(acc_frag, i, g * mGa[rr, 0], mGa[rr, 1], g * mGa[rr, 0])
             if cutlass.const_expr(self.dump):         # the very value quantized below
                 if row < rend and n < N:
                     mDump[row, (n // 16) * 8 + n % 16] = h
