@@ -49,7 +49,7 @@ def test_benchmark_text_is_rendered_from_the_rows():
                                                  bf16_us=us * xb, x_bf16=xb, fp8_us=us * xf, x_fp8=xf,
                                                  launch=dict(graph_us=us, eager_us=eager, host_us=5.0, py_eager_us=200.0, py_host_us=150.0))
     res = dict(info=info, copy_tbs=4.0, bf16_tflops=700.0, rows=[row(1, 30.0, 35.0, 3.2, 1.9, 1), row(8, 160.0, 175.0, 2.9, 1.7, 1)])
-    res["rows"][0]["pct_same_copy"] = 68.0                     # a decode row's own-size copy: rendered; missing: "-"
+    res["rows"][0]["pct_same_read"] = 68.0                     # a decode row's own-size read: rendered; missing: "-"
     text = BG.gemm_table(res)
     assert "| 50% | 68% |" in text and "| 50% | - |" in text
     assert "| Flash L1 gate+up K=4096 N=4096 | 1 | 1 | 16 | 30.0 | 35.0 |" in text and "Launch cost" in text
