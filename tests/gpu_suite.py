@@ -34,7 +34,7 @@ def notebooks(phase):
 def jobs(phase, ngpu):
     out = []
     if phase in ("nvrtc", "all"):
-        out += [(n, c.format(ngpu=ngpu), ngpu if g == "all" else g, t) for n, c, g, t in NVRTC]
+        out += [(n, c.format(ngpu=ngpu), max(ngpu, 1) if g == "all" else g, t) for n, c, g, t in NVRTC]
         out += [(f"nb_{n}", f"nbdev_test --path nbs/{n}.ipynb --flags gpu", 1, 60) for n in notebooks("nvrtc")]
     if phase in ("cute", "all"):
         out += CUTE + [(f"nb_{n}", f"nbdev_test --path nbs/{n}.ipynb --flags gpu", 1, 150) for n in notebooks("cute")]
@@ -44,8 +44,9 @@ def jobs(phase, ngpu):
 
 
 def take(free, g):
-    "g distinct GPUs that each have a free slot in `free` (a GPU's id once per free slot), taken out of it; None if there are not g."
-    gpus = sorted(set(free), key=free.index)[:g]
+    """g distinct GPUs that each have a free slot in `free` (a GPU's index once per free slot), the ones with the most
+    free slots first, taken out of it; None if there are not g."""
+    gpus = sorted(set(free), key=lambda x: (-free.count(x), free.index(x)))[:g]
     if len(gpus) < g: return None
     for x in gpus: free.remove(x)
     return gpus
@@ -63,18 +64,30 @@ def failures(out, names, per_job=40):
     return "\n## Failures\n" + text if text else ""
 
 
+def gpu_count() -> int:
+    import torch
+    return torch.cuda.device_count()
+
+
+def gpu_name() -> str:
+    import torch
+    return torch.cuda.get_device_name(0)
+
+
 def main():
     out, phase = Path(sys.argv[1]), sys.argv[2]
     guard = float(sys.argv[sys.argv.index("--guard") + 1]) if "--guard" in sys.argv else 540
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
     slots = int(sys.argv[sys.argv.index("--slots") + 1]) if "--slots" in sys.argv else 1
+    if slots < 1: raise SystemExit(f"gpu_suite: --slots must be >= 1, got {slots}")
     out.mkdir(parents=True, exist_ok=True)
-    import torch
-    ngpu = torch.cuda.device_count()
+    ngpu = gpu_count()
+    vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    ids = lambda gpus: ",".join(vis[x] if len(vis) == ngpu else str(x) for x in gpus)   # GPU i: the parent's i-th visible one
     queue = [j for j in jobs(phase, ngpu) if only is None or j[0] in only]
     free, running, done, t0 = [g for _ in range(slots) for g in range(ngpu)], [], [], time.time()
     for j in [j for j in queue if j[2] > ngpu]:
-        done.append((j[0], j[1], "-", "0", f"NOT RUN (needs {j[2]} GPUs)", "")); queue.remove(j)
+        done.append((j[0], j[1], "-", "0", f"NOT RUN (needs {j[2]} GPU{'s' if j[2] > 1 else ''})", "")); queue.remove(j)
     env0 = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="4", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                 NVSHMEM_DISABLE_NVLS="1")   # NVLink multicast stays off on shared hosts
     while queue or running:
@@ -82,7 +95,7 @@ def main():
             name, cmd, g, _ = j
             gpus = take(free, g)
             if gpus is not None:
-                env = dict(env0, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), DSV4_TEST_GPUS=str(g))
+                env = dict(env0, CUDA_VISIBLE_DEVICES=ids(gpus), DSV4_TEST_GPUS=str(g))
                 log = open(out / f"{name}.log", "w")
                 p = subprocess.Popen(cmd, shell=True, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 running.append((j, gpus, p, time.time(), log)); queue.remove(j)
@@ -95,13 +108,13 @@ def main():
                 else: rc = p.returncode
                 log.close(); running.remove(r); free += gpus
                 tail = (out / f"{name}.log").read_text().strip().splitlines()[-1:] or [""]
-                done.append((name, cmd, ",".join(map(str, gpus)), f"{time.time() - ts:.0f}", rc, tail[0][:160]))
+                done.append((name, cmd, ids(gpus), f"{time.time() - ts:.0f}", rc, tail[0][:160]))
                 print(f"{name}: rc={rc} {time.time() - ts:.0f}s  {tail[0][:160]}", flush=True)
         if time.time() - t0 > guard and queue:
             for j in queue: done.append((j[0], j[1], "-", "0", "NOT STARTED (guard)", ""))
             queue = []
     rows = "\n".join(f"| {n} | `{c}` | {g} | {s} | {rc} | {t} |" for n, c, g, s, rc, t in done)
-    (out / "summary.md").write_text(f"{torch.cuda.get_device_name(0) if ngpu else 'no GPU'} x {ngpu}, phase {phase}, {time.time() - t0:.0f} s\n\n"
+    (out / "summary.md").write_text(f"{gpu_name() if ngpu else 'no GPU'} x {ngpu}, phase {phase}, {time.time() - t0:.0f} s\n\n"
                                     "| job | command | GPUs | s | rc | last line |\n|---|---|---|---|---|---|\n" + rows + "\n"
                                     + failures(out, [d[0] for d in done if d[4] != 0]))
     print((out / "summary.md").read_text())

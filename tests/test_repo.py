@@ -1,5 +1,7 @@
 """Repository hygiene: what the docs tools and the CLI write stays out of git."""
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,29 +32,67 @@ def test_every_notebook_is_valid_nbformat():
     for p in paths: nbformat.validate(nbformat.read(p, as_version=4))
 
 
-def test_gpu_suite_slots_and_missing_gpus(tmp_path):
-    "--slots shares a GPU between jobs but a multi-GPU job still gets distinct GPUs; a job needing more GPUs than the host has is reported, not run."
-    import importlib.util, subprocess, sys
+def _gpu_suite():
+    import importlib.util
     spec = importlib.util.spec_from_file_location("gpu_suite", Path(__file__).parent / "gpu_suite.py")
     G = importlib.util.module_from_spec(spec); spec.loader.exec_module(G)
+    return G
+
+
+def test_gpu_suite_take_gives_distinct_gpus_with_free_slots():
+    "take(): g distinct GPUs, the one with the most free slots first; None (and nothing taken) when there are not g."
+    G = _gpu_suite()
     free = [0, 1, 0, 1]                                   # 2 GPUs, 2 slots each
     assert G.take(free, 1) == [0] and free == [1, 0, 1]
-    assert G.take(free, 2) == [1, 0] and free == [1]
-    assert G.take(free, 2) is None and free == [1]       # one GPU left: a 2-GPU job waits
+    assert G.take(free, 1) == [1] and free == [0, 1]      # GPU 1 had more free slots
+    assert G.take(free, 2) == [0, 1] and free == []
+    free = [0, 0, 1]
+    assert G.take(free, 2) == [0, 1] and free == [0]
+    assert G.take(free, 2) is None and free == [0]        # one GPU left: a 2-GPU job waits
     free = [0, 0, 0]                                      # 1 GPU, 3 slots
     assert G.take(free, 2) is None and G.take(free, 1) == [0] and free == [0, 0]
-    env = dict(__import__("os").environ, CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / "gpu_suite.py"), str(tmp_path), "cute", "--only", "pytest_gemm,pytest_ep_2gpu"],
-                       env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_suite_runs_jobs_on_slots_of_the_visible_gpus(tmp_path, monkeypatch):
+    """The scheduler with fake jobs on 2 fake GPUs, 2 slots each, the parent restricted to physical GPUs 5 and 7: each
+    job sees the physical ids, a 2-GPU job both, a 3-GPU job is reported as not run (exit 1); every slot comes back."""
+    G = _gpu_suite()
+    fake = [("two", "echo $CUDA_VISIBLE_DEVICES", 2, 9), ("one_a", "echo $CUDA_VISIBLE_DEVICES", 1, 5),
+            ("one_b", "echo $CUDA_VISIBLE_DEVICES", 1, 4), ("one_c", "echo $CUDA_VISIBLE_DEVICES", 1, 3),
+            ("three", "echo $CUDA_VISIBLE_DEVICES", 3, 1)]
+    monkeypatch.setattr(G, "jobs", lambda phase, ngpu: list(fake))
+    monkeypatch.setattr(G, "gpu_count", lambda: 2)
+    monkeypatch.setattr(G, "gpu_name", lambda: "FakeGPU")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.setattr(sys, "argv", ["gpu_suite.py", str(tmp_path), "all", "--slots", "2", "--guard", "60"])
+    with pytest.raises(SystemExit) as e: G.main()
+    assert e.value.code == 1                                          # the 3-GPU job did not run
+    seen = {n: (tmp_path / f"{n}.log").read_text().strip() for n, *_ in fake[:4]}
+    assert sorted(seen["two"].split(",")) == ["5", "7"], seen
+    assert all(seen[n] in ("5", "7") for n in ("one_a", "one_b", "one_c")), seen
     summary = (tmp_path / "summary.md").read_text()
-    assert r.returncode == 1 and "pytest_gemm" in summary and "NOT RUN (needs 1 GPUs)" in summary and "NOT RUN (needs 2 GPUs)" in summary
+    assert summary.startswith("FakeGPU x 2") and "| three | `echo $CUDA_VISIBLE_DEVICES` | - | 0 | NOT RUN (needs 3 GPUs) |" in summary
+    for n, *_ in fake[:4]:                               # job | command | GPUs (physical) | s | rc | last line
+        cells = [c.strip() for c in next(l for l in summary.splitlines() if l.startswith(f"| {n} |")).split("|")[1:-1]]
+        assert cells[2] == seen[n] and cells[4] == "0" and cells[5] == seen[n], cells
+    monkeypatch.setattr(sys, "argv", ["gpu_suite.py", str(tmp_path), "all", "--slots", "0"])
+    with pytest.raises(SystemExit, match="--slots must be >= 1"): G.main()
+
+
+def test_gpu_suite_on_a_host_without_gpus(tmp_path):
+    "On a CPU host every job, the all-GPU one included, is reported as not run, and the script says so (exit 1)."
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "gpu_suite.py"), str(tmp_path), "all", "--only",
+                        "pytest_gemm,pytest_ep_2gpu,pytest_kernels"], env=env, capture_output=True, text=True, timeout=300)
+    summary = (tmp_path / "summary.md").read_text() if (tmp_path / "summary.md").exists() else ""
+    assert r.returncode == 1 and summary.startswith("no GPU x 0"), r.stderr[-2000:]
+    for name, n in (("pytest_gemm", 1), ("pytest_ep_2gpu", 2), ("pytest_kernels", 1)):
+        assert f"| {name} | `" in summary and f"| - | 0 | NOT RUN (needs {n} GPU{'s' if n > 1 else ''}) |" in summary.split(f"| {name} | `")[1].splitlines()[0], summary
 
 
 def test_gpu_suite_summary_names_the_failures(tmp_path):
     "tests/gpu_suite.py puts each failing job's failed tests and assertion lines into summary.md (the file sure to come back)."
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_suite", Path(__file__).parent / "gpu_suite.py")
-    G = importlib.util.module_from_spec(spec); spec.loader.exec_module(G)
+    G = _gpu_suite()
     (tmp_path / "bad.log").write_text("tests/x.py::t1 PASSED\ntests/x.py::t2 FAILED [50%]\nE   assert 1 == 2\n")
     (tmp_path / "good.log").write_text("tests/x.py::t1 PASSED\n")
     text = G.failures(tmp_path, ["bad", "missing"])

@@ -284,7 +284,9 @@ def gemm_goals(res: dict) -> str:
         rd = [r["pct_same_read"] for r in dec if r.get("pct_same_read")]
         out.append(f"* Decode rows stream {min(dec_tbs):.2f}-{max(dec_tbs):.2f} TB/s, {100 * min(dec_tbs) / res['copy_tbs']:.0f}-"
                    f"{100 * max(dec_tbs) / res['copy_tbs']:.0f}% of the copy bandwidth measured in the same run ({res['copy_tbs']:.2f} TB/s)"
-                   + (f"; {min(rd):.0f}-{max(rd):.0f}% of the speed of a pure read of their own bytes." if rd else "."))
+                   + (f"; those of up to {SAME_READ_MAX_T} tokens ({len(rd)} of {len(dec)}) run at "
+                      + (f"{rd[0]:.0f}%" if len(set(f"{v:.0f}" for v in rd)) == 1 else f"{min(rd):.0f}-{max(rd):.0f}%")
+                      + " of the speed of a pure read of their own bytes." if rd else "."))
     eg = [r for r in rows if r.get("launch")]
     if eg:
         gaps = ", ".join(f"T={r['tokens']}: eager {r['launch']['eager_us']:.1f} vs graph {r['launch']['graph_us']:.1f} us "

@@ -315,8 +315,8 @@ class _Consumer:
 
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #b4246b2d
-SCALE_CHUNK = 8   # SWIGLU_BF16's epilogue loads this many tokens' scales at once, ahead of their stores (3 registers each)
-assert SCALE_CHUNK & (SCALE_CHUNK - 1) == 0, "SCALE_CHUNK must be a power of two: its chunks tile tok_tile / 4 tokens"
+SCALE_CHUNK = 8   # SWIGLU_BF16's epilogue loads this many tokens' scales at once, ahead of their stores (2 registers each, 3 under W4A8)
+assert SCALE_CHUNK > 0 and SCALE_CHUNK & (SCALE_CHUNK - 1) == 0, "SCALE_CHUNK must be a power of two: its chunks tile tok_tile / 4 tokens"
 
 class _EpilogueStore:
     "Mixin of GroupedGemmSm90: the epilogue of one unit."
