@@ -29,7 +29,10 @@ def test_every_notebook_is_valid_nbformat():
     nbformat = pytest.importorskip("nbformat")
     paths = sorted(glob.glob(str(ROOT / "nbs" / "*.ipynb")))
     assert paths
-    for p in paths: nbformat.validate(nbformat.read(p, as_version=4))
+    for p in paths:
+        nbformat.validate(nbformat.read(p, as_version=4))
+        cells = __import__("json").loads(Path(p).read_text())["cells"]   # nbformat 4.5: every cell has an id (it only warns)
+        assert all("id" in c for c in cells), f"{p}: a cell without an id"
 
 
 def _gpu_suite():
