@@ -1,4 +1,5 @@
 """Repository hygiene: what the docs tools and the CLI write stays out of git."""
+import json
 import os
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def test_every_notebook_is_valid_nbformat():
     assert paths
     for p in paths:
         nbformat.validate(nbformat.read(p, as_version=4))
-        cells = __import__("json").loads(Path(p).read_text())["cells"]   # nbformat 4.5: every cell has an id (it only warns)
+        cells = json.loads(Path(p).read_text())["cells"]   # nbformat 4.5: every cell has an id (it only warns)
         assert all("id" in c for c in cells), f"{p}: a cell without an id"
 
 

@@ -229,8 +229,7 @@ def bench_gemm(problems=None, log=print) -> dict:
         r["x_bf16"] = r["bf16_us"] / r["time_us"]; r["x_fp8"] = r["fp8_us"] / r["time_us"]
         if r["tokens"] <= SAME_READ_MAX_T:             # memory-bound rows: a pure read of as many bytes, this run
             buf = torch.ones(int(r["bytes"]) // 8, dtype=torch.int64, device="cuda")
-            sink = torch.zeros((), dtype=torch.int64, device="cuda")
-            r["read_us"] = min(v for v in timer(lambda: read_clean(buf, sink)) if v)
+            r["read_us"] = min(v for v in timer(lambda: read_clean(buf, timer.sink)) if v)
             r["pct_same_read"] = 100 * r["read_us"] / r["time_us"]
             del buf
         res["rows"].append(r)
@@ -282,11 +281,11 @@ def gemm_goals(res: dict) -> str:
     dec_tbs = [r["tbs"] for r in dec]
     if dec_tbs:
         rd = [r["pct_same_read"] for r in dec if r.get("pct_same_read")]
+        lo, hi = (f"{min(rd):.0f}", f"{max(rd):.0f}") if rd else ("", "")
         out.append(f"* Decode rows stream {min(dec_tbs):.2f}-{max(dec_tbs):.2f} TB/s, {100 * min(dec_tbs) / res['copy_tbs']:.0f}-"
                    f"{100 * max(dec_tbs) / res['copy_tbs']:.0f}% of the copy bandwidth measured in the same run ({res['copy_tbs']:.2f} TB/s)"
-                   + (f"; those of up to {SAME_READ_MAX_T} tokens ({len(rd)} of {len(dec)}) run at "
-                      + (f"{rd[0]:.0f}%" if len(set(f"{v:.0f}" for v in rd)) == 1 else f"{min(rd):.0f}-{max(rd):.0f}%")
-                      + " of the speed of a pure read of their own bytes." if rd else "."))
+                   + (f"; those of up to {SAME_READ_MAX_T} tokens ({len(rd)} of {len(dec)}) run at {lo if lo == hi else f'{lo}-{hi}'}% "
+                      "of the speed of a pure read of their own bytes." if rd else "."))
     eg = [r for r in rows if r.get("launch")]
     if eg:
         gaps = ", ".join(f"T={r['tokens']}: eager {r['launch']['eager_us']:.1f} vs graph {r['launch']['graph_us']:.1f} us "
