@@ -620,6 +620,66 @@ def test_out_rows_reference_is_the_plain_product_scattered(monkeypatch):
     with pytest.raises(ValueError, match="cannot store rows"): GC.grouped_gemm_nvfp4(a, w, offs, out=out, out_rows=to)
 
 
+def test_in_rows_reads_the_mapped_rows():
+    """`in_rows`: routed row i reads a[in_rows[i]] (a of T token rows), the product of the gathered rows bit for bit; an
+    index outside a's rows reads a zero row (check=True refuses it); bf16 activations only; the checks refuse the rest."""
+    E, N, K, T = 3, 32, 64, 4
+    w = GC.prepare_weights(pow2_experts(E, N, K, seed=5), device="cpu", backend="reference")
+    x = (torch.randn(T, K, generator=gen(6)) * 2).to(torch.bfloat16)
+    offs = torch.tensor([3, 3, 8], dtype=I32)
+    rows = torch.tensor([2, 0, 3, 1, 1, 3, 0, 2], dtype=I32)
+    assert torch.equal(GC.grouped_gemm_nvfp4(x, w, offs, in_rows=rows), GC.grouped_gemm_nvfp4(x[rows.long()], w, offs))
+    bad = rows.clone(); bad[1], bad[6] = -1, T                          # outside a's rows: zero rows
+    xz = x[rows.long()].clone(); xz[[1, 6]] = 0
+    got = GC.grouped_gemm_nvfp4(x, w, offs, in_rows=bad)
+    assert torch.equal(got, GC.grouped_gemm_nvfp4(xz, w, offs)) and bool((got[[1, 6]] == 0).all())
+    assert torch.equal(GC.gather_rows(x, bad), xz) and GC.gather_rows(x[:0], bad).shape == (8, K)
+    with pytest.raises(ValueError, match="outside a's 4 rows"): GC.grouped_gemm_nvfp4(x, w, offs, in_rows=bad, check=True)
+    with pytest.raises(TypeError, match="in_rows"): GC.grouped_gemm_nvfp4(x, w, offs, in_rows=rows.long())
+    with pytest.raises(ValueError, match="offsets|8"): GC.grouped_gemm_nvfp4(x, w, offs, in_rows=rows[:7], check=True)
+    x4 = Q.ref_quantize_nvfp4(x.float()) if hasattr(Q, "ref_quantize_nvfp4") else ref_quantize_nvfp4(x.float())
+    with pytest.raises(ValueError, match="bf16 activations"): GC.grouped_gemm_nvfp4(x4, w, offs, in_rows=rows)
+
+
+def test_in_rows_sm90_plans_the_gather_variant(monkeypatch):
+    """The sm90 backend reads `in_rows` in the kernel (the gather variant, the map passed to the launch) at the decode
+    tiles of the plain kind, and gathers first everywhere else (a tile past GATHER_MAX_TT, with out_rows); the kernel
+    refuses the variant where it is not built (recorded launches on CPU tensors made to look like a Hopper device)."""
+    pytest.importorskip("cutlass")
+    from dsv4_nvfp4 import runtime as rt
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
+    monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(GC, "_FAST", {})
+    calls = []
+    monkeypatch.setattr(S90K, "run_sm90", lambda cfg, w, a, *args, gather_map=None, **kw: calls.append((cfg, a, gather_map)))
+    pw = GC.prepare_weights(Q.quantize_experts(torch.randn(4, 128, 256, generator=gen(9))), device="cpu", backend="sm90")
+    x, offs = torch.randn(3, 256).to(torch.bfloat16), torch.tensor([1, 3, 3, 6], dtype=I32)
+    rows = torch.tensor([2, 0, 1, 2, 0, 1], dtype=I32)
+    GC.grouped_gemm_nvfp4(x, pw, offs, out=torch.empty(6, 128, dtype=torch.bfloat16), in_rows=rows)
+    GC.grouped_gemm_nvfp4(x[rows.long()], pw, offs, out=torch.empty(6, 128, dtype=torch.bfloat16))
+    (c1, a1, m1), (c2, a2, m2) = calls
+    assert c1.gather and a1 is x and m1 is rows and not c2.gather and m2 is None and c1._replace(gather=False) == c2
+    calls.clear()                                                     # a prefill tile: gathered first, the plain variant
+    GC.grouped_gemm_nvfp4(x, pw, offs, out=torch.empty(6, 128, dtype=torch.bfloat16), in_rows=rows, config=S90.CONFIGS[64])
+    ((c3, a3, m3),) = calls
+    assert not c3.gather and m3 is None and torch.equal(a3, x[rows.long()])
+    b = S90.Sm90Backend()
+    p = GC.Problem(6, 256, 4096, 4096, in_rows=True)
+    assert b.gathers(p) and b.plan(p).cfg.gather
+    assert not b.gathers(p._replace(rows=12288)) and not b.gathers(p._replace(out_rows=True))
+    assert not b.gathers(p._replace(epilogue="swiglu_bf16")) and not b.gathers(p._replace(in_rows=False))
+    from dsv4_nvfp4.gemm.sm90_kernel import GATHER_MAX_TT, GroupedGemmSm90
+    lim = dict(smem_limit=S90.HOPPER_SMEM_PER_BLOCK)
+    for tt in (8, 16, 32):
+        assert tt <= GATHER_MAX_TT and GroupedGemmSm90.can_implement(S90.CONFIGS[tt]._replace(gather=True), 4, 256, **lim)[0]
+    for cfg in (S90.CONFIGS[64]._replace(gather=True), S90.CONFIGS[16]._replace(gather=True, row_map=True),
+                S90.CONFIGS[16]._replace(gather=True, epilogue=S90.Epilogue.SWIGLU_BF16),
+                S90.CONFIGS[16]._replace(gather=True, epilogue=S90.Epilogue.BF16_ROW_GS, fp8=True)):
+        ok, why = GroupedGemmSm90.can_implement(cfg, 4, 256, **lim)
+        assert not ok and "gather" in why, cfg
+
+
 def test_out_rows_sm90_plans_the_row_map_variant(monkeypatch):
     """The sm90 backend plans `out_rows` as the kernel's row-map variant of the plain epilogue and passes the map to
     the launch (recorded here, not executed: CPU tensors made to look like a Hopper device); the plain call does not,

@@ -279,6 +279,52 @@ def test_out_rows_is_the_plain_store_scattered(mode):
     assert torch.equal(out, want), f"{mode}: out of {Ms} rows, offsets past R: {(out != want).any(1).sum().item()} rows differ"
 
 
+@pytest.mark.parametrize("T", [1, 3, 9, 40])
+def test_in_rows_gather_is_the_gathered_product(T):
+    """`in_rows`: the gather variant (each activation row loaded by one TMA copy through the map) gives the bits of the
+    plain GEMM of the gathered rows, for every configuration that gathers (tiles 8, 16, 32, one and four warpgroups)
+    and the plan's own; an index outside x's rows reads a zero row; rows past the last expert's end (garbage map
+    entries there) are not stored; an x of no rows gives the product of zero rows; captured in a CUDA graph, a new map
+    and new offsets replay with the bits of a fresh call."""
+    E, N, K, k = 16, 512, 1024, 6
+    pw, _ = experts(E, N, K, seed=41)
+    g = torch.Generator().manual_seed(41 + T)
+    x = (torch.randn(T + 2, K, generator=g) * 2).to(torch.bfloat16).to(DEV)       # 2 token rows no route reads
+    def routing(seed):
+        rt = R.route_topk(R.random_topk(T, E, k, generator=torch.Generator().manual_seed(seed)), E)
+        rows = rt.token.to(I32)
+        rows[0] = -3 if T > 1 else rows[0]                                          # outside x: a zero row
+        if T > 2: rows[-1] = T + 40
+        return rt.expert_offsets.to(DEV), rows.to(DEV)
+    offs, rows = routing(T)
+    gathered = GC.gather_rows(x, rows)
+    assert S90.Sm90Backend().gathers(GC.Problem(rows.numel(), E, N, K, in_rows=True))
+    cfgs = [None, S90.CONFIGS[8], S90.CONFIGS[16], S90.CONFIGS[32], S90.DECODE_WIDE[8], S90.DECODE_WIDE[16], S90.DECODE_WIDE[32]]
+    for c in cfgs:
+        want = GC.grouped_gemm_nvfp4(gathered, pw, offs, config=c)
+        got = GC.grouped_gemm_nvfp4(x, pw, offs, in_rows=rows, config=c)
+        assert torch.equal(got, want), f"T={T} {c}: {(got != want).any(1).sum().item()} rows differ"
+    short = offs.clone(); short[-1] = max(int(short[-2]) if E > 1 else 0, rows.numel() - 3)   # the last 3 rows: no expert's
+    junk = rows.clone(); junk[int(short[-1]):] = torch.tensor([2 ** 30, -2 ** 30, 7], dtype=I32, device=DEV)[:rows.numel() - int(short[-1])]
+    end = int(short[-1])
+    got = torch.full((rows.numel(), N), 5.0, dtype=torch.bfloat16, device=DEV)
+    GC.grouped_gemm_nvfp4(x, pw, short, out=got, in_rows=junk)
+    want = GC.grouped_gemm_nvfp4(GC.gather_rows(x, junk), pw, short)
+    assert torch.equal(got[:end], want[:end]) and bool((got[end:] == 5.0).all()), f"T={T}: the tail past the last expert"
+    z = GC.grouped_gemm_nvfp4(x[:0], pw, offs, in_rows=rows)                            # no token rows: all zero rows
+    assert torch.equal(z, GC.grouped_gemm_nvfp4(torch.zeros(rows.numel(), K, dtype=torch.bfloat16, device=DEV), pw, offs))
+    out = torch.empty(rows.numel(), N, dtype=torch.bfloat16, device=DEV)
+    offs_g, rows_g = offs.clone(), rows.clone()
+    GC.grouped_gemm_nvfp4(x, pw, offs_g, out=out, in_rows=rows_g); torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        GC.grouped_gemm_nvfp4(x, pw, offs_g, out=out, in_rows=rows_g)
+    offs2, rows2 = routing(T + 1000)
+    offs_g.copy_(offs2); rows_g.copy_(rows2); out.fill_(7.0)
+    graph.replay(); torch.cuda.synchronize()
+    assert torch.equal(out, GC.grouped_gemm_nvfp4(GC.gather_rows(x, rows2), pw, offs2)), f"T={T}: the replay differs"
+
+
 def test_tvm_ffi_and_python_launch_paths_agree(monkeypatch):
     """The thin TVM-FFI launch and CuTeDSL's Python launch run the same compiled kernel: bit-identical outputs
     (W4A16, W4A4 per-row gs, wo_a), and the TVM-FFI path is the one taken when apache-tvm-ffi is installed."""

@@ -228,3 +228,42 @@ def test_epilogue_loads_run_ahead_of_their_stores(cfg):
         if not S.GroupedGemmSm90.can_implement(c, 8)[0]: continue
         seq = _global_order(c)
         assert "S" in seq and seq.count("SL") <= chunks - 1, (epi, fp8, chunks, seq)
+
+
+_GATHER = [c._replace(gather=True) for c in (L.CONFIGS[8], L.CONFIGS[16], L.CONFIGS[32], L.DECODE_WIDE[8], L.DECODE_WIDE[32])]
+
+
+@pytest.mark.parametrize("cfg", _GATHER, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _GATHER])
+def test_gather_variant_loads_one_row_per_copy(cfg):
+    # GemmConfig.gather: the producer loads the activation tile row by row through the map (two 64-wide TMA boxes per row
+    # under the 128-byte swizzle, one per weight slab as before), nothing spills (a four-warpgroup producer has 40
+    # registers: unrolled 32 rows did), and the consumers' K loop is the plain variant's: the same decode and HGMMAs,
+    # within four instructions in all (ptxas allocates the loop's bookkeeping around the changed producer: a UMOV, or two
+    # R2UR and a ULEA at tile 16 with BF16_ROW_GS), inside the budget
+    for epi in ("BF16", "BF16_ROW_GS"):
+        c = cfg._replace(epilogue=getattr(L.Epilogue, epi))
+        sass = S.kernel_sass(c)
+        ops = S.sass_opcodes(sass)
+        assert "LDL" not in ops and "STL" not in ops, (c, ops)
+        plain = c._replace(gather=False)
+        mine, theirs = S.sass_opcodes(S.mainloop_sass(c)), S.sass_opcodes(S.mainloop_sass(plain))
+        assert all(mine.get(o) == theirs.get(o) for o in ("HGMMA", "HMUL2", "SHF", "LOP3", "LDS")), (c, mine, theirs)
+        assert abs(sum(mine.values()) - sum(theirs.values())) <= 4 and sum(mine.values()) <= S.MAINLOOP_SASS_BUDGET, (c, mine, theirs)
+        assert not S.wgmma_hazards(S.mainloop_sass(c)), c
+    ptx = S.kernel_artifact(cfg, "ptx").decode()
+    unrolled = cfg.tok_tile <= 16                               # tile 32: a loop of 16-row unrolled bodies
+    copies = ptx.count("cp.async.bulk.tensor.2d")
+    assert copies == (2 * cfg.tok_tile if unrolled else 2 * 16) + cfg.wgs, (cfg, copies)
+    if unrolled and cfg.wgs == 1:                               # where: row i at 128 (i % 8) + 1024 (i // 8) bytes of the
+        import re                                               # stage's tile, its second 64-K box tok_tile x 128 further,
+        tt = cfg.tok_tile                                       # both boxes at the row's map entry, two K coordinates
+        cp = re.findall(r"cp\.async\.bulk\.tensor\.2d\S*\s+\[(%r\d+)\+(\d+)\], \[%rd\d+, \{(%r\d+), (%r\d+)\}\]", ptx)
+        base = max({b for b, *_ in cp}, key=lambda b: sum(x[0] == b for x in cp))
+        act = sorted((int(o), k, r) for b, o, k, r in cp if b == base)[-2 * tt:]      # the tile's copies: above the slabs
+        lo = act[0][0]
+        want = {128 * (i % 8) + 1024 * (i // 8) + h * tt * 128 for i in range(tt) for h in range(2)}
+        assert {o - lo for o, _, _ in act} == want, (cfg, act)
+        for i in range(tt):                                     # the two boxes of a row: one map entry, two K coordinates
+            (o0, k0, r0), = [a for a in act if a[0] - lo == 128 * (i % 8) + 1024 * (i // 8)]
+            (o1, k1, r1), = [a for a in act if a[0] - lo == 128 * (i % 8) + 1024 * (i // 8) + tt * 128]
+            assert r0 == r1 and k0 != k1, (cfg, i, act)

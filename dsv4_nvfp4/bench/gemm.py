@@ -164,6 +164,48 @@ def load_peer_harness(peer_dir):    # a folder holding bench_peer.py (find_peer_
     return mod
 
 PEER_BACKENDS = ("ours_nvfp4", "marlin_nvfp4", "triton_mxfp4")
+def _bench_ours_gather(bp, args, rows):
+    """Ours in the peers' harness with the token gather inside the GEMM (`grouped_gemm_nvfp4(x, ..., in_rows=)`) where
+    the harness's own `bench_ours` runs `index_select` first: the same weights' kind, routings, Timer, flush and
+    reporting (`bp.make_routings`, `bp.Timer`, `bp.report`); eager and graph-replayed rows, `ours_gather(...)`. Only at
+    the sizes where the kernel reads the map itself (`Sm90Backend.gathers`), and only after each routing's call gave
+    the bits of the plain GEMM of the gathered rows (a mismatch is logged and its T left out)."""
+    from dsv4_nvfp4.gemm import Problem, get_backend, gather_rows
+    from dsv4_nvfp4.quant import NVFP4Experts
+    from dsv4_nvfp4.routing import route_topk
+    E, N, K, topk, dev = args.E, args.N, args.K, args.topk, "cuda"
+    data = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=dev)
+    scale = torch.randint(0x30, 0x50, (E, N, K // 16), dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    pw = prepare_weights(NVFP4Experts(data, scale, torch.ones(E, dtype=torch.float32, device=dev), (E, N, K)))
+    w_bytes = N * K // 2 + N * K // 16 + 4
+    for T in args.tokens:
+        if not get_backend("sm90").gathers(Problem(T * topk, E, N, K, in_rows=True)): continue
+        x = torch.randn(T, K, dtype=torch.bfloat16, device=dev)
+        c = torch.empty(T * topk, N, dtype=torch.bfloat16, device=dev)
+        fns, actives, same = [], [], True
+        for ids, _ in bp.make_routings(T, E, topk, args.routings, args.seed, dev):
+            r = route_topk(ids, E)
+            tok, offs = r.token.to(dev).to(torch.int32), r.expert_offsets.to(dev)
+            actives.append(int(torch.unique(ids).numel()))
+            fns.append(lambda tok=tok, offs=offs: grouped_gemm_nvfp4(x, pw, offs, out=c, in_rows=tok))
+            fns[-1]()
+            same = same and torch.equal(c, grouped_gemm_nvfp4(gather_rows(x, tok), pw, offs))
+        if not same:
+            print(f"ours_gather: T={T}: not the bits of the gathered rows' GEMM; left out", flush=True)
+            continue
+        n_act = round(sum(actives) / len(actives))
+        extra = T * K * 2 + T * topk * N * 2
+        bp.report(rows, "ours_gather(eager)", T, bp.Timer(not args.no_flush).run(fns, args.warmup, args.iters), n_act, w_bytes,
+                  2.0 * T * topk * N * K, extra)
+        graphs = []
+        for fn in fns:
+            fn(); torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g): fn()
+            graphs.append(g)
+        bp.report(rows, "ours_gather(graph)", T, bp.Timer(not args.no_flush).run([g.replay for g in graphs], args.warmup, args.iters),
+                  n_act, w_bytes, 2.0 * T * topk * N * K, extra)
+        del graphs
 
 def bench_peers(problems=None, peer_dir=None, tokens=(1, 8, 32, 128, 512, 2048, 8192), log=print) -> list:
     """Ours, Marlin NVFP4 and triton_kernels MXFP4 on the routed problems of `GEMM_PROBLEMS`, timed by the peers'
@@ -191,6 +233,10 @@ def bench_peers(problems=None, peer_dir=None, tokens=(1, 8, 32, 128, 512, 2048, 
                 log(f"  peer {b} on {name}: {type(e).__name__}: {e}")
             rows += [dict(r, problem=name) for r in got]
             torch.cuda.empty_cache()
+        got = []                                      # ours with the gather in the GEMM, after the peers
+        try: _bench_ours_gather(bp, args, got)
+        except Exception as e: log(f"  ours_gather on {name}: {type(e).__name__}: {e}")
+        rows += [dict(r, problem=name) for r in got]
     return rows
 
 def peer_table(res: dict) -> str:
@@ -203,11 +249,14 @@ def peer_table(res: dict) -> str:
     if not keys: return ""
     rows = []
     for p, T in keys:
-        o, m, t = (best.get((p, T, b)) for b in PEER_BACKENDS)
+        o1, m, t = (best.get((p, T, b)) for b in PEER_BACKENDS)
+        og = best.get((p, T, "ours_gather"))
+        o = min((v for v in (o1, og) if v is not None), default=None)     # ours: the faster way to call it
         peers = [v for v in (m, t) if v is not None]
-        rows.append(dict(problem=p, T=T, ours=o, marlin=m, triton=t, x_marlin=None if o is None or m is None else m / o,
-                         x_peer=None if o is None or not peers else min(peers) / o))
-    return table(rows, [("problem", "problem"), ("T", "T"), ("ours us", fmt("ours")), ("Marlin NVFP4 us", fmt("marlin")),
+        rows.append(dict(problem=p, T=T, ours=o, ours1=o1, ours_g=og, marlin=m, triton=t,
+                         x_marlin=None if o is None or m is None else m / o, x_peer=None if o is None or not peers else min(peers) / o))
+    return table(rows, [("problem", "problem"), ("T", "T"), ("ours us, the harness's gather", fmt("ours1")),
+                        ("ours us, gather in the GEMM", fmt("ours_g")), ("ours us", fmt("ours")), ("Marlin NVFP4 us", fmt("marlin")),
                         ("triton MXFP4 us", fmt("triton")), ("Marlin / ours", fmt("x_marlin", ".2f")),
                         ("faster peer / ours", fmt("x_peer", ".2f"))])
 
@@ -299,6 +348,8 @@ def gemm_goals(res: dict) -> str:
         for r in pr:
             k = (r["problem"], r["T"], r["backend"].split("(")[0]); best[k] = min(best.get(k, float("inf")), r["median_us"])
         E_of = {p[0]: p[1] for p in GEMM_PROBLEMS}
+        for (p, T, b), v in list(best.items()):                   # ours: the faster way to call it
+            if b == "ours_gather": best[(p, T, "ours_nvfp4")] = min(v, best.get((p, T, "ours_nvfp4"), float("inf")))
         cells = sorted({(p, T) for p, T, b in best if b == "ours_nvfp4"})
         per_ = lambda p, T: 6 * T / max(1, min(E_of.get(p, 1), 6 * T))
         mem = [(p, T) for p, T in cells if per_(p, T) <= 16 and (p, T, "marlin_nvfp4") in best]

@@ -23,8 +23,8 @@ from ..runtime import check_tensor, out_tensor
 __all__ = ['ACTS', 'EPILOGUES', 'Problem', 'EpilogueArgs', 'ExpertWeights', 'Backend', 'registry_generation', 'register_backend',
            'unregister_backend', 'backend_names', 'get_backend', 'backend_for', 'plan_for', 'backend_of',
            'expert_source', 'default_device', 'indexed_device', 'prepare_weights', 'check_operand', 'out_operand',
-           'cached_ones', 'check_sms_free', 'check_activations', 'check_offsets_operand', 'grouped_gemm_nvfp4',
-           'wo_a_nvfp4']
+           'cached_ones', 'check_sms_free', 'check_activations', 'check_offsets_operand', 'gather_rows',
+           'grouped_gemm_nvfp4', 'wo_a_nvfp4']
 
 # %% ../../nbs/04_gemm_seam.ipynb #6dd46f77
 ACTS = ("bf16", "nvfp4", "fp8")                                # W4A16, W4A4, W4A8 (FP8Activations, one scale per row)
@@ -43,6 +43,7 @@ class Problem(NamedTuple):
     sms_free: int = 0                  # SMs the launch leaves to a kernel beside it (EP's all-to-all)
     dump: bool = False                 # swiglu_nvfp4: also store h before quantization (a test output)
     out_rows: bool = False             # the plain epilogue stores row i at out[out_rows[i]] (`Backend.stores_rows`)
+    in_rows: bool = False              # row i of the activations is a[in_rows[i]], read by the kernel (`Backend.gathers`)
 
 class EpilogueArgs(NamedTuple):
     "The epilogue's operands, as data: each is a tensor on the activations' device, or None where the kind has none."
@@ -51,6 +52,7 @@ class EpilogueArgs(NamedTuple):
     out_scale: torch.Tensor | None = None    # swiglu_nvfp4: fp32 (E,), the static global scale of each expert's h
     dump: torch.Tensor | None = None         # swiglu_nvfp4 with Problem.dump: fp32 (R, N/2), h before quantization
     out_rows: torch.Tensor | None = None     # with Problem.out_rows: int32 (R,), where each row of the product is stored
+    in_rows: torch.Tensor | None = None      # with Problem.in_rows: int32 (R,), the row of the activations each row reads
 
 @dataclass(eq=False)
 class ExpertWeights:
@@ -107,6 +109,10 @@ class Backend:
             workspace: torch.Tensor | None = None):
         "Launch `plan`: `a` bf16 or NVFP4Tensor, `offsets` int32 (E,) (None for wo_a), `out` the output buffer."
         raise NotImplementedError
+    def gathers(self, p: Problem, config=None) -> bool:
+        """Whether `run` reads the activation rows through `EpilogueArgs.in_rows` for `p` (`p.in_rows` set; `config` as
+        `plan` would get it); where it does not, `grouped_gemm_nvfp4` gathers them first (`gather_rows`). Default: never."""
+        return False
     def fast_path(self, a, w: ExpertWeights, offsets, out, sms_free: int) -> bool:
         """The plain grouped GEMM's hot call (bf16 rows, `out=` given, weights already used on this device): launch and
         return True, or return False to take the checked path. Default: always the checked path."""
@@ -310,6 +316,16 @@ def check_offsets_operand(expert_offsets, E: int, R: int, dev, what: str, check:
     return expert_offsets
 
 # %% ../../nbs/04_gemm_seam.ipynb #25589571
+def gather_rows(a: torch.Tensor,      # (T, K)
+                rows: torch.Tensor,   # int (R,)
+               ) -> torch.Tensor:     # (R, K): a[rows[i]], a zero row where rows[i] is outside [0, T)
+    """The rows `grouped_gemm_nvfp4(..., in_rows=)` reads, as a new tensor (a few small kernels and allocations besides
+    the (R, K) result; no sync)."""
+    T, r = a.shape[0], rows.long()
+    if T == 0: return a.new_zeros(r.shape[0], *a.shape[1:])
+    ok = (r >= 0) & (r < T)
+    return a.index_select(0, r.clamp(0, T - 1)).masked_fill_(~ok.view(-1, *[1] * (a.dim() - 1)), 0)
+
 def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVFP4Tensor (R, K) (W4A4, gs scalar or (R,)) or FP8Activations (W4A8)
                        w: ExpertWeights,              # (E, N, K): prepare_weights(...) for a's device
                        expert_offsets: torch.Tensor,  # int32 (E,) on a's device: cumulative END offsets of the expert-major rows
@@ -320,6 +336,7 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
                        check: bool = False,                    # validate the offsets on the host (a sync)
                        sms_free: int = 0,                      # SMs the launch leaves free for a kernel beside it (EP's all-to-all)
                        out_rows: torch.Tensor | None = None,   # int32 (R,): row i of C stored at out[out_rows[i]] (needs out=)
+                       in_rows: torch.Tensor | None = None,    # int32 (R,): row i of A is a[in_rows[i]] (a bf16 (T, K), W4A16)
                       ) -> torch.Tensor:                       # `out`
     """`C[rows of e] = gs_a * gs_w[e] * A[rows of e] @ W[e]^T` for every expert e: the MoE grouped GEMM with NVFP4
     weights, run by the backend the weights were prepared for (Hopper: `sm90`, the in-register decode; the CPU: the
@@ -331,6 +348,13 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
     expert's range are not stored, as without it. Two rows mapped to one place leave a mix of both: give each its own.
     Backends with `stores_rows` only (sm90, reference): ValueError elsewhere.
 
+    With `in_rows` (bf16 activations only) `a` holds T token rows and routed row i reads `a[in_rows[i]]`: the token
+    gather of a MoE layer without a fused permute. The sm90 kernel reads the rows through the map at decode sizes
+    (token tiles up to 32: one TMA copy per row, no gathered copy of `a`, nothing allocated); elsewhere (larger
+    tiles, with `out_rows`, other backends, an `a` of no rows) `gather_rows` makes the gathered copy first: it
+    allocates, so a CUDA graph captured around such a call keeps an (R, K) buffer in its pool. An index outside `a`'s
+    rows reads a zero row (with `check=True`, ValueError instead: a sync).
+
     Rows are expert-major (see `routing.route_topk`): expert e owns rows `[expert_offsets[e-1], expert_offsets[e])`,
     empty experts allowed. No host sync (`check=True` validates the offsets instead: a sync); offsets outside [0, R]
     are clamped by the kernels. With `out=` (and `workspace=` for W4A4 on Hopper) nothing is allocated, so the call can
@@ -338,7 +362,7 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
     for wrong kinds or dtypes, ValueError for shapes, devices, K % 16, weights prepared for another backend or device,
     and a problem the backend cannot run."""
     what = "grouped_gemm_nvfp4"
-    if out is not None and out_rows is None and not check and config is None and type(sms_free) is int and sms_free >= 0:
+    if out is not None and out_rows is None and in_rows is None and not check and config is None and type(sms_free) is int and sms_free >= 0:
         b = _FAST.get(type(w))
         if b is not None and b.fast_path(a, w, expert_offsets, out, sms_free): return out
     check_sms_free(sms_free, what)
@@ -347,6 +371,12 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
     act, dev, gs_a = check_activations(a, K, what)
     b = backend_of(w, what, dev)
     R = a.shape[0]
+    if in_rows is not None:
+        if act != "bf16": raise ValueError(f"{what}: in_rows gathers bf16 activations (W4A16), got {act!r} ones")
+        check_tensor(in_rows, what, "in_rows", (torch.int32,), dev, dim=1, align=4, cuda=False)
+        R = in_rows.shape[0]
+        if check and R and not bool(((in_rows >= 0) & (in_rows < a.shape[0])).all()):
+            raise ValueError(f"{what}: in_rows holds an index outside a's {a.shape[0]} rows")
     check_offsets_operand(expert_offsets, E, R, dev, what, check)
     if out_rows is not None:
         if not b.stores_rows: raise ValueError(f"{what}: the {b.name!r} backend cannot store rows at out_rows")
@@ -358,9 +388,13 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
     if R == 0 or N == 0: return out
     per_row = gs_a is not None and gs_a.numel() != 1
     if per_row and gs_a.numel() != R: raise ValueError(f"{what}: per-row global scale must have {R} entries, got {gs_a.numel()}")
-    plan = plan_for(b, Problem(R, E, N, K, act, "bf16", per_row, math.inf, sms_free, out_rows=out_rows is not None), config, what)
-    b.run(plan, a, w, expert_offsets, out, EpilogueArgs(gs_a=gs_a, out_rows=out_rows), workspace)
-    if config is None and act == "bf16" and out_rows is None:
+    p = Problem(R, E, N, K, act, "bf16", per_row, math.inf, sms_free, out_rows=out_rows is not None, in_rows=in_rows is not None)
+    if in_rows is not None and (a.shape[0] == 0 or not b.gathers(p, config)):   # the backend reads a's rows as they
+                                                                                # are (or a has none): gather them first
+        a, in_rows, p = gather_rows(a, in_rows), None, p._replace(in_rows=False)
+    plan = plan_for(b, p, config, what)
+    b.run(plan, a, w, expert_offsets, out, EpilogueArgs(gs_a=gs_a, out_rows=out_rows, in_rows=in_rows), workspace)
+    if config is None and act == "bf16" and out_rows is None and in_rows is None:
         b.remember(w, plan, R, sms_free)
         _FAST[type(w)] = b
     return out

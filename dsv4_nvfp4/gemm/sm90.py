@@ -221,6 +221,8 @@ class GemmConfig(NamedTuple):
     fp8: bool = False                  # W4A8: gemm.w4a8's slabs decoded to E4M3, E4M3 activations, FP8 WGMMA (k32)
     table: bool = False                # W4A8 only: also the PRMT table loop, for the experts whose row table is negative
     row_map: bool = False              # BF16 / BF16_ROW_GS: row r of the product stored at C[map[r]] (map in mGr's slot)
+    gather: bool = False               # BF16 / BF16_ROW_GS, tok_tile <= 32: row r of the activations is A[map[r]] (map in
+                                       # mGr's slot), loaded one row per TMA copy
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
@@ -349,6 +351,19 @@ class Sm90Backend(Backend):
     weights_type = Sm90Weights
     stores_rows = True                          # the plain epilogues' row map (GemmConfig.row_map)
 
+    def gathers(self, p: Problem, config: GemmConfig | None = None) -> bool:
+        """The kernel reads the rows through the map (`GemmConfig.gather`) for the plain bf16 kinds at the decode tiles
+        (up to `GATHER_MAX_TT` tokens: one TMA copy per row and K tile), not with `out_rows` (both maps ride in one slot)."""
+        if not p.in_rows or p.act != "bf16" or p.epilogue != "bf16" or p.out_rows: return False
+        key = (p, config, torch.cuda.current_device() if torch.cuda.is_available() else -1)
+        memo = self.__dict__.setdefault("_gathers", {})           # (pick_config per eager call cost about 15 us)
+        if key not in memo:
+            from dsv4_nvfp4.gemm.sm90_kernel import GATHER_MAX_TT
+            try: cfg = pick_config(p.rows, p.experts, p.k, p.n) if config is None else config
+            except ValueError: cfg = None                           # no configuration: plan_for says why
+            memo[key] = cfg is not None and cfg.tok_tile <= GATHER_MAX_TT
+        return memo[key]
+
     def supports(self, device) -> bool:
         device = torch.device(device)
         return device.type == runtime.launch_device_type() and torch.cuda.get_device_capability(device)[0] == 9
@@ -371,7 +386,7 @@ class Sm90Backend(Backend):
     def variant(self, cfg: GemmConfig, p: Problem) -> GemmConfig:
         "The kernel variant of `cfg` for problem `p`: its epilogue kind, dump and SwiGLU limit (a subclass adds its own)."
         swiglu = p.epilogue.startswith("swiglu")
-        return cfg._replace(epilogue=_KIND[(p.epilogue, p.per_row)], dump=p.dump, row_map=p.out_rows,
+        return cfg._replace(epilogue=_KIND[(p.epilogue, p.per_row)], dump=p.dump, row_map=p.out_rows, gather=p.in_rows,
                             **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
     def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
@@ -400,7 +415,7 @@ class Sm90Backend(Backend):
             run(cfg, w.w_sm90, a, out, offsets, w.w_gs, epi.row_scales, sms_free=free)
         else:
             gs = cached_ones((1, 1), dev) if epi.gs_a is None else epi.gs_a.reshape(-1, 1) if kind.per_row else epi.gs_a.reshape(1, 1)
-            run(cfg, w.w_sm90, a, out, offsets, w.w_gs, gs, sms_free=free, row_map=epi.out_rows)
+            run(cfg, w.w_sm90, a, out, offsets, w.w_gs, gs, sms_free=free, row_map=epi.out_rows, gather_map=epi.in_rows)
         return out
     def remember(self, w: Sm90Weights, plan: Sm90Plan, rows: int, sms_free: int):
         d = w.__dict__
