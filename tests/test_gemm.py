@@ -644,7 +644,8 @@ def test_in_rows_reads_the_mapped_rows():
 def test_in_rows_sm90_plans_the_gather_variant(monkeypatch):
     """The sm90 backend reads `in_rows` in the kernel (the gather variant, the map passed to the launch) at the decode
     tiles of the plain kind, and gathers first everywhere else (a tile past GATHER_MAX_TT, with out_rows); the kernel
-    refuses the variant where it is not built (recorded launches on CPU tensors made to look like a Hopper device)."""
+    refuses the variant where it is not built (recorded launches on CPU tensors made to look like a Hopper device). The
+    plan's own choice gathers at up to one routed row per expert; a configuration given gathers wherever it can."""
     pytest.importorskip("cutlass")
     from dsv4_nvfp4 import runtime as rt
     from dsv4_nvfp4.gemm import sm90_kernel as S90K
@@ -653,8 +654,8 @@ def test_in_rows_sm90_plans_the_gather_variant(monkeypatch):
     monkeypatch.setattr(GC, "_FAST", {})
     calls = []
     monkeypatch.setattr(S90K, "run_sm90", lambda cfg, w, a, *args, gather_map=None, **kw: calls.append((cfg, a, gather_map)))
-    pw = GC.prepare_weights(Q.quantize_experts(torch.randn(4, 128, 256, generator=gen(9))), device="cpu", backend="sm90")
-    x, offs = torch.randn(3, 256).to(torch.bfloat16), torch.tensor([1, 3, 3, 6], dtype=I32)
+    pw = GC.prepare_weights(Q.quantize_experts(torch.randn(8, 128, 256, generator=gen(9))), device="cpu", backend="sm90")
+    x, offs = torch.randn(3, 256).to(torch.bfloat16), torch.tensor([1, 3, 3, 6, 6, 6, 6, 6], dtype=I32)
     rows = torch.tensor([2, 0, 1, 2, 0, 1], dtype=I32)
     GC.grouped_gemm_nvfp4(x, pw, offs, out=torch.empty(6, 128, dtype=torch.bfloat16), in_rows=rows)
     GC.grouped_gemm_nvfp4(x[rows.long()], pw, offs, out=torch.empty(6, 128, dtype=torch.bfloat16))
@@ -664,12 +665,15 @@ def test_in_rows_sm90_plans_the_gather_variant(monkeypatch):
     GC.grouped_gemm_nvfp4(x, pw, offs, out=torch.empty(6, 128, dtype=torch.bfloat16), in_rows=rows, config=S90.CONFIGS[64])
     ((c3, a3, m3),) = calls
     assert not c3.gather and m3 is None and torch.equal(a3, x[rows.long()])
+    from dsv4_nvfp4.gemm.sm90_kernel import GATHER_MAX_TT
     b = S90.Sm90Backend()
     p = GC.Problem(6, 256, 4096, 4096, in_rows=True)
     assert b.gathers(p) and b.plan(p).cfg.gather
     assert not b.gathers(p._replace(rows=12288)) and not b.gathers(p._replace(out_rows=True))
+    assert b.gathers(p._replace(rows=256)) and not b.gathers(p._replace(rows=257))          # one routed row per expert
+    assert S90.pick_config(257, 256, 4096, 4096).tok_tile <= GATHER_MAX_TT and b.gathers(p._replace(rows=257), S90.CONFIGS[16])
     assert not b.gathers(p._replace(epilogue="swiglu_bf16")) and not b.gathers(p._replace(in_rows=False))
-    from dsv4_nvfp4.gemm.sm90_kernel import GATHER_MAX_TT, GroupedGemmSm90
+    from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
     lim = dict(smem_limit=S90.HOPPER_SMEM_PER_BLOCK)
     for tt in (8, 16, 32):
         assert tt <= GATHER_MAX_TT and GroupedGemmSm90.can_implement(S90.CONFIGS[tt]._replace(gather=True), 4, 256, **lim)[0]

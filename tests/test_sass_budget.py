@@ -235,9 +235,9 @@ _GATHER = [c._replace(gather=True) for c in (L.CONFIGS[8], L.CONFIGS[16], L.CONF
 
 @pytest.mark.parametrize("cfg", _GATHER, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _GATHER])
 def test_gather_variant_loads_one_row_per_copy(cfg):
-    # GemmConfig.gather: the producer loads the activation tile row by row through the map (two 64-wide TMA boxes per row
+    # GemmConfig.gather: the producer loads the unit's rows one by one through the map (two 64-wide TMA boxes per row
     # under the 128-byte swizzle, one per weight slab as before), nothing spills (a four-warpgroup producer has 40
-    # registers: unrolled 32 rows did), and the consumers' K loop is the plain variant's: the same decode and HGMMAs,
+    # registers), and the consumers' K loop is the plain variant's: the same decode and HGMMAs,
     # within four instructions in all (ptxas allocates the loop's bookkeeping around the changed producer: a UMOV, or two
     # R2UR and a ULEA at tile 16 with BF16_ROW_GS), inside the budget
     for epi in ("BF16", "BF16_ROW_GS"):
@@ -250,20 +250,15 @@ def test_gather_variant_loads_one_row_per_copy(cfg):
         assert all(mine.get(o) == theirs.get(o) for o in ("HGMMA", "HMUL2", "SHF", "LOP3", "LDS")), (c, mine, theirs)
         assert abs(sum(mine.values()) - sum(theirs.values())) <= 4 and sum(mine.values()) <= S.MAINLOOP_SASS_BUDGET, (c, mine, theirs)
         assert not S.wgmma_hazards(S.mainloop_sass(c)), c
-    ptx = S.kernel_artifact(cfg, "ptx").decode()
-    unrolled = cfg.tok_tile <= 16                               # tile 32: a loop of 16-row unrolled bodies
-    copies = ptx.count("cp.async.bulk.tensor.2d")
-    assert copies == (2 * cfg.tok_tile if unrolled else 2 * 16) + cfg.wgs, (cfg, copies)
-    if unrolled and cfg.wgs == 1:                               # where: row i at 128 (i % 8) + 1024 (i // 8) bytes of the
-        import re                                               # stage's tile, its second 64-K box tok_tile x 128 further,
-        tt = cfg.tok_tile                                       # both boxes at the row's map entry, two K coordinates
-        cp = re.findall(r"cp\.async\.bulk\.tensor\.2d\S*\s+\[(%r\d+)\+(\d+)\], \[%rd\d+, \{(%r\d+), (%r\d+)\}\]", ptx)
-        base = max({b for b, *_ in cp}, key=lambda b: sum(x[0] == b for x in cp))
-        act = sorted((int(o), k, r) for b, o, k, r in cp if b == base)[-2 * tt:]      # the tile's copies: above the slabs
-        lo = act[0][0]
-        want = {128 * (i % 8) + 1024 * (i // 8) + h * tt * 128 for i in range(tt) for h in range(2)}
-        assert {o - lo for o, _, _ in act} == want, (cfg, act)
-        for i in range(tt):                                     # the two boxes of a row: one map entry, two K coordinates
-            (o0, k0, r0), = [a for a in act if a[0] - lo == 128 * (i % 8) + 1024 * (i // 8)]
-            (o1, k1, r1), = [a for a in act if a[0] - lo == 128 * (i % 8) + 1024 * (i // 8) + tt * 128]
-            assert r0 == r1 and k0 != k1, (cfg, i, act)
+    ptx = S.kernel_artifact(cfg, "ptx").decode()                # one loop over the unit's rows: lane i's map entry
+    import re                                                   # shuffled to all, two boxes at that row, tok_tile x 128
+    cp = re.findall(r"cp\.async\.bulk\.tensor\.2d\S*\s+\[(%r\d+)\+(\d+)\], \[%rd\d+, \{(%r\d+), (%r\d+)\}\]", ptx)
+    assert len(cp) == 2 + cfg.wgs, (cfg, cp)                    # bytes apart in shared memory; the slabs' copies as before
+    shuffled = set(re.findall(r"shfl\.sync\.idx\.b32\s+(%r\d+),", ptx))
+    rows = [c for c in cp if c[3] in shuffled]
+    assert len(rows) == 2 and rows[0][3] == rows[1][3] and rows[0][2] != rows[1][2], (cfg, rows)
+    assert rows[0][0] == rows[1][0] and abs(int(rows[1][1]) - int(rows[0][1])) == cfg.tok_tile * 128, (cfg, rows)
+    # the stage's barrier: the weights' bytes on the producer's arrive, the unit's rows' on one expect_tx before the copies
+    arrive = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s+mbarrier\.arrive\.expect_tx\.shared\.b64 %rd\d+, \[%r\d+\], (%r\d+);", ptx)
+    assert [int(n) for r, n, u in arrive if r == u] == [L.SLAB_BYTES * cfg.wgs], (cfg, arrive)
+    assert ptx.count("mbarrier.expect_tx") == 1 and ptx.index("mbarrier.expect_tx") < ptx.index(rows[0][0] + "+" + rows[0][1]), cfg

@@ -181,9 +181,12 @@ class _Producer:
     @cute.jit
     def produce(self, pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mMap, row_layout):
         """Load every K tile of every unit this CTA owns into the ring (the weight slabs and the bf16 activation tile).
-        `gather`: the tile's row i is A[map[r]] for its routed row r (the last row for rows past R), one TMA copy of
-        one row each (`tma_a1`, a 1-row box: TMA's 128-byte swizzle follows the shared-memory address, so row i lands
-        where the whole-tile copy puts it); an index outside A's rows reads zeros (TMA's out-of-bounds fill)."""
+        `gather`: the tile's row i is A[map[r]] for its routed row r, one TMA copy of one row each (`tma_a1`, a 1-row
+        box: TMA's 128-byte swizzle follows the shared-memory address, so row i lands where the whole-tile copy puts
+        it); an index outside A's rows reads zeros (TMA's out-of-bounds fill). Only the unit's own rows are copied (the
+        stage's barrier expects their bytes on top of the weights'); the slots past them keep what an earlier stage
+        left, which reaches only their own token columns of the product, never stored. Lane i of the warp holds row i's
+        map entry for the whole unit (one load per unit, a shuffle per row and K tile)."""
         tt, kt_, wgs = self.tt, K_TILE, self.wgs
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -196,12 +199,18 @@ class _Producer:
             gA = cute.local_tile(cute.domain_offset((rb + ti * tt, 0, 0), tA), (tt, kt_), (0, None, l))  # (tt, 128, KT)
             tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                              cute.group_modes(sB, 0, 2), cute.group_modes(gA, 0, 2))
+            nv, src_l = tt, None
+            if cutlass.const_expr(self.gather):                  # the unit's routed rows; lane i: row i's row of A (tt <= 32)
+                nv = cutlass.min(cnt - ti * tt, tt)
+                src_l = mMap[rb + ti * tt + cutlass.min(cute.arch.lane_idx(), nv - 1)]
             for k in cutlass.range(KT, unroll=1):
                 pipe.producer_acquire(ps)
                 bar = pipe.producer_get_barrier(ps)
-                if cutlass.const_expr(self.gather):              # (tile 32: a loop, where unrolled the 40 registers
-                    for i in cutlass.range(tt, unroll=min(tt, 16)):  # of a four-warpgroup producer spill)
-                        src = mMap[cutlass.min(rb + ti * tt + i, TR - 1)]
+                if cutlass.const_expr(self.gather):
+                    with cute.arch.elect_one():                  # before any copy of the stage, so it cannot complete early
+                        cute.arch.mbarrier_expect_tx(bar, nv * (kt_ * 2))
+                    for i in cutlass.range(nv, unroll=1):
+                        src = cute.arch.shuffle_sync(src_l, i)
                         gR = cute.local_tile(cute.domain_offset((src, 0, 0), tA1), (1, kt_), (0, None, l))   # (1, 128, KT)
                         sR = cute.make_tensor(sB[(i, None, None)].iterator, row_layout)                   # (1, 128, stages)
                         tRs, tRg = cpasync.tma_partition(tma_a1, 0, cute.make_layout(1),
@@ -599,6 +608,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                 cute.slice_(b_layout, (None, None, 0)), (tt, kt_))
         self.tx_bytes = SLAB_BYTES * self.wgs + tt * kt_ * self.ab_dtype.width // 8   # bytes per stage
+        if cutlass.const_expr(self.gather): self.tx_bytes = SLAB_BYTES * self.wgs   # + the unit's rows, expected per stage by the producer
         self.b_layout = b_layout
         x_words = 4
         if cutlass.const_expr(self.fp4_out):
