@@ -645,7 +645,7 @@ def test_in_rows_sm90_plans_the_gather_variant(monkeypatch):
     """The sm90 backend reads `in_rows` in the kernel (the gather variant, the map passed to the launch) at the decode
     tiles of the plain kind, and gathers first everywhere else (a tile past GATHER_MAX_TT, with out_rows); the kernel
     refuses the variant where it is not built (recorded launches on CPU tensors made to look like a Hopper device). The
-    plan's own choice gathers at up to one routed row per expert; a configuration given gathers wherever it can."""
+    plan's own choice gathers at up to one routed row per expert on average; a configuration given gathers wherever it can."""
     pytest.importorskip("cutlass")
     from dsv4_nvfp4 import runtime as rt
     from dsv4_nvfp4.gemm import sm90_kernel as S90K
@@ -670,7 +670,7 @@ def test_in_rows_sm90_plans_the_gather_variant(monkeypatch):
     p = GC.Problem(6, 256, 4096, 4096, in_rows=True)
     assert b.gathers(p) and b.plan(p).cfg.gather
     assert not b.gathers(p._replace(rows=12288)) and not b.gathers(p._replace(out_rows=True))
-    assert b.gathers(p._replace(rows=256)) and not b.gathers(p._replace(rows=257))          # one routed row per expert
+    assert b.gathers(p._replace(rows=256)) and not b.gathers(p._replace(rows=257))          # one routed row per expert on average
     assert S90.pick_config(257, 256, 4096, 4096).tok_tile <= GATHER_MAX_TT and b.gathers(p._replace(rows=257), S90.CONFIGS[16])
     assert not b.gathers(p._replace(epilogue="swiglu_bf16")) and not b.gathers(p._replace(in_rows=False))
     from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90

@@ -354,13 +354,14 @@ class Sm90Backend(Backend):
     def gathers(self, p: Problem, config: GemmConfig | None = None) -> bool:
         """The kernel reads the rows through the map (`GemmConfig.gather`) for the plain bf16 kinds at the decode tiles
         (up to `GATHER_MAX_TT` tokens: one TMA copy per row and K tile), not with `out_rows` (both maps ride in one slot).
-        The plan's own choice (`config` None) gathers only at up to one routed row per expert (`p.rows <= p.experts`):
+        The plan's own choice (`config` None) gathers only at up to one routed row per expert on average (`p.rows <= p.experts`):
         past that the producer's per-row copies cost more than the separate gather launch (notebook 04b); a `config`
         given gathers wherever its tile allows."""
         if not p.in_rows or p.act != "bf16" or p.epilogue != "bf16" or p.out_rows: return False
         key = (p, config, torch.cuda.current_device() if torch.cuda.is_available() else -1)
         memo = self.__dict__.setdefault("_gathers", {})           # (pick_config per eager call cost about 15 us)
         if key not in memo:
+            if len(memo) >= 4096: memo.clear()                      # one entry per batch size seen: bounded
             from dsv4_nvfp4.gemm.sm90_kernel import GATHER_MAX_TT
             try: cfg = pick_config(p.rows, p.experts, p.k, p.n) if config is None else config
             except ValueError: cfg = None                           # no configuration: plan_for says why

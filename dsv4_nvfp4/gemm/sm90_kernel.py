@@ -184,8 +184,9 @@ class _Producer:
         `gather`: the tile's row i is A[map[r]] for its routed row r, one TMA copy of one row each (`tma_a1`, a 1-row
         box: TMA's 128-byte swizzle follows the shared-memory address, so row i lands where the whole-tile copy puts
         it); an index outside A's rows reads zeros (TMA's out-of-bounds fill). Only the unit's own rows are copied (the
-        stage's barrier expects their bytes on top of the weights'); the slots past them keep what an earlier stage
-        left, which reaches only their own token columns of the product, never stored. Lane i of the warp holds row i's
+        stage's barrier expects their bytes on top of the weights'); the slots past them keep what an earlier unit copied
+        into the same stage (or whatever the shared memory held), which reaches only their own token columns of the
+        product, never stored. Lane i of the warp holds row i's
         map entry for the whole unit (one load per unit, a shuffle per row and K tile)."""
         tt, kt_, wgs = self.tt, K_TILE, self.wgs
         bidx, _, _ = cute.arch.block_idx()
