@@ -3,7 +3,9 @@ W4A4 layer (`bench_ep_layer`, the balanced router) as `CapturedEP` at T tokens p
 schedule `capture_schedule` picks, profiled with torch.profiler (CUPTI) over N replays, every rank starting together.
 Rank 0 writes OUT.json: per replay (the graph alone: x and the token count are copied into its inputs first, then a
 marker kernel runs long enough, about 0.5 ms, for the host to have queued the graph behind it, so the replay's first
-event is the graph's first kernel and its span holds no host launch time), every kernel, copy and memset with its
+event is the graph's first kernel and its span holds no host launch time; the next replay's input copies, which the
+profiler puts after this one's last kernel, are left out: until session 31 they were in, and a replay's span included
+the host's time between two replays, about 0.2 ms), every kernel, copy and memset with its
 stream, its start (us from the replay's first event) and its duration; and prints the median replay (by span) as a table, with the time each stream was busy. The
 barriers between replays run on a gloo group, so they put no work on the GPUs. Every rank's replays go into OUT.json too
 (`ranks`), each with its first event on the host clock the profiler's timestamps share on one machine (`start_abs_us`),
@@ -59,6 +61,10 @@ def main():
         if "spin" in e.name.lower():
             cur = []; reps.append(cur); continue
         if cur is not None: cur.append(e)
+    for rep in reps[:-1]:       # the next iteration's input copies (c.x's copy_, c.n's fill_) ran after this replay's
+        tail = [e.name for e in rep[-2:]]                             # synchronize, before the next marker: not the forward's
+        assert len(tail) == 2 and "Memcpy DtoD" in tail[0] and "Fill" in tail[1], f"ep_timeline: unexpected tail {tail}"
+        del rep[-2:]
     out = []
     base = prof.profiler.kineto_results.trace_start_ns() / 1e3        # the host clock (us), the same for every rank here
     for rep in filter(None, reps):
