@@ -84,7 +84,11 @@ def main():
     ngpu = gpu_count()
     vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     ids = lambda gpus: ",".join(vis[x] if len(vis) == ngpu else str(x) for x in gpus)   # GPU i: the parent's i-th visible one
-    queue = [j for j in jobs(phase, ngpu) if only is None or j[0] in only]
+    every = jobs(phase, ngpu)
+    unknown = sorted(set(only or ()) - {j[0] for j in every})
+    if unknown: raise SystemExit(f"gpu_suite: --only names no job of phase {phase!r}: {', '.join(unknown)} "
+                                 f"(the jobs: {', '.join(j[0] for j in every)})")
+    queue = [j for j in every if only is None or j[0] in only]
     free, running, done, t0 = [g for _ in range(slots) for g in range(ngpu)], [], [], time.time()
     for j in [j for j in queue if j[2] > ngpu]:
         done.append((j[0], j[1], "-", "0", f"NOT RUN (needs {j[2]} GPU{'s' if j[2] > 1 else ''})", "")); queue.remove(j)

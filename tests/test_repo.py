@@ -59,7 +59,8 @@ def test_gpu_suite_take_gives_distinct_gpus_with_free_slots():
 
 def test_gpu_suite_runs_jobs_on_slots_of_the_visible_gpus(tmp_path, monkeypatch):
     """The scheduler with fake jobs on 2 fake GPUs, 2 slots each, the parent restricted to physical GPUs 5 and 7: each
-    job sees the physical ids, a 2-GPU job both, a 3-GPU job is reported as not run (exit 1); every slot comes back."""
+    job sees the physical ids, a 2-GPU job both, a 3-GPU job is reported as not run (exit 1); every slot comes back;
+    an --only name that is no job is refused before anything runs."""
     G = _gpu_suite()
     fake = [("two", "echo $CUDA_VISIBLE_DEVICES", 2, 9), ("one_a", "echo $CUDA_VISIBLE_DEVICES", 1, 5),
             ("one_b", "echo $CUDA_VISIBLE_DEVICES", 1, 4), ("one_c", "echo $CUDA_VISIBLE_DEVICES", 1, 3),
@@ -81,6 +82,8 @@ def test_gpu_suite_runs_jobs_on_slots_of_the_visible_gpus(tmp_path, monkeypatch)
         assert cells[2] == seen[n] and cells[4] == "0" and cells[5] == seen[n], cells
     monkeypatch.setattr(sys, "argv", ["gpu_suite.py", str(tmp_path), "all", "--slots", "0"])
     with pytest.raises(SystemExit, match="--slots must be >= 1"): G.main()
+    monkeypatch.setattr(sys, "argv", ["gpu_suite.py", str(tmp_path), "all", "--only", "one_a,nb_04b_gemm_sm90"])
+    with pytest.raises(SystemExit, match="--only names no job of phase 'all': nb_04b_gemm_sm90"): G.main()   # a typo runs nothing
 
 
 def test_gpu_suite_on_a_host_without_gpus(tmp_path):
