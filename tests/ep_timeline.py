@@ -30,6 +30,17 @@ from dsv4_nvfp4.moe import FLASH
 from ep_gpu_check import nccl_init                                              # (tests/, this script's folder)
 
 
+def drop_next_inputs(reps: list) -> list:
+    """Each replay's events but the next iteration's input copies (c.x's `copy_`, a DtoD memcpy, and c.n's `fill_`, a
+    fill kernel), which run after the replay's synchronize and before the next marker, so the segmentation by markers
+    puts them at the end of every replay but the last. Raises AssertionError if a replay does not end with them."""
+    for rep in reps[:-1]:
+        tail = [e.name for e in rep[-2:]]
+        assert len(tail) == 2 and "Memcpy DtoD" in tail[0] and "Fill" in tail[1], f"ep_timeline: unexpected tail {tail}"
+        del rep[-2:]
+    return reps
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -61,10 +72,7 @@ def main():
         if "spin" in e.name.lower():
             cur = []; reps.append(cur); continue
         if cur is not None: cur.append(e)
-    for rep in reps[:-1]:       # the next iteration's input copies (c.x's copy_, c.n's fill_) ran after this replay's
-        tail = [e.name for e in rep[-2:]]                             # synchronize, before the next marker: not the forward's
-        assert len(tail) == 2 and "Memcpy DtoD" in tail[0] and "Fill" in tail[1], f"ep_timeline: unexpected tail {tail}"
-        del rep[-2:]
+    drop_next_inputs(reps)
     out = []
     base = prof.profiler.kineto_results.trace_start_ns() / 1e3        # the host clock (us), the same for every rank here
     for rep in filter(None, reps):

@@ -105,3 +105,19 @@ def test_gpu_suite_summary_names_the_failures(tmp_path):
     text = G.failures(tmp_path, ["bad", "missing"])
     assert "### bad" in text and "t2 FAILED" in text and "E   assert 1 == 2" in text and "t1 PASSED" not in text
     assert G.failures(tmp_path, ["good"]) == ""
+
+
+def test_ep_timeline_drops_the_next_replays_input_copies():
+    """tests/ep_timeline.py: every replay but the last loses the harness's two trailing input copies (what the
+    profiler puts after a replay's last kernel); a replay that does not end with them is refused."""
+    import importlib.util
+    from types import SimpleNamespace as E
+    spec = importlib.util.spec_from_file_location("ep_timeline", Path(__file__).parent / "ep_timeline.py")
+    T = importlib.util.module_from_spec(spec); spec.loader.exec_module(T)
+    ev = lambda *names: [E(name=n) for n in names]
+    reps = [ev("moe_route", "moe_combine", "Memcpy DtoD (Device -> Device)", "vectorized_elementwise_kernel<FillFunctor<long>>"),
+            ev("moe_route", "moe_combine", "Memcpy DtoD (Device -> Device)", "vectorized_elementwise_kernel<FillFunctor<long>>"),
+            ev("moe_route", "moe_combine")]
+    assert [[e.name for e in r] for r in T.drop_next_inputs(reps)] == [["moe_route", "moe_combine"]] * 3
+    with pytest.raises(AssertionError, match="unexpected tail"):
+        T.drop_next_inputs([ev("moe_route", "moe_combine"), ev("moe_route")])
