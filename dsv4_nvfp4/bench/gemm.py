@@ -19,7 +19,7 @@ from ..routing import group_sizes, random_topk, route_topk
 
 # %% auto #0
 __all__ = ['GEMM_PROBLEMS', 'PEER_HARNESS', 'PEER_BACKENDS', 'SAME_READ_MAX_T', 'MXFP4_PROBLEMS', 'synthetic_weights',
-           'find_peer_dir', 'load_peer_harness', 'bench_peers', 'peer_table', 'bench_gemm', 'gemm_table',
+           'find_peer_dir', 'load_peer_harness', 'bench_peers', 'peer_best', 'peer_table', 'bench_gemm', 'gemm_table',
            'launch_table', 'gemm_goals', 'plot_gemm', 'bench_mxfp4', 'mxfp4_table', 'routing_load', 'plot_routing',
            'explore_routing', 'plot_gemm_roofline', 'explore_gemm']
 
@@ -239,19 +239,26 @@ def bench_peers(problems=None, peer_dir=None, tokens=(1, 8, 32, 128, 512, 2048, 
         rows += [dict(r, problem=name) for r in got]
     return rows
 
-def peer_table(res: dict) -> str:
-    "Ours against the peers, per problem and T (median us from the peers' harness; best of eager and graph for each)."
+def peer_best(peers: list) -> dict:
+    """{(problem, T, backend): the lowest median us} over the peers' harness rows (a backend's eager and graph rows
+    together), plus (problem, T, "ours"): the faster of our two calls (the harness's gather + ours, the gather in ours)."""
     best = {}
-    for r in res.get("peers", []):
+    for r in peers:
         k = (r["problem"], r["T"], r["backend"].split("(")[0])
         best[k] = min(best.get(k, float("inf")), r["median_us"])
+    for (p, T, b), v in list(best.items()):
+        if b in ("ours_nvfp4", "ours_gather"): best[(p, T, "ours")] = min(v, best.get((p, T, "ours"), float("inf")))
+    return best
+
+def peer_table(res: dict) -> str:
+    "Ours against the peers, per problem and T (median us from the peers' harness; best of eager and graph for each)."
+    best = peer_best(res.get("peers", []))
     keys = sorted({(p, T) for p, T, _ in best}, key=lambda k: (k[0], k[1]))
     if not keys: return ""
     rows = []
     for p, T in keys:
         o1, m, t = (best.get((p, T, b)) for b in PEER_BACKENDS)
-        og = best.get((p, T, "ours_gather"))
-        o = min((v for v in (o1, og) if v is not None), default=None)     # ours: the faster way to call it
+        og, o = best.get((p, T, "ours_gather")), best.get((p, T, "ours"))
         peers = [v for v in (m, t) if v is not None]
         rows.append(dict(problem=p, T=T, ours=o, ours1=o1, ours_g=og, marlin=m, triton=t,
                          x_marlin=None if o is None or m is None else m / o, x_peer=None if o is None or not peers else min(peers) / o))
@@ -344,23 +351,19 @@ def gemm_goals(res: dict) -> str:
                    f"{'met' if ok else 'missed'}: {gaps}.")
     pr = res.get("peers") or []
     if pr:
-        best = {}
-        for r in pr:
-            k = (r["problem"], r["T"], r["backend"].split("(")[0]); best[k] = min(best.get(k, float("inf")), r["median_us"])
+        best = peer_best(pr)
         E_of = {p[0]: p[1] for p in GEMM_PROBLEMS}
-        for (p, T, b), v in list(best.items()):                   # ours: the faster way to call it
-            if b == "ours_gather": best[(p, T, "ours_nvfp4")] = min(v, best.get((p, T, "ours_nvfp4"), float("inf")))
-        cells = sorted({(p, T) for p, T, b in best if b == "ours_nvfp4"})
+        cells = sorted({(p, T) for p, T, b in best if b == "ours"})
         per_ = lambda p, T: 6 * T / max(1, min(E_of.get(p, 1), 6 * T))
         mem = [(p, T) for p, T in cells if per_(p, T) <= 16 and (p, T, "marlin_nvfp4") in best]
-        slow = [f"{p} T={T}" for p, T in mem if best[(p, T, "ours_nvfp4")] >= best[(p, T, "marlin_nvfp4")]]
+        slow = [f"{p} T={T}" for p, T in mem if best[(p, T, "ours")] >= best[(p, T, "marlin_nvfp4")]]
         if mem: out.append(f"* **Faster than Marlin when memory-bound (<= 16 rows per expert)**: met on {len(mem) - len(slow)} "
                            f"of {len(mem)} rows" + (f"; slower: {', '.join(slow)}." if slow else "."))
         comp = [(p, T) for p, T in cells if per_(p, T) >= 256]
         def fastest_peer(p, T):
             v = [best[(p, T, b)] for b in ("marlin_nvfp4", "triton_mxfp4") if (p, T, b) in best]
             return min(v) if v else None
-        comp = [(p, T, fastest_peer(p, T) / best[(p, T, "ours_nvfp4")]) for p, T in comp if fastest_peer(p, T)]
+        comp = [(p, T, fastest_peer(p, T) / best[(p, T, "ours")]) for p, T in comp if fastest_peer(p, T)]
         if comp: out.append(f"* **Compute-bound (>= 256 rows per expert): >= 1.1x the faster peer**: met on "
                             f"{sum(x >= 1.1 for *_, x in comp)} of {len(comp)} rows ({min(x for *_, x in comp):.2f}-"
                             f"{max(x for *_, x in comp):.2f}x).")

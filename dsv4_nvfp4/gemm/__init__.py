@@ -350,8 +350,9 @@ def grouped_gemm_nvfp4(a,                             # bf16 (R, K) (W4A16), NVF
 
     With `in_rows` (bf16 activations only) `a` holds T token rows and routed row i reads `a[in_rows[i]]`: the token
     gather of a MoE layer without a fused permute. The sm90 kernel reads the rows through the map at decode sizes
-    (token tiles up to 32: one TMA copy per row, no gathered copy of `a`, nothing allocated); elsewhere (larger
-    tiles, with `out_rows`, other backends, an `a` of no rows) `gather_rows` makes the gathered copy first: it
+    (token tiles up to 32 and, with the plan's own configuration, at most one routed row per expert on average:
+    one TMA copy per row, no gathered copy of `a`, nothing allocated; `Backend.gathers` says where); elsewhere
+    (larger tiles, with `out_rows`, other backends, an `a` of no rows) `gather_rows` makes the gathered copy first: it
     allocates, so a CUDA graph captured around such a call keeps an (R, K) buffer in its pool. An index outside `a`'s
     rows reads a zero row (with `check=True`, ValueError instead: a sync).
 

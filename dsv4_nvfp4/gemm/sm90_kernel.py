@@ -186,8 +186,8 @@ class _Producer:
         it); an index outside A's rows reads zeros (TMA's out-of-bounds fill). Only the unit's own rows are copied (the
         stage's barrier expects their bytes on top of the weights'); the slots past them keep what an earlier unit copied
         into the same stage (or whatever the shared memory held), which reaches only their own token columns of the
-        product, never stored. Lane i of the warp holds row i's
-        map entry for the whole unit (one load per unit, a shuffle per row and K tile)."""
+        product, never stored. Lane i of the warp holds row i's map entry for the whole unit (one load per unit, a
+        shuffle per row and K tile)."""
         tt, kt_, wgs = self.tt, K_TILE, self.wgs
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
