@@ -13,11 +13,11 @@ import torch
 from . import runtime as rt
 
 # %% auto #0
-__all__ = ['MOE_CU', 'ROUTE_CHUNK_SMALL', 'ROUTE_CHUNK', 'ROUTE_SMALL_T', 'LOGITS_KERNEL_MAX_T', 'ROUTE_FUSED_MAX_T', 'Routing',
-           'route_topk', 'random_topk', 'group_sizes', 'ref_combine', 'check_offsets', 'ref_dsv4_router',
-           'bad_expert_rows', 'check_expert_ids', 'check_hash_table', 'dsv4_router', 'dsv4_router_torch', 'route_chunk',
-           'RouteBuffers', 'local_groups', 'route_buffers', 'router_logits', 'route_rows', 'permute_rows',
-           'permute_rows_fp8', 'combine_tokens', 'route_permute_fused', 'check_bad']
+__all__ = ['MOE_CU', 'ROUTE_CHUNK_SMALL', 'ROUTE_CHUNK', 'ROUTE_SMALL_T', 'LOGITS_KERNEL_MAX_T', 'ROUTE_FUSED_MAX_T',
+           'COMBINE_SPLIT_MAX_T', 'Routing', 'route_topk', 'random_topk', 'group_sizes', 'ref_combine', 'check_offsets',
+           'ref_dsv4_router', 'bad_expert_rows', 'check_expert_ids', 'check_hash_table', 'dsv4_router',
+           'dsv4_router_torch', 'route_chunk', 'RouteBuffers', 'local_groups', 'route_buffers', 'router_logits',
+           'route_rows', 'permute_rows', 'permute_rows_fp8', 'combine_tokens', 'route_permute_fused', 'check_bad']
 
 # %% ../nbs/04_routing.ipynb #efa2b32c
 class Routing(NamedTuple):
@@ -206,6 +206,10 @@ LOGITS_KERNEL_MAX_T = 4        # router_logits: the kernel up to this many token
 ROUTE_FUSED_MAX_T = 4          # the layer's logits + route + permute in one launch (`route_permute_fused`) up to this
                                # many tokens (the kernel takes <= 4: one warp per token in the last CTA); keep it
                                # <= LOGITS_KERNEL_MAX_T, so both paths compute the logits with the same kernel (same bits)
+COMBINE_SPLIT_MAX_T = 128      # moe_combine: up to this many tokens each token's row is split over hidden / 1024 CTAs of
+                               # 128 threads (more loads in flight), one CTA of 256 threads per token above (H200:
+                               # 5.6 vs 6.6 us at T = 1 on Flash, 5.7 vs 8.4 on Pro EP48, 7.3 vs 7.6 / 8.6 vs 9.7 at
+                               # T = 128; even at 2048; 1-1.4% slower at 8192)
 
 @dataclass
 class RouteBuffers:
@@ -441,8 +445,10 @@ def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hid
         raise ValueError(f"{what}: rows {tuple(rows.shape)} / out {tuple(out.shape)} do not fit T <= {buf.capacity} tokens of {buf.hidden}")
     if buf.inv.shape[0] < T: raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
     if T:
-        rt.launch(MOE_CU, "moe_combine", (T,), (256,), (rt.ptr(rows), rt.ptr(buf.inv), 0 if n_tokens is None else rt.ptr(n_tokens),
-                                                      rt.i32(T), rt.ptr(out), rt.ptr(shared)), defines=_defines(buf))
+        split = T <= COMBINE_SPLIT_MAX_T
+        rt.launch(MOE_CU, "moe_combine", (T, buf.hidden // 1024 if split else 1), (128 if split else 256,),
+                  (rt.ptr(rows), rt.ptr(buf.inv), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(out),
+                   rt.ptr(shared)), defines=_defines(buf))
     return out
 
 def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
@@ -457,7 +463,8 @@ def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
                         n_tokens: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:  # (rows, row_scales) as `permute_rows`
     """`router_logits` + `route_rows` + `permute_rows` for a decode step (T <= 4 tokens) in one launch
-    (`moe_route_small`): every CTA computes two experts' logits, the last to finish routes, scans and writes the rows.
+    (`moe_route_small`): every CTA computes two experts' logits, the last to finish routes, scans and writes the rows
+    (CTAs of 4 warps; for W4A4, whose rows are quantized once per slot, `moe_route_small_wide` with 8).
     The same arithmetic in the same order as the three launches, so the same bits in `buf` (logits, weights, ids,
     offsets, inv, rows, row_scales; `rank` and the chunk counts are not written)."""
     what, T, E, k = "route_permute_fused", x.shape[0], buf.num_experts, buf.top_k
@@ -471,7 +478,8 @@ def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
     hash_args = _hash_args(tid2eid, input_ids, T, k, what, dev)
     if buf.rows.shape[0] < T * (k + 1): raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
     buf.routed_tokens = -1                                # no ranks written: permute_rows must not follow
-    rt.launch(MOE_CU, "moe_route_small", (-(-E // 2),), (128,),
+    wide = a1_scales is not None                          # W4A4: twice the warps for the rows' quantization
+    rt.launch(MOE_CU, "moe_route_small_wide" if wide else "moe_route_small", (-(-E // 2),), (256 if wide else 128,),
               (rt.ptr(x), rt.ptr(w_gate), arg(n_tokens, "n_tokens", torch.int64, ()), rt.i32(T), arg(bias, "bias", torch.float32, (E,)),
                *hash_args, rt.f32(routed_scaling_factor),
                0 if buf.g2l is None else rt.ptr(buf.g2l), rt.i32(buf.groups), rt.i32(buf.shared_group),

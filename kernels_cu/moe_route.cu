@@ -11,7 +11,8 @@
 //   moe_combine        out[t] = sum over slots j = 0 .. k of rows[inv[t, j]] in fp32 in slot order, then bf16
 //   moe_route_small    a decode step (<= 4 tokens): moe_router_logits + moe_route + moe_permute in one launch, the same
 //                      device functions in the same order (the same bits); its logits CTAs also store each logit's
-//                      score and selection key, so the last CTA's top-k only selects
+//                      score and selection key, so the last CTA's top-k only selects; moe_route_small_wide: the same
+//                      with twice the warps, for W4A4 rows (their quantization is the tail's longest step)
 //
 // Local experts (an expert-parallel slice): with a table g2l (NE,) mapping each routed expert to its group on this
 // layer (-1: held elsewhere) and the shared expert's group sg (-1: held elsewhere), only the (token, slot)s of the
@@ -82,10 +83,12 @@ constexpr int kChunksPerLane = HID / 8 / (kLogitWarps * 32);
 
 // With `pre` (moe_route_small) each logit's DSV4 score and selection key (score + bias) are stored beside it, so the
 // last CTA's top-k reads them instead of computing 256 scores in one warp: the same functions, the same bits.
+template <int kWarps = kLogitWarps>   // the CTA's warps: a wider CTA (moe_route_small_wide) computes with its first kLogitWarps
 __device__ __forceinline__ void router_logits_cta(const bf16* __restrict__ x, const bf16* __restrict__ w, int T, int E,
                                                   float* __restrict__ logits, float (*part)[kG][kTokTile],
                                                   const float* __restrict__ bias = nullptr, float2* __restrict__ pre = nullptr) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e0 = blockIdx.x * kG;
+    const bool dot = kWarps == kLogitWarps || warp < kLogitWarps;
     float bz[kG];                                // the bias of this CTA's experts, loaded beside the gate rows
 #pragma unroll
     for (int g = 0; g < kG; ++g) bz[g] = (pre != nullptr && bias != nullptr && e0 + g < E) ? bias[e0 + g] : 0.0f;
@@ -94,11 +97,11 @@ __device__ __forceinline__ void router_logits_cta(const bf16* __restrict__ x, co
     for (int g = 0; g < kG; ++g)
 #pragma unroll
         for (int i = 0; i < kChunksPerLane; ++i)
-            wr[g][i] = (e0 + g < E) ? reinterpret_cast<const uint4*>(w + (i64)(e0 + g) * HID)[i * 128 + warp * 32 + lane]
+            wr[g][i] = (dot && e0 + g < E) ? reinterpret_cast<const uint4*>(w + (i64)(e0 + g) * HID)[i * 128 + warp * 32 + lane]
                                     : make_uint4(0u, 0u, 0u, 0u);
     for (int t0 = blockIdx.y * kTokTile; t0 < T; t0 += gridDim.y * kTokTile) {   // grid.y splits the tokens
         const int nt = min(kTokTile, T - t0);
-        for (int tt = 0; tt < nt; ++tt) {
+        for (int tt = 0; dot && tt < nt; ++tt) {
             const uint4* xr = reinterpret_cast<const uint4*>(x + (i64)(t0 + tt) * HID);
             float acc[kG];
 #pragma unroll
@@ -517,10 +520,12 @@ moe_permute_fp8(const bf16* __restrict__ x,          // (T, HID)
 // the latency-bound path). Every CTA computes the logits of its kG experts (as moe_router_logits); the last CTA to
 // finish (ticket) routes the tokens (warp w: token w), scans the groups (one chunk) and writes the rows (as
 // moe_route + moe_permute). Same arithmetic in the same order as the three kernels: the same bits.
-constexpr int kSmallMaxT = kLogitWarps;
+// moe_route_small's CTA is the logits' kLogitWarps warps; moe_route_small_wide's, for W4A4 rows (each 16-block quantized
+// once per slot, 7 times the work of a copy), kWideWarps, the extra ones idle until the last CTA's tail.
+constexpr int kSmallMaxT = kLogitWarps, kWideWarps = 8;  // 8 warps: the logits' registers (HID 7168) fit under 256 threads
 
-extern "C" __global__ void __launch_bounds__(kLogitWarps * 32)
-moe_route_small(const bf16* __restrict__ x,          // (T, HID)
+template <int kWarps>
+__device__ __forceinline__ void route_small(const bf16* __restrict__ x,          // (T, HID)
                 const bf16* __restrict__ w_gate,     // (NE, HID)
                 const i64* __restrict__ n_ptr, int T,   // T <= kSmallMaxT
                 const float* __restrict__ bias,
@@ -537,11 +542,11 @@ moe_route_small(const bf16* __restrict__ x,          // (T, HID)
     __shared__ float part[kLogitWarps][kG][kTokTile];
     __shared__ u64 mask[kNE1];
     __shared__ int tot[kNE1];
-    __shared__ int wsum[kLogitWarps];
+    __shared__ int wsum[kWarps];
     __shared__ int pos[kSmallMaxT][TOPK + 1];
     __shared__ float gsa[kSmallMaxT][TOPK + 1];
-    if (T > kSmallMaxT) __trap();                // the launcher never does this
-    router_logits_cta(x, w_gate, T, NE, logits, part, tid2eid == nullptr ? bias : nullptr, tid2eid == nullptr ? pre : nullptr);
+    if (T > kSmallMaxT || blockDim.x != kWarps * 32) __trap();   // the launcher never does this
+    router_logits_cta<kWarps>(x, w_gate, T, NE, logits, part, tid2eid == nullptr ? bias : nullptr, tid2eid == nullptr ? pre : nullptr);
     if (!arrive_last(ticket)) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = n_real(n_ptr, T);
@@ -553,16 +558,29 @@ moe_route_small(const bf16* __restrict__ x,          // (T, HID)
     __syncthreads();                             // masks and topk_ids visible to the CTA
     for (int e = threadIdx.x; e < ng; e += blockDim.x) tot[e] = __popcll(mask[e]);
     __syncthreads();
-    scan_groups<kLogitWarps * 32>(tot, wsum, ng, offsets);
+    scan_groups<kWarps * 32>(tot, wsum, ng, offsets);
     for (int i = threadIdx.x; i < n * (TOPK + 1); i += blockDim.x) {
         const int t = i / (TOPK + 1), j = i - t * (TOPK + 1), g = slot_group(t, j, topk_ids, g2l, sg);
         const int p = g >= 0 ? tot[g] + __popcll(mask[g] & ((1ull << t) - 1ull)) : -1;
         place_slot(t, j, g, p, topk_w, a1, pos[t], gsa[t], row_scales, inv);
     }
     __syncthreads();
-    for (int t = 0; t < n; ++t) permute_token<kLogitWarps * 32>(x + (i64)t * HID, pos[t], gsa[t], a1 != nullptr, xr);
+    for (int t = 0; t < n; ++t) permute_token<kWarps * 32>(x + (i64)t * HID, pos[t], gsa[t], a1 != nullptr, xr);
     if (threadIdx.x == 0) *ticket = 0u;
 }
+
+// The two entry points (route_small's arguments)
+#define MOE_ROUTE_SMALL_KERNEL(NAME, WARPS) \
+extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(const bf16* __restrict__ x, const bf16* __restrict__ w_gate, const i64* __restrict__ n_ptr, int T, \
+        const float* __restrict__ bias, const int* __restrict__ tid2eid, const i64* __restrict__ input_ids, i64 vocab, float scale, \
+        const int* __restrict__ g2l, int ng, int sg, const float* __restrict__ a1, float* __restrict__ logits, float2* __restrict__ pre, \
+        float* __restrict__ topk_w, int* __restrict__ topk_ids, int* __restrict__ offsets, bf16* __restrict__ xr, \
+        float* __restrict__ row_scales, int* __restrict__ inv, u32* __restrict__ ticket, int* __restrict__ bad) { \
+    route_small<WARPS>(x, w_gate, n_ptr, T, bias, tid2eid, input_ids, vocab, scale, g2l, ng, sg, a1, logits, pre, topk_w, topk_ids, offsets, xr, \
+        row_scales, inv, ticket, bad); \
+}
+MOE_ROUTE_SMALL_KERNEL(moe_route_small, kLogitWarps)
+MOE_ROUTE_SMALL_KERNEL(moe_route_small_wide, kWideWarps)
 
 // ---------------------------------------------------------------------------------------------
 // Combine: out[t] = bf16( (((rows[inv[t,0]] + rows[inv[t,1]]) + ...) + rows[inv[t,TOPK]]) ) in fp32, slot order (the
@@ -580,7 +598,7 @@ moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights alr
     if (t >= n_real(n_ptr, T)) return;
     if (threadIdx.x <= TOPK) pos[threadIdx.x] = inv[(i64)t * (TOPK + 1) + threadIdx.x];
     __syncthreads();
-    for (int c = threadIdx.x; c < HID / 8; c += blockDim.x) {
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < HID / 8; c += blockDim.x * gridDim.y) {
         uint4 q[TOPK + 1];                             // every load in flight before the first add
 #pragma unroll
         for (int j = 0; j <= TOPK; ++j)

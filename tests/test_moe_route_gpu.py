@@ -113,8 +113,9 @@ def test_w4a4_rows_are_the_reference_quantization_decoded():
     assert torch.equal(rs[:, 0].cpu(), a1[expert])
 
 
-def test_combine_is_the_fixed_order_fp32_sum():
-    E, H, k, T = 256, 4096, 6, 77
+@pytest.mark.parametrize("T", [1, 9, 77, 129])    # up to COMBINE_SPLIT_MAX_T each row split over hidden / 1024 CTAs
+def test_combine_is_the_fixed_order_fp32_sum(T):
+    E, H, k = 256, 4096, 6
     x, xd, buf, rows, rs, _ = routed(E, H, T, seed=4)
     y_rows = torch.randn(T * (k + 1), H, device=DEV).to(torch.bfloat16)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=DEV)
@@ -176,6 +177,31 @@ def test_fused_decode_launch_equals_the_three_launches(E, H, a1, T):
         for key in a: assert torch.equal(a[key], c[key]), key
         assert torch.equal(rows, rows_ref)
     assert got.ticket.item() == 0
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+def test_fused_decode_launch_ties_slices_and_padding(T):
+    """The fused launch with score routing on expert-parallel slices and with a padding token: the same ids, weights,
+    offsets, inverse and rows as the three launches; a third of the experts score alike for token 0 and it takes the
+    six lowest of them (ties to the lower id)."""
+    E, H, k = 256, 4096, 6
+    x, w, b = gate(E, H, T, seed=40 + T)
+    w[::3] = (x[0].float() * H ** -0.5).to(torch.bfloat16)                # logit ~ sqrt(H) for token 0, alike
+    b[::3] = b[0]
+    xd, wd, bd = x.to(DEV), w.to(DEV), b.to(DEV)
+    nt = torch.tensor(max(T - 1, 1), device=DEV)                          # T > 1: the last token is padding
+    n = nt.item()
+    for experts, shared in ((None, True), (list(range(0, 256, 3)), True), (list(range(1, 256, 2)), False)):
+        ref = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
+        R.route_rows(ref, T, R.router_logits(xd, wd, out=ref.logits[:T], impl="kernel"), bd, routed_scaling_factor=2.5, n_tokens=nt)
+        R.permute_rows(xd, ref, n_tokens=nt)
+        got = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
+        R.route_permute_fused(xd, wd, got, bd, routed_scaling_factor=2.5, n_tokens=nt)
+        assert got.topk_ids[0].tolist() == [0, 3, 6, 9, 12, 15]
+        assert torch.equal(got.topk_ids[:n], ref.topk_ids[:n]) and torch.equal(got.topk_weights[:n], ref.topk_weights[:n])
+        assert torch.equal(got.offsets, ref.offsets) and torch.equal(got.inv[:n], ref.inv[:n])
+        n_rows = got.offsets[-1].item()
+        assert torch.equal(got.rows[:n_rows], ref.rows[:n_rows]) and torch.equal(got.row_scales[:n_rows], ref.row_scales[:n_rows])
 
 
 def test_fused_decode_launch_hash_routing_padding_and_slices():
