@@ -531,6 +531,10 @@ PRODUCER_REGS = 40
 GATHER_MAX_TT = 32   # GemmConfig.gather: the largest token tile (one TMA copy per row and K tile from one producer thread)
 CONSUMER_REGS_4 = 104
 
+def _row0_layout(b_layout):
+    "Row 0 of the activation tile in every stage, (128 K, stages): `gather`'s 1-row TMA box and its view of each row."
+    return cute.slice_(b_layout.outer, (0, None, None))
+
 class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
     """NVFP4 weights x bf16 activations grouped by expert on sm_90a WGMMA: C^T = W A^T with the weights, decoded in
     registers, on the MMA's M side and the tokens on its N side. One persistent, warp-specialized kernel per config."""
@@ -639,7 +643,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         # (it was the removed in-kernel activation decode's), kept so their parameter lists, and so their PTX, stay as measured
         tma_a1, tA1 = tma_a, tA
         if cutlass.const_expr(self.gather):
-            r0 = cute.slice_(b_layout.outer, (0, None, None))                    # row 0: (128 K, stages)
+            r0 = _row0_layout(b_layout)
             tma_a1, tA1 = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, cute.make_composed_layout(
                 b_layout.inner, 0, cute.make_layout((1, r0.shape[0]), stride=(0, r0.stride[0]))), (1, kt_))
         self.kernel(tma_w, tW, tma_a, tA, tma_a1, tA1, mC, mOff, mGw, mGa, mSfC, mGc, mGr, mDump, self.tiled_mma,
@@ -704,7 +708,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             if warp == 0:
                 row_layout = None
                 if cutlass.const_expr(self.gather):             # row i of sB, every stage: (1, 128 K, stages)
-                    r0 = cute.slice_(b_layout.outer, (0, None, None))
+                    r0 = _row0_layout(b_layout)
                     row_layout = cute.make_layout((1,) + tuple(r0.shape), stride=(0,) + tuple(r0.stride))
                 self.produce(pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mGr, row_layout)
         else:
