@@ -121,3 +121,16 @@ def test_ep_timeline_drops_the_next_replays_input_copies():
     assert [[e.name for e in r] for r in T.drop_next_inputs(reps)] == [["moe_route", "moe_combine"]] * 3
     with pytest.raises(AssertionError, match="unexpected tail"):
         T.drop_next_inputs([ev("moe_route", "moe_combine"), ev("moe_route")])
+
+
+def test_route_probe_stamps_the_current_kernel():
+    """tests/route_probe.py places its stamps in today's fused decode launch (every patch applies once), and refuses a
+    kernel it cannot place them in rather than timing something else."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("route_probe", Path(__file__).parent / "route_probe.py")
+    P = importlib.util.module_from_spec(spec); spec.loader.exec_module(P)
+    src = (ROOT / "kernels_cu" / "moe_route.cu").read_text()
+    out = P.patched_source(src)
+    assert all(f"PST({i});" in out for i in range(3, 9)) and out.count("gtimer()") == 4
+    with pytest.raises(SystemExit, match="cannot place a stamp"):
+        P.patched_source(src.replace("scan_groups<kWarps * 32>(tot, wsum, ng, offsets);", "scan_groups<kWarps * 32>(tot, wsum, ng, offsets); "))
