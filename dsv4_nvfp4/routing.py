@@ -207,9 +207,10 @@ ROUTE_FUSED_MAX_T = 4          # the layer's logits + route + permute in one lau
                                # many tokens (the kernel takes <= 4: one warp per token in the last CTA); keep it
                                # <= LOGITS_KERNEL_MAX_T, so both paths compute the logits with the same kernel (same bits)
 COMBINE_SPLIT_MAX_T = 128      # moe_combine: up to this many tokens each token's row is split over hidden / 1024 CTAs of
-                               # 128 threads (more loads in flight), one CTA of 256 threads per token above (H200:
-                               # 5.6 vs 6.6 us at T = 1 on Flash, 5.7 vs 8.4 on Pro EP48, 7.3 vs 7.6 / 8.6 vs 9.7 at
-                               # T = 128; even at 2048; 1-1.4% slower at 8192)
+                               # 128 threads (more loads in flight), one CTA of 256 threads per token above (one H200,
+                               # both shapes in one run, measured/ab_route_s32_experiments_h200.json run 1: 5.6 vs 6.6 us
+                               # at T = 1 on Flash, 5.7 vs 8.4 on Pro EP48, 7.3 vs 7.6 / 8.6 vs 9.7 at T = 128; even at
+                               # 2048; 1.1% / 1.4% slower at 8192)
 
 @dataclass
 class RouteBuffers:
@@ -433,7 +434,8 @@ def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hid
                   ) -> torch.Tensor:
     """out[t] = the sum of token t's k + 1 rows in fp32 in slot order (the shared expert last), rounded to bf16 once
     (a local layer's buffers: the rows it holds; a token with none gets zeros). With `shared`, the shared expert's
-    slot reads `shared[t]` instead of its row (a layer that computed the shared expert apart, from x itself)."""
+    slot reads `shared[t]` instead of its row (a layer that computed the shared expert apart, from x itself). Up to
+    `COMBINE_SPLIT_MAX_T` tokens each row is split over `hidden / 1024` CTAs (the same sums: the same bits)."""
     what, T = "combine_tokens", out.shape[0]
     rt.check_tensor(out, what, "out", (torch.bfloat16,), buf.rows.device, dim=2)
     rt.check_tensor(rows, what, "rows", (torch.bfloat16,), buf.rows.device, dim=2)
@@ -464,7 +466,8 @@ def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
                        ) -> tuple[torch.Tensor, torch.Tensor]:  # (rows, row_scales) as `permute_rows`
     """`router_logits` + `route_rows` + `permute_rows` for a decode step (T <= 4 tokens) in one launch
     (`moe_route_small`): every CTA computes two experts' logits, the last to finish routes, scans and writes the rows
-    (CTAs of 4 warps; for W4A4, whose rows are quantized once per slot, `moe_route_small_wide` with 8).
+    (CTAs of 4 warps; for W4A4, whose rows are quantized once per slot, `moe_route_small_wide` with 8 where its E / 2
+    CTAs fit on the SMs in one wave: at hidden 7168 a CTA of 8 warps takes a whole SM's registers).
     The same arithmetic in the same order as the three launches, so the same bits in `buf` (logits, weights, ids,
     offsets, inv, rows, row_scales; `rank` and the chunk counts are not written)."""
     what, T, E, k = "route_permute_fused", x.shape[0], buf.num_experts, buf.top_k
@@ -478,7 +481,8 @@ def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)
     hash_args = _hash_args(tid2eid, input_ids, T, k, what, dev)
     if buf.rows.shape[0] < T * (k + 1): raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
     buf.routed_tokens = -1                                # no ranks written: permute_rows must not follow
-    wide = a1_scales is not None                          # W4A4: twice the warps for the rows' quantization
+    # W4A4: twice the warps for the rows' quantization, where the grid still fits in one wave at one CTA per SM
+    wide = a1_scales is not None and -(-E // 2) <= rt.sm_count(dev.index)
     rt.launch(MOE_CU, "moe_route_small_wide" if wide else "moe_route_small", (-(-E // 2),), (256 if wide else 128,),
               (rt.ptr(x), rt.ptr(w_gate), arg(n_tokens, "n_tokens", torch.int64, ()), rt.i32(T), arg(bias, "bias", torch.float32, (E,)),
                *hash_args, rt.f32(routed_scaling_factor),

@@ -81,7 +81,7 @@ __device__ __forceinline__ float dsv4_score(float l) {
 constexpr int kLogitWarps = 4, kG = 2, kTokTile = 64;
 constexpr int kChunksPerLane = HID / 8 / (kLogitWarps * 32);
 
-// With `pre` (moe_route_small) each logit's DSV4 score and selection key (score + bias) are stored beside it, so the
+// With `pre` (moe_route_small and _wide) each logit's DSV4 score and selection key (score + bias) are stored beside it, so the
 // last CTA's top-k reads them instead of computing 256 scores in one warp: the same functions, the same bits.
 template <int kWarps = kLogitWarps>   // the CTA's warps: a wider CTA (moe_route_small_wide) computes with its first kLogitWarps
 __device__ __forceinline__ void router_logits_cta(const bf16* __restrict__ x, const bf16* __restrict__ w, int T, int E,
@@ -524,21 +524,21 @@ moe_permute_fp8(const bf16* __restrict__ x,          // (T, HID)
 // once per slot, 7 times the work of a copy), kWideWarps, the extra ones idle until the last CTA's tail.
 constexpr int kSmallMaxT = kLogitWarps, kWideWarps = 8;  // 8 warps: the logits' registers (HID 7168) fit under 256 threads
 
+// route_small's parameters, once for the device function and its two entry points (forwarded in this order):
+//   x (T, HID); w_gate (NE, HID); n_ptr, T (T <= kSmallMaxT); bias (NE,) or nullptr; tid2eid, input_ids, vocab (hash
+//   routing) or nullptr; scale; g2l, ng, sg (the groups, as moe_route's); a1 (G,) W4A4 or nullptr; logits (T, NE);
+//   pre (T, NE): (score + bias, score) of every logit; topk_w, topk_ids (T, TOPK); offsets (G,); xr, row_scales, inv (as
+//   moe_permute's); ticket; bad
+#define MOE_ROUTE_SMALL_PARAMS const bf16* __restrict__ x, const bf16* __restrict__ w_gate, const i64* __restrict__ n_ptr, \
+    int T, const float* __restrict__ bias, const int* __restrict__ tid2eid, const i64* __restrict__ input_ids, i64 vocab, \
+    float scale, const int* __restrict__ g2l, int ng, int sg, const float* __restrict__ a1, float* __restrict__ logits, \
+    float2* __restrict__ pre, float* __restrict__ topk_w, int* __restrict__ topk_ids, int* __restrict__ offsets, \
+    bf16* __restrict__ xr, float* __restrict__ row_scales, int* __restrict__ inv, u32* __restrict__ ticket, int* __restrict__ bad
+#define MOE_ROUTE_SMALL_ARGS x, w_gate, n_ptr, T, bias, tid2eid, input_ids, vocab, scale, g2l, ng, sg, a1, logits, pre, topk_w, \
+    topk_ids, offsets, xr, row_scales, inv, ticket, bad
+
 template <int kWarps>
-__device__ __forceinline__ void route_small(const bf16* __restrict__ x,          // (T, HID)
-                const bf16* __restrict__ w_gate,     // (NE, HID)
-                const i64* __restrict__ n_ptr, int T,   // T <= kSmallMaxT
-                const float* __restrict__ bias,
-                const int* __restrict__ tid2eid, const i64* __restrict__ input_ids, i64 vocab,
-                float scale,
-                const int* __restrict__ g2l, int ng, int sg,
-                const float* __restrict__ a1,        // (G,) W4A4 or nullptr
-                float* __restrict__ logits,          // (T, NE)
-                float2* __restrict__ pre,            // (T, NE): (score + bias, score) of every logit
-                float* __restrict__ topk_w, int* __restrict__ topk_ids,
-                int* __restrict__ offsets,           // (G,)
-                bf16* __restrict__ xr, float* __restrict__ row_scales, int* __restrict__ inv,
-                u32* __restrict__ ticket, int* __restrict__ bad) {
+__device__ __forceinline__ void route_small(MOE_ROUTE_SMALL_PARAMS) {
     __shared__ float part[kLogitWarps][kG][kTokTile];
     __shared__ u64 mask[kNE1];
     __shared__ int tot[kNE1];
@@ -569,16 +569,8 @@ __device__ __forceinline__ void route_small(const bf16* __restrict__ x,         
     if (threadIdx.x == 0) *ticket = 0u;
 }
 
-// The two entry points (route_small's arguments)
 #define MOE_ROUTE_SMALL_KERNEL(NAME, WARPS) \
-extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(const bf16* __restrict__ x, const bf16* __restrict__ w_gate, const i64* __restrict__ n_ptr, int T, \
-        const float* __restrict__ bias, const int* __restrict__ tid2eid, const i64* __restrict__ input_ids, i64 vocab, float scale, \
-        const int* __restrict__ g2l, int ng, int sg, const float* __restrict__ a1, float* __restrict__ logits, float2* __restrict__ pre, \
-        float* __restrict__ topk_w, int* __restrict__ topk_ids, int* __restrict__ offsets, bf16* __restrict__ xr, \
-        float* __restrict__ row_scales, int* __restrict__ inv, u32* __restrict__ ticket, int* __restrict__ bad) { \
-    route_small<WARPS>(x, w_gate, n_ptr, T, bias, tid2eid, input_ids, vocab, scale, g2l, ng, sg, a1, logits, pre, topk_w, topk_ids, offsets, xr, \
-        row_scales, inv, ticket, bad); \
-}
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(MOE_ROUTE_SMALL_PARAMS) { route_small<WARPS>(MOE_ROUTE_SMALL_ARGS); }
 MOE_ROUTE_SMALL_KERNEL(moe_route_small, kLogitWarps)
 MOE_ROUTE_SMALL_KERNEL(moe_route_small_wide, kWideWarps)
 
@@ -587,6 +579,8 @@ MOE_ROUTE_SMALL_KERNEL(moe_route_small_wide, kWideWarps)
 // shared expert last): bit-identical to the same sum in torch fp32 (the GPU tests). Slots with no row here (inv -1, a local
 // layer) are skipped; a token with none gets zeros. With `shared` (T, HID), the shared expert's slot reads shared[t]
 // instead of its row (the layer computed the shared expert apart, from x in token order): the same sum, the same order.
+// CTA (t, y) sums the 16-byte chunks y * blockDim + i, stepping by blockDim * gridDim.y: any grid.y (the launcher splits
+// a row over hidden / 1024 CTAs at few tokens) gives the same bits.
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights already applied
             const int* __restrict__ inv,        // (T, TOPK + 1)

@@ -21,7 +21,7 @@ def patched_source(s: str) -> str:
         if s.count(old) != 1: raise SystemExit(f"route_probe: the kernel changed, cannot place a stamp at {old!r}")
         return s.replace(old, new)
     a = s.index("template <int kWarps>\n__device__ __forceinline__ void route_small(")
-    b = s.index("// The two entry points")
+    b = s.index("#define MOE_ROUTE_SMALL_KERNEL")
     body = s[a:b]
     body = once(body, "    if (T > kSmallMaxT || blockDim.x != kWarps * 32) __trap();   // the launcher never does this\n",
                 "    if (T > kSmallMaxT || blockDim.x != kWarps * 32) __trap();\n"

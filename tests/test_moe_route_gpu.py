@@ -113,17 +113,20 @@ def test_w4a4_rows_are_the_reference_quantization_decoded():
     assert torch.equal(rs[:, 0].cpu(), a1[expert])
 
 
+@pytest.mark.parametrize("E,H", [(256, 4096), (48, 7168)])
 @pytest.mark.parametrize("T", [1, 9, 77, 129])    # up to COMBINE_SPLIT_MAX_T each row split over hidden / 1024 CTAs
-def test_combine_is_the_fixed_order_fp32_sum(T):
-    E, H, k = 256, 4096, 6
+def test_combine_is_the_fixed_order_fp32_sum(T, E, H):
+    k = 6
     x, xd, buf, rows, rs, _ = routed(E, H, T, seed=4)
     y_rows = torch.randn(T * (k + 1), H, device=DEV).to(torch.bfloat16)
-    out = torch.empty(T, H, dtype=torch.bfloat16, device=DEV)
-    R.combine_tokens(y_rows, buf, out)
+    shared = torch.randn(T, H, device=DEV).to(torch.bfloat16)
     g = y_rows[buf.inv[:T].long()]
-    acc = g[:, 0].float()
-    for j in range(1, k + 1): acc += g[:, j].float()
-    assert torch.equal(out, acc.to(torch.bfloat16))
+    for sh in (None, shared):                       # the shared expert's slot from its row, or from a (T, H) buffer
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)   # a chunk left unwritten stays NaN
+        R.combine_tokens(y_rows, buf, out, shared=sh)
+        acc = g[:, 0].float()
+        for j in range(1, k + 1): acc += (g[:, j] if j < k or sh is None else sh).float()
+        assert torch.equal(out, acc.to(torch.bfloat16))
 
 
 def test_padding_is_not_routed():
@@ -179,8 +182,9 @@ def test_fused_decode_launch_equals_the_three_launches(E, H, a1, T):
     assert got.ticket.item() == 0
 
 
+@pytest.mark.parametrize("a1", [False, True])      # bf16 rows (moe_route_small) and W4A4 (moe_route_small_wide)
 @pytest.mark.parametrize("T", [1, 2, 3, 4])
-def test_fused_decode_launch_ties_slices_and_padding(T):
+def test_fused_decode_launch_ties_slices_and_padding(T, a1):
     """The fused launch with score routing on expert-parallel slices and with a padding token: the same ids, weights,
     offsets, inverse and rows as the three launches; a third of the experts score alike for token 0 and it takes the
     six lowest of them (ties to the lower id)."""
@@ -193,10 +197,11 @@ def test_fused_decode_launch_ties_slices_and_padding(T):
     n = nt.item()
     for experts, shared in ((None, True), (list(range(0, 256, 3)), True), (list(range(1, 256, 2)), False)):
         ref = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
+        s1 = (torch.rand(ref.groups, generator=torch.Generator().manual_seed(T)) * 2e-3 + 5e-4).to(DEV) if a1 else None
         R.route_rows(ref, T, R.router_logits(xd, wd, out=ref.logits[:T], impl="kernel"), bd, routed_scaling_factor=2.5, n_tokens=nt)
-        R.permute_rows(xd, ref, n_tokens=nt)
+        R.permute_rows(xd, ref, s1, n_tokens=nt)
         got = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
-        R.route_permute_fused(xd, wd, got, bd, routed_scaling_factor=2.5, n_tokens=nt)
+        R.route_permute_fused(xd, wd, got, bd, routed_scaling_factor=2.5, n_tokens=nt, a1_scales=s1)
         assert got.topk_ids[0].tolist() == [0, 3, 6, 9, 12, 15]
         assert torch.equal(got.topk_ids[:n], ref.topk_ids[:n]) and torch.equal(got.topk_weights[:n], ref.topk_weights[:n])
         assert torch.equal(got.offsets, ref.offsets) and torch.equal(got.inv[:n], ref.inv[:n])
@@ -204,7 +209,8 @@ def test_fused_decode_launch_ties_slices_and_padding(T):
         assert torch.equal(got.rows[:n_rows], ref.rows[:n_rows]) and torch.equal(got.row_scales[:n_rows], ref.row_scales[:n_rows])
 
 
-def test_fused_decode_launch_hash_routing_padding_and_slices():
+@pytest.mark.parametrize("a1", [False, True])      # bf16 rows (moe_route_small) and W4A4 (moe_route_small_wide)
+def test_fused_decode_launch_hash_routing_padding_and_slices(a1):
     E, H, k, T, V = 256, 4096, 6, 4, 100
     x, w, b = gate(E, H, T, seed=21)
     xd, wd = x.to(DEV), w.to(DEV)
@@ -213,10 +219,11 @@ def test_fused_decode_launch_hash_routing_padding_and_slices():
     nt = torch.tensor(3, device=DEV)                                      # 3 real tokens: the bad one is padding here
     for experts, shared in ((None, True), ([5, 17, 100, 200, 255], True), (list(range(0, 256, 2)), False)):
         ref = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
+        s1 = (torch.rand(ref.groups, generator=torch.Generator().manual_seed(9)) * 2e-3 + 5e-4).to(DEV) if a1 else None
         R.route_rows(ref, T, R.router_logits(xd, wd, out=ref.logits[:T], impl="kernel"), None, tid2eid=tid, input_ids=ii, n_tokens=nt)
-        R.permute_rows(xd, ref, n_tokens=nt)
+        R.permute_rows(xd, ref, s1, n_tokens=nt)
         got = R.route_buffers(T, E, k, H, DEV, experts=experts, shared=shared)
-        R.route_permute_fused(xd, wd, got, None, tid2eid=tid, input_ids=ii, n_tokens=nt)
+        R.route_permute_fused(xd, wd, got, None, tid2eid=tid, input_ids=ii, n_tokens=nt, a1_scales=s1)
         assert torch.equal(got.offsets, ref.offsets) and torch.equal(got.inv[:3], ref.inv[:3])
         n_rows = got.offsets[-1].item()
         assert torch.equal(got.rows[:n_rows], ref.rows[:n_rows]) and torch.equal(got.row_scales[:n_rows], ref.row_scales[:n_rows])
