@@ -207,10 +207,8 @@ ROUTE_FUSED_MAX_T = 4          # the layer's logits + route + permute in one lau
                                # many tokens (the kernel takes <= 4: one warp per token in the last CTA); keep it
                                # <= LOGITS_KERNEL_MAX_T, so both paths compute the logits with the same kernel (same bits)
 COMBINE_SPLIT_MAX_T = 128      # moe_combine: up to this many tokens each token's row is split over hidden / 1024 CTAs of
-                               # 128 threads (more loads in flight), one CTA of 256 threads per token above (one H200,
-                               # both shapes in one run, measured/ab_route_s32_experiments_h200.json run 1: 5.6 vs 6.6 us
-                               # at T = 1 on Flash, 5.7 vs 8.4 on Pro EP48, 7.3 vs 7.6 / 8.6 vs 9.7 at T = 128; even at
-                               # 2048; 1.1% / 1.4% slower at 8192)
+                               # 128 threads (more loads in flight), one CTA of 256 threads per token beyond it (set by
+                               # the measurement under "The combine's row split", before this cell)
 
 @dataclass
 class RouteBuffers:

@@ -81,9 +81,10 @@ __device__ __forceinline__ float dsv4_score(float l) {
 constexpr int kLogitWarps = 4, kG = 2, kTokTile = 64;
 constexpr int kChunksPerLane = HID / 8 / (kLogitWarps * 32);
 
-// With `pre` (moe_route_small and _wide) each logit's DSV4 score and selection key (score + bias) are stored beside it, so the
-// last CTA's top-k reads them instead of computing 256 scores in one warp: the same functions, the same bits.
-template <int kWarps = kLogitWarps>   // the CTA's warps: a wider CTA (moe_route_small_wide) computes with its first kLogitWarps
+// With `pre` (moe_route_small and _wide) each logit's DSV4 score and selection key (score + bias) are stored beside it,
+// so the last CTA's top-k reads them instead of computing 256 scores in one warp: the same functions, the same bits.
+// kWarps: the CTA's warps; a wider CTA (moe_route_small_wide's) computes with its first kLogitWarps.
+template <int kWarps = kLogitWarps>
 __device__ __forceinline__ void router_logits_cta(const bf16* __restrict__ x, const bf16* __restrict__ w, int T, int E,
                                                   float* __restrict__ logits, float (*part)[kG][kTokTile],
                                                   const float* __restrict__ bias = nullptr, float2* __restrict__ pre = nullptr) {

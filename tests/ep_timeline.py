@@ -4,8 +4,8 @@ schedule `capture_schedule` picks, profiled with torch.profiler (CUPTI) over N r
 Rank 0 writes OUT.json: per replay (the graph alone: x and the token count are copied into its inputs first, then a
 marker kernel runs long enough, about 0.5 ms, for the host to have queued the graph behind it, so the replay's first
 event is the graph's first kernel and its span holds no host launch time; the next replay's input copies, which the
-profiler puts after this one's last kernel, are left out: until session 31 they were in, and a replay's span included
-the host's time between two replays, about 0.2 ms), every kernel, copy and memset with its
+profiler puts after this one's last kernel, are left out, so a span holds no host time between replays), every kernel,
+copy and memset with its
 stream, its start (us from the replay's first event) and its duration; and prints the median replay (by span) as a table, with the time each stream was busy. The
 barriers between replays run on a gloo group, so they put no work on the GPUs. Every rank's replays go into OUT.json too
 (`ranks`), each with its first event on the host clock the profiler's timestamps share on one machine (`start_abs_us`),
