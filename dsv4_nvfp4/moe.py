@@ -24,12 +24,12 @@ from .routing import (Routing, check_bad, check_expert_ids, check_hash_table, co
                                 router_logits, ROUTE_FUSED_MAX_T)
 from .gemm.reference import check_swiglu_limit, deinterleave_l1, ref_swiglu
 from .gemm.w4a8 import quantize_fp8_act, ref_quantize_fp8_act
-from .gemm.sm90 import Sm90Weights
+from .gemm.sm90 import Sm90Weights, pick_config
 from .swiglu import MLP_ACTS, calibrate_input_scales, expert_mlp_nvfp4, grouped_gemm_swiglu_nvfp4, interleave_experts, ref_expert_mlp
 
 # %% auto #0
-__all__ = ['FLASH', 'PRO', 'EAGER_GRAPH_MAX_T', 'SHARED_APART_MAX_T', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe',
-           'ref_moe_bf16', 'CapturedMoE', 'moe_forward_op', 'moe_forward_routed_op']
+__all__ = ['FLASH', 'PRO', 'EAGER_GRAPH_MAX_T', 'SHARED_APART_MAX_T', 'L2_PDL_MAX_T', 'MoEConfig', 'route_with_shared', 'DSV4MoE',
+           'ref_moe', 'ref_moe_bf16', 'CapturedMoE', 'moe_forward_op', 'moe_forward_routed_op']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
@@ -91,6 +91,7 @@ def _check_given(w, ids, T, cfg, what):
 
 EAGER_GRAPH_MAX_T = ROUTE_FUSED_MAX_T   # eager CUDA forwards of 1 .. this many tokens replay a cached graph
 SHARED_APART_MAX_T = ROUTE_FUSED_MAX_T   # a whole W4A16 layer's decode step runs its shared expert beside the router
+L2_PDL_MAX_T = ROUTE_FUSED_MAX_T   # W4A16's L2 of a decode step (up to this many tokens) is a programmatic dependent of its L1
 
 class DSV4MoE(torch.nn.Module):
     """One DSV4 MoE layer on NVFP4 weights: the router (bf16 gate weight, fp32 bias or a hash table), E routed experts
@@ -468,7 +469,9 @@ class DSV4MoE(torch.nn.Module):
         """The fused L1 (SwiGLU, routing weight, for W4A4 h's NVFP4 quantization) and the L2 over expert-major rows, with
         the inputs already checked (`expert_rows` is the checked entry): two launches (W4A8: four, x and h quantized
         per row, each row's E4M3 scale written into `row_scales[:, 0]`; three when x comes in E4M3 already), no sync,
-        no allocation; the result is a view of
+        no allocation. W4A16 on the sm90 backend at up to `L2_PDL_MAX_T` (k + 1) rows, without `sms_free` or `out_rows`:
+        the L2 is a programmatic dependent of the L1 (`GemmConfig.pdl`, the same bits), so the kernel before the L2 in
+        the stream must be this L1 and `offs` must have been written before it. The result is a view of
         `bufs`' output rows that the next call overwrites. With `out_rows` the L2's epilogue stores each row at its place
         in `out` (`grouped_gemm_nvfp4`'s row map: the EP receiver's rows back in receive order without a row gather);
         W4A8's L2 has no row map: ValueError."""
@@ -492,7 +495,12 @@ class DSV4MoE(torch.nn.Module):
         else:
             h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out_dtype="nvfp4", out_scale=self.a2_scales,
                                           out=NVFP4Tensor(h.data[:R], h.scale[:R], h.global_scale[:R], (R, c.inter)), **kw)
-        return grouped_gemm_nvfp4(h, w2p, offs, out=rows_out[:R] if out_rows is None else out,
+        cfg = None                                        # decode, W4A16: the L2 launched while the L1 runs (`L2_PDL_MAX_T`)
+        if (self.act == "w4a16" and R <= L2_PDL_MAX_T * (c.top_k + 1) and out_rows is None and not sms_free
+                and type(w2p) is Sm90Weights and w2p.a_gs is None):
+            E2, N2, K2 = w2p.shape
+            cfg = pick_config(R, E2, K2, N2)._replace(pdl=True)
+        return grouped_gemm_nvfp4(h, w2p, offs, out=rows_out[:R] if out_rows is None else out, config=cfg,
                                   workspace=None if h_dec is None else h_dec[:R], sms_free=sms_free, out_rows=out_rows)
 
     def expert_rows(self, xr: torch.Tensor,       # bf16 (R, H) expert-major rows (W4A4: code x block scale, as the permute stores them)

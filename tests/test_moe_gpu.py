@@ -172,6 +172,37 @@ def test_shared_expert_apart_gives_the_same_bits(hash_vocab):
     assert torch.equal(yin, want), "a caller's capture forks too"
 
 
+@pytest.mark.parametrize("inter", [512, 1024, 2048])      # the L2's K tiles: fewer, as many as, more than the ring's 8 stages
+def test_decode_l2_as_a_programmatic_dependent_gives_the_plain_bits(inter, monkeypatch):
+    """W4A16's decode L2 (up to L2_PDL_MAX_T tokens) is a programmatic dependent of its L1 (GemmConfig.pdl: the first
+    ring's weights, then the wait for the L1's h): captured and eager, the bits of the plain launch, with new tokens
+    every call (a wait placed too late would read an earlier call's h); the plan's L2 carries pdl only up to the bound."""
+    cfg = M.MoEConfig(hidden=1024, inter=inter, num_experts=16, top_k=6, routed_scaling_factor=1.5)
+    layer = M.DSV4MoE.synthetic(cfg, seed=21, device=DEV).to(DEV)
+    seen, real = [], M.grouped_gemm_nvfp4
+    monkeypatch.setattr(M, "grouped_gemm_nvfp4", lambda *a, **kw: (seen.append(kw.get("config")), real(*a, **kw))[1])
+    caps = {}
+    for on in (True, False):
+        monkeypatch.setattr(M, "L2_PDL_MAX_T", M.ROUTE_FUSED_MAX_T if on else 0)
+        seen.clear()
+        caps[on] = layer.capture(M.ROUTE_FUSED_MAX_T)
+        assert any(c is not None and c.pdl for c in seen) == on, seen
+    g = torch.Generator().manual_seed(21)
+    draw = lambda T: torch.randn(T, cfg.hidden, generator=g).to(torch.bfloat16).to(DEV)
+    for i in range(60):
+        x = draw(1 + i % M.ROUTE_FUSED_MAX_T)
+        y = caps[True](x).clone()
+        assert torch.isfinite(y).all() and torch.equal(y, caps[False](x)), (inter, i)
+    layer.eager_graphs = False                                           # the launches themselves
+    for T in (1, M.ROUTE_FUSED_MAX_T, M.ROUTE_FUSED_MAX_T + 1):
+        x = draw(T)
+        monkeypatch.setattr(M, "L2_PDL_MAX_T", M.ROUTE_FUSED_MAX_T); seen.clear()
+        y = layer(x).clone()
+        assert any(c is not None and c.pdl for c in seen) == (T <= M.ROUTE_FUSED_MAX_T), (T, seen)
+        monkeypatch.setattr(M, "L2_PDL_MAX_T", 0)
+        assert torch.equal(layer(x), y), (inter, T)
+
+
 @pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
 def test_eager_decode_replays_a_cached_graph(act):
     """Eager calls of 1 .. EAGER_GRAPH_MAX_T tokens replay one cached graph: the bits of the launches, a fresh output each

@@ -262,3 +262,40 @@ def test_gather_variant_loads_one_row_per_copy(cfg):
     arrive = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s+mbarrier\.arrive\.expect_tx\.shared\.b64 %rd\d+, \[%r\d+\], (%r\d+);", ptx)
     assert [int(n) for r, n, u in arrive if r == u] == [L.SLAB_BYTES * cfg.wgs], (cfg, arrive)
     assert ptx.count("mbarrier.expect_tx") == 1 and ptx.index("mbarrier.expect_tx") < ptx.index(rows[0][0] + "+" + rows[0][1]), cfg
+
+
+_PDL = [L.CONFIGS[8]._replace(pdl=True), L.CONFIGS[16]._replace(pdl=True), L.DECODE_WIDE[8]._replace(pdl=True)]
+
+
+@pytest.mark.parametrize("cfg", _PDL, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _PDL])
+def test_pdl_variant_waits_after_the_first_weights(cfg):
+    # GemmConfig.pdl (the decode step's L2, a programmatic dependent of the L1): one griddepcontrol.wait, in the producer,
+    # after the first ring's weight copies and before any activation copy; every kernel lets its dependents launch
+    # (griddepcontrol.launch_dependents), the plain one never waits; the consumers' K loop is the plain one's; no spills
+    import re
+    plain = cfg._replace(pdl=False)
+    ptx, ptx0 = S.kernel_artifact(cfg, "ptx").decode(), S.kernel_artifact(plain, "ptx").decode()
+    assert ptx.count("griddepcontrol.wait;") == 1 and "griddepcontrol.wait" not in ptx0, cfg
+    assert ptx.count("griddepcontrol.launch_dependents;") == 1 and ptx0.count("griddepcontrol.launch_dependents;") == 1, cfg
+    wait = ptx.index("griddepcontrol.wait;")
+    copies = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.2d", ptx)]
+    assert len(copies) == 2 * (cfg.wgs + 2), (cfg, len(copies))         # the prologue's, then the unit loop's: a slab per
+    assert copies[cfg.wgs - 1] < wait < copies[cfg.wgs], cfg             # warpgroup, two 64-wide boxes of A (swizzle);
+                                                                         # in the prologue the slabs, the wait, then A
+    ops = S.sass_opcodes(S.kernel_sass(cfg))
+    assert "LDL" not in ops and "STL" not in ops, (cfg, ops)
+    mine, theirs = S.sass_opcodes(S.mainloop_sass(cfg)), S.sass_opcodes(S.mainloop_sass(plain))
+    assert all(mine.get(o) == theirs.get(o) for o in ("HGMMA", "HMUL2", "SHF", "LOP3", "LDS")), (cfg, mine, theirs)
+    assert abs(sum(mine.values()) - sum(theirs.values())) <= 4 and sum(mine.values()) <= S.MAINLOOP_SASS_BUDGET, (cfg, mine, theirs)
+
+
+def test_pdl_limits():
+    # pdl's wait guards only the producer's loads of A: epilogues that read what the kernel before may write (per-row
+    # scales, maps) and the gathered or FP8 activations are refused before anything compiles
+    base = L.CONFIGS[8]._replace(pdl=True)
+    assert S.GroupedGemmSm90.can_implement(base, 16, 1024)[0]
+    for bad in (base._replace(epilogue=L.Epilogue.BF16_ROW_GS), base._replace(epilogue=L.Epilogue.SWIGLU_BF16),
+                base._replace(gather=True), base._replace(row_map=True),
+                base._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS)):
+        ok, why = S.GroupedGemmSm90.can_implement(bad, 16, 1024)
+        assert not ok and "pdl" in why, (bad, why)

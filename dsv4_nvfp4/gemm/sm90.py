@@ -223,6 +223,10 @@ class GemmConfig(NamedTuple):
     row_map: bool = False              # BF16 / BF16_ROW_GS: row r of the product stored at C[map[r]] (map in mGr's slot)
     gather: bool = False               # BF16 / BF16_ROW_GS, tok_tile <= 32: row r of the activations is A[map[r]] (map in
                                        # mGr's slot), loaded one row per TMA copy
+    pdl: bool = False                  # BF16 only (scalar gs_a, bf16 A, no row map, no gather): launched as a programmatic
+                                       # dependent of the kernel before it in the stream; the producer loads the weights of the
+                                       # first ring of K tiles, then waits for that kernel, then loads A. The offsets are read
+                                       # before the wait: they must have been written before that kernel started
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more

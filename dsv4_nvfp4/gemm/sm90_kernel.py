@@ -179,6 +179,17 @@ class _Producer:
     "Mixin of GroupedGemmSm90: the TMA producer (one thread issues, the mbarrier counts the bytes)."
 
     @cute.jit
+    def load_weights(self, tma_w, tW, sW, bar, e, mt, k, KT, MT64, idx):
+        "The TMA copies of K tile k of unit (e, mt)'s weight slabs (one per consumer warpgroup) into ring stage idx."
+        for w in cutlass.range_constexpr(self.wgs):
+            slab = ((e * MT64 + mt * self.wgs + w) * KT + k)
+            gW = cute.local_tile(tW, (SLAB_ROWS, SLAB_WIDTH), (slab, 0))                    # (18, 256) bytes
+            tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1),
+                                             cute.group_modes(sW[None, None, w, idx], 0, 2),
+                                             cute.group_modes(gW, 0, 2))
+            cute.copy(tma_w, tWg, tWs, tma_bar_ptr=bar)
+
+    @cute.jit
     def produce(self, pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mMap, row_layout):
         """Load every K tile of every unit this CTA owns into the ring (the weight slabs and the bf16 activation tile).
         `gather`: the tile's row i is A[map[r]] for its routed row r, one TMA copy of one row each (`tma_a1`, a 1-row
@@ -195,6 +206,29 @@ class _Producer:
         e0 = cutlass.Int32(0); acc = cutlass.Int32(0)
         u = bidx
         found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
+        k0 = cutlass.Int32(0)                                    # the first K tile the unit loop loads
+        if cutlass.const_expr(self.pdl):
+            # A programmatic dependent: the first unit's weights for the first ring of K tiles, then the wait for the
+            # kernel before (it writes A), then those tiles' A into the same stages (each stage's barrier expects
+            # both), and the unit loop from tile P on
+            mt0, ti0, l0, rb0 = self.unit_tile(e, start, cnt, local, TR)
+            gA0 = cute.local_tile(cute.domain_offset((rb0 + ti0 * tt, 0, 0), tA), (tt, kt_), (0, None, l0))
+            tAs0, tAg0 = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                               cute.group_modes(sB, 0, 2), cute.group_modes(gA0, 0, 2))
+            P = cutlass.Int32(0)
+            if found:
+                P = cutlass.min(KT, self.stages)
+            ps_a = ps.clone()
+            for k in cutlass.range(P, unroll=1):
+                pipe.producer_acquire(ps)
+                self.load_weights(tma_w, tW, sW, pipe.producer_get_barrier(ps), e, mt0, k, KT, MT64, ps.index)
+                pipe.producer_commit(ps)
+                ps.advance()
+            cute.arch.griddepcontrol_wait()
+            for k in cutlass.range(P, unroll=1):
+                cute.copy(tma_a, tAg0[(None, k)], tAs0[(None, ps_a.index)], tma_bar_ptr=pipe.producer_get_barrier(ps_a))
+                ps_a.advance()
+            k0 = P
         while found:
             mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
             gA = cute.local_tile(cute.domain_offset((rb + ti * tt, 0, 0), tA), (tt, kt_), (0, None, l))  # (tt, 128, KT)
@@ -204,7 +238,7 @@ class _Producer:
             if cutlass.const_expr(self.gather):                  # the unit's routed rows; lane i: row i's row of A (tt <= 32)
                 nv = cutlass.min(cnt - ti * tt, tt)
                 src_l = mMap[rb + ti * tt + cutlass.min(cute.arch.lane_idx(), nv - 1)]
-            for k in cutlass.range(KT, unroll=1):
+            for k in cutlass.range(k0, KT, unroll=1):
                 pipe.producer_acquire(ps)
                 bar = pipe.producer_get_barrier(ps)
                 if cutlass.const_expr(self.gather):
@@ -219,15 +253,10 @@ class _Producer:
                         cute.copy(tma_a1, tRg[(None, k)], tRs[(None, ps.index)], tma_bar_ptr=bar)
                 else:
                     cute.copy(tma_a, tAg[(None, k)], tAs[(None, ps.index)], tma_bar_ptr=bar)
-                for w in cutlass.range_constexpr(wgs):
-                    slab = ((e * MT64 + mt * wgs + w) * KT + k)
-                    gW = cute.local_tile(tW, (SLAB_ROWS, SLAB_WIDTH), (slab, 0))                    # (18, 256) bytes
-                    tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1),
-                                                     cute.group_modes(sW[None, None, w, ps.index], 0, 2),
-                                                     cute.group_modes(gW, 0, 2))
-                    cute.copy(tma_w, tWg, tWs, tma_bar_ptr=bar)
+                self.load_weights(tma_w, tW, sW, bar, e, mt, k, KT, MT64, ps.index)
                 pipe.producer_commit(ps)
                 ps.advance()
+            k0 = cutlass.Int32(0)
             u = u + gdim
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
         pipe.producer_tail(ps)
@@ -550,6 +579,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.table = cfg.fp8 and cfg.table          # W4A8: the PRMT table decode (power-of-two block scales)
         self.row_map = cfg.row_map                  # the plain epilogues: each row stored at its place in C (mGr's slot)
         self.gather = cfg.gather                    # the activation rows read through a map (mGr's slot), one TMA per row
+        self.pdl = cfg.pdl                          # a programmatic dependent launch: the first ring's weights before the wait
         self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
@@ -580,6 +610,10 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             return False, (f"gather reads the bf16 activations of the plain epilogues (BF16, BF16_ROW_GS, no row_map) at tok_tile <= "
                            f"{GATHER_MAX_TT} (one TMA copy per row), got {cfg.epilogue.name}, tok_tile {cfg.tok_tile}"
                            + (", fp8" if cfg.fp8 else "") + (", row_map" if cfg.row_map else ""))
+        if cfg.pdl and (cfg.epilogue is not Epilogue.BF16 or cfg.fp8 or cfg.row_map or cfg.gather):
+            return False, ("pdl waits for the kernel before it in the producer only: the plain BF16 epilogue (scalar gs_a, "
+                           f"bf16 activations, no row_map, no gather), got {cfg.epilogue.name}" + (", fp8" if cfg.fp8 else "")
+                           + (", row_map" if cfg.row_map else "") + (", gather" if cfg.gather else ""))
         if cfg.fp8 and cfg.epilogue not in (Epilogue.BF16_ROW_GS, Epilogue.SWIGLU_BF16):
             return False, ("W4A8 (fp8) runs with the BF16_ROW_GS and SWIGLU_BF16 epilogues (one activation scale per row), "
                            f"got {cfg.epilogue.name}")
@@ -647,7 +681,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             tma_a1, tA1 = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, cute.make_composed_layout(
                 b_layout.inner, 0, cute.make_layout((1, r0.shape[0]), stride=(0, r0.stride[0]))), (1, kt_))
         self.kernel(tma_w, tW, tma_a, tA, tma_a1, tA1, mC, mOff, mGw, mGa, mSfC, mGc, mGr, mDump, self.tiled_mma,
-                    b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+                    b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
+                                                  use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,
@@ -660,6 +695,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         gdim, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
+        cute.arch.griddepcontrol_launch_dependents()   # a dependent launched with pdl may take the SMs this grid frees
         if warp == 0:
             cpasync.prefetch_descriptor(tma_w)
             cpasync.prefetch_descriptor(tma_a)
