@@ -5,6 +5,7 @@
 # %% ../nbs/08_moe_layer.ipynb #c7e43cf7
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from pathlib import Path
@@ -92,6 +93,11 @@ def _check_given(w, ids, T, cfg, what):
 EAGER_GRAPH_MAX_T = ROUTE_FUSED_MAX_T   # eager CUDA forwards of 1 .. this many tokens replay a cached graph
 SHARED_APART_MAX_T = ROUTE_FUSED_MAX_T   # a whole W4A16 layer's decode step runs its shared expert beside the router
 L2_PDL_MAX_T = ROUTE_FUSED_MAX_T   # W4A16's L2 of a decode step (up to this many tokens) is a programmatic dependent of its L1
+
+@functools.lru_cache(maxsize=256)
+def _pdl_config(rows: int, E: int, N: int, K: int):
+    "The plan's configuration of an L2 of `rows` rows over E experts (N, K), launched as a programmatic dependent (memoized)."
+    return pick_config(rows, E, K, N)._replace(pdl=True)
 
 class DSV4MoE(torch.nn.Module):
     """One DSV4 MoE layer on NVFP4 weights: the router (bf16 gate weight, fp32 bias or a hash table), E routed experts
@@ -424,10 +430,10 @@ class DSV4MoE(torch.nn.Module):
             else:
                 xr, rs = permute_rows(x, buf, a1, n_tokens)
         if apart is None:
-            rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free)
+            rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free, l2_pdl=given is None and T <= L2_PDL_MAX_T)
             return combine_tokens(rows, buf, out, n_tokens)
         E = c.num_experts                                     # the routed experts alone: the shared rows are left unread
-        rows = self.run_experts(xr, rs, buf.offsets[:E], bufs, sms_free=sms_free, weights=apart[0])
+        rows = self.run_experts(xr, rs, buf.offsets[:E], bufs, sms_free=sms_free, weights=apart[0], l2_pdl=T <= L2_PDL_MAX_T)
         main.wait_stream(side_stream)
         return combine_tokens(rows, buf, out, n_tokens, shared=ys)
 
@@ -465,13 +471,15 @@ class DSV4MoE(torch.nn.Module):
                     weights: tuple | None = None,  # (w13, w2) prepared for these groups (default: the layer's, all groups)
                     out_rows: torch.Tensor | None = None,  # int32 (R,): the L2 stores row i at out[out_rows[i]] (W4A16, W4A4)
                     out: torch.Tensor | None = None,       # bf16 (M, H) with out_rows (default: `bufs`' output rows)
+                    l2_pdl: bool = False,          # W4A16 L2 as a programmatic dependent of the L1 (the layer's own decode step)
                    ) -> torch.Tensor:              # bf16 (R, H): a view of `bufs`' output rows (with out_rows: `out`)
         """The fused L1 (SwiGLU, routing weight, for W4A4 h's NVFP4 quantization) and the L2 over expert-major rows, with
         the inputs already checked (`expert_rows` is the checked entry): two launches (W4A8: four, x and h quantized
         per row, each row's E4M3 scale written into `row_scales[:, 0]`; three when x comes in E4M3 already), no sync,
-        no allocation. W4A16 on the sm90 backend at up to `L2_PDL_MAX_T` (k + 1) rows, without `sms_free` or `out_rows`:
-        the L2 is a programmatic dependent of the L1 (`GemmConfig.pdl`, the same bits), so the kernel before the L2 in
-        the stream must be this L1 and `offs` must have been written before it. The result is a view of
+        no allocation. With `l2_pdl` (W4A16 on the sm90 backend, without `sms_free` or `out_rows`; `forward_device` asks
+        for it on its own decode steps, up to `L2_PDL_MAX_T` tokens, not for a given routing; EP does not) the L2 is a
+        programmatic dependent of the kernel before it (`GemmConfig.pdl`, the same bits): `offs` must be complete
+        before that kernel started, and that kernel must be an ordinary launch. The result is a view of
         `bufs`' output rows that the next call overwrites. With `out_rows` the L2's epilogue stores each row at its place
         in `out` (`grouped_gemm_nvfp4`'s row map: the EP receiver's rows back in receive order without a row gather);
         W4A8's L2 has no row map: ValueError."""
@@ -496,10 +504,8 @@ class DSV4MoE(torch.nn.Module):
             h = grouped_gemm_swiglu_nvfp4(xr, w13p, offs, out_dtype="nvfp4", out_scale=self.a2_scales,
                                           out=NVFP4Tensor(h.data[:R], h.scale[:R], h.global_scale[:R], (R, c.inter)), **kw)
         cfg = None                                        # decode, W4A16: the L2 launched while the L1 runs (`L2_PDL_MAX_T`)
-        if (self.act == "w4a16" and R <= L2_PDL_MAX_T * (c.top_k + 1) and out_rows is None and not sms_free
-                and type(w2p) is Sm90Weights and w2p.a_gs is None):
-            E2, N2, K2 = w2p.shape
-            cfg = pick_config(R, E2, K2, N2)._replace(pdl=True)
+        if l2_pdl and self.act == "w4a16" and out_rows is None and not sms_free and type(w2p) is Sm90Weights and w2p.a_gs is None:
+            cfg = _pdl_config(R, *w2p.shape)
         return grouped_gemm_nvfp4(h, w2p, offs, out=rows_out[:R] if out_rows is None else out, config=cfg,
                                   workspace=None if h_dec is None else h_dec[:R], sms_free=sms_free, out_rows=out_rows)
 

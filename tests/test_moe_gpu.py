@@ -201,6 +201,10 @@ def test_decode_l2_as_a_programmatic_dependent_gives_the_plain_bits(inter, monke
         assert any(c is not None and c.pdl for c in seen) == (T <= M.ROUTE_FUSED_MAX_T), (T, seen)
         monkeypatch.setattr(M, "L2_PDL_MAX_T", 0)
         assert torch.equal(layer(x), y), (inter, T)
+    w, ids = layer.route(x); seen.clear()                                # a given routing (EP's path): the plain L2
+    monkeypatch.setattr(M, "L2_PDL_MAX_T", M.ROUTE_FUSED_MAX_T)
+    layer.forward_routed(x[:1], w[:1], ids[:1])
+    assert seen and not any(c is not None and c.pdl for c in seen), seen
 
 
 @pytest.mark.parametrize("act", ["w4a16", "w4a4", "w4a8"])
