@@ -1,11 +1,12 @@
 """Time the grouped GEMM and the MoE layer of one checkout of this package, graph-replayed, for an A/B of two
 checkouts on the same GPU (a refactor that must not change the speed: run the old one, then the new one).
 
-    PYTHONPATH=<checkout> python tests/ab_speed.py OUT.json [--gemm-only]
+    PYTHONPATH=<checkout> python tests/ab_speed.py OUT.json [--gemm-only] [--min-tokens N]
 
 Works on the layouts before and after the GEMM seam (it finds the synthetic timing weights and the timer where each
 keeps them). Writes {problem/T: microseconds} and the GPU's name, after each row, so a run cut short keeps its rows.
---gemm-only leaves out the DSV4-Flash layer (building its synthetic weights takes minutes of host time)."""
+--gemm-only leaves out the DSV4-Flash layer (building its synthetic weights takes minutes of host time); --min-tokens N
+times only the rows of at least N tokens."""
 import json, sys
 import torch
 
@@ -22,7 +23,9 @@ from dsv4_nvfp4.routing import random_topk, route_topk
 
 dev = torch.device("cuda")
 timer, res = Timer(), {"gpu": torch.cuda.get_device_name(0), "root": dsv4_nvfp4.__file__}
+MIN_T = int(sys.argv[sys.argv.index("--min-tokens") + 1]) if "--min-tokens" in sys.argv else 0
 for name, E, N, K, T, topk, wo_a in GEMM_PROBLEMS:
+    if T < MIN_T: continue
     pw = synthetic_weights(E, N, K, dev)
     if wo_a:
         x = torch.randn(T, E, K, device=dev).to(torch.bfloat16); out = torch.empty(T, E, N, dtype=torch.bfloat16, device=dev)
@@ -40,6 +43,7 @@ for name, E, N, K, T, topk, wo_a in GEMM_PROBLEMS:
 if "--gemm-only" in sys.argv[2:]: sys.exit(0)
 layer = DSV4MoE.synthetic(FLASH, seed=0, device=dev, keep_bf16=False).to(dev)
 for T in (1, 8, 128, 2048, 8192):
+    if T < MIN_T: continue
     x = (torch.randn(T, FLASH.hidden, device=dev) * 0.5).to(torch.bfloat16)
     cap = layer.capture(T)
     res[f"moe Flash W4A16 T={T}"] = timer(lambda: cap(x))[1]
