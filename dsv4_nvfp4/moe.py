@@ -415,6 +415,7 @@ class DSV4MoE(torch.nn.Module):
                 h1 = grouped_gemm_swiglu_nvfp4(x, w13s, offs_s, out=hs[:T], swiglu_limit=c.swiglu_limit, row_scales=rs_s[:T],
                                                scales_given=True, sms_free=sms_free)
                 grouped_gemm_nvfp4(h1, w2s, offs_s, out=ys[:T], sms_free=sms_free)
+        l2_pdl = given is None and T <= L2_PDL_MAX_T          # the layer's own decode step: its L2 a programmatic dependent
         if given is None and T <= ROUTE_FUSED_MAX_T:          # decode: logits, route and permute in one launch
             xr, rs = route_permute_fused(x, self.gate_weight, buf, self.gate_bias, routed_scaling_factor=c.routed_scaling_factor,
                                          tid2eid=self.tid2eid, input_ids=input_ids, a1_scales=a1, n_tokens=n_tokens)
@@ -430,10 +431,10 @@ class DSV4MoE(torch.nn.Module):
             else:
                 xr, rs = permute_rows(x, buf, a1, n_tokens)
         if apart is None:
-            rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free, l2_pdl=given is None and T <= L2_PDL_MAX_T)
+            rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free, l2_pdl=l2_pdl)
             return combine_tokens(rows, buf, out, n_tokens)
         E = c.num_experts                                     # the routed experts alone: the shared rows are left unread
-        rows = self.run_experts(xr, rs, buf.offsets[:E], bufs, sms_free=sms_free, weights=apart[0], l2_pdl=T <= L2_PDL_MAX_T)
+        rows = self.run_experts(xr, rs, buf.offsets[:E], bufs, sms_free=sms_free, weights=apart[0], l2_pdl=l2_pdl)
         main.wait_stream(side_stream)
         return combine_tokens(rows, buf, out, n_tokens, shared=ys)
 

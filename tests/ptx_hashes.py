@@ -52,7 +52,7 @@ def build_name(file: str, defines: dict) -> str:
 
 
 def gemm_configs():
-    "Every configuration the library can launch: the pick_config candidates (and WIDE_CONFIG, DECODE_WIDE) x every epilogue kind (+ dump, no clamp, the plain kinds' row map), and W4A8's two, each with the F2FP loop alone and with both loops (`table`)."
+    "Every configuration the library can launch: the pick_config candidates (and WIDE_CONFIG, DECODE_WIDE) x every epilogue kind (+ dump, no clamp, the plain kinds' row map, the plain bf16 kind as a programmatic dependent), and W4A8's two, each with the F2FP loop alone and with both loops (`table`)."
     import math
     from dsv4_nvfp4.gemm import sm90 as L
     out = []
@@ -63,6 +63,7 @@ def gemm_configs():
             if epi.fp4_out: out.append((f"{name}_{epi.value}_dump", c._replace(dump=True)))
             if epi.swiglu: out.append((f"{name}_{epi.value}_nolimit", c._replace(swiglu_limit=math.inf)))
             if epi in (L.Epilogue.BF16, L.Epilogue.BF16_ROW_GS): out.append((f"{name}_{epi.value}_rowmap", c._replace(row_map=True)))
+            if epi is L.Epilogue.BF16: out.append((f"{name}_{epi.value}_pdl", c._replace(pdl=True)))   # moe's decode L2
         for epi in (L.Epilogue.BF16_ROW_GS, L.Epilogue.SWIGLU_BF16):     # W4A8 (the sm90_w4a8 backend)
             out.append((f"{name}_w4a8_{epi.value}", cfg._replace(epilogue=epi, fp8=True)))
             out.append((f"{name}_w4a8_table_{epi.value}", cfg._replace(epilogue=epi, fp8=True, table=True)))

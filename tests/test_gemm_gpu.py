@@ -139,6 +139,26 @@ def test_every_configuration_gives_the_same_bits():
             and torch.equal(q.global_scale, q4[0].global_scale), f"{c}: W4A4's NVFP4 h differs from {cfgs[0]}'s"
 
 
+def test_pdl_variant_is_the_plain_bits():
+    """GemmConfig.pdl (the decode L2's configuration, launched as a programmatic dependent; here with nothing before it,
+    so its wait returns at once) gives the plain configuration's bits: ragged experts with an empty one; a grid of one
+    SM's worth (sms_free), so a CTA's later units follow its prologue's; and a problem of fewer units than CTAs, so
+    most CTAs find no unit at all. One- and four-warpgroup decode tiles."""
+    E, N, K = 6, 1024, 2048
+    pw, _ = experts(E, N, K, seed=41)
+    g = torch.Generator().manual_seed(41)
+    for sizes in ([1, 0, 3, 8, 2, 1], [0, 0, 1, 0, 0, 0]):
+        sizes = torch.tensor(sizes)
+        offs = torch.cumsum(sizes, 0).to(I32).to(DEV)
+        R_ = int(sizes.sum())
+        a = torch.randn(R_, K, generator=g).to(torch.bfloat16).to(DEV)
+        for c in (S90.CONFIGS[8], S90.CONFIGS[16], S90.CONFIGS[32], S90.DECODE_WIDE[8]):
+            want = GC.grouped_gemm_nvfp4(a, pw, offs, config=c)
+            for free in (0, 10_000):
+                got = GC.grouped_gemm_nvfp4(a, pw, offs, config=c._replace(pdl=True), sms_free=free)
+                assert torch.isfinite(got).all() and torch.equal(got, want), (c, sizes.tolist(), free)
+
+
 def test_k_padding():
     # K = 208: the weights are zero-padded to 256, the activations are not (TMA fills zeros past K)
     pw, we = experts(3, 1024, 208, seed=5)

@@ -264,7 +264,8 @@ def test_gather_variant_loads_one_row_per_copy(cfg):
     assert ptx.count("mbarrier.expect_tx") == 1 and ptx.index("mbarrier.expect_tx") < ptx.index(rows[0][0] + "+" + rows[0][1]), cfg
 
 
-_PDL = [L.CONFIGS[8]._replace(pdl=True), L.CONFIGS[16]._replace(pdl=True), L.DECODE_WIDE[8]._replace(pdl=True)]
+_PDL = [L.CONFIGS[8]._replace(pdl=True), L.CONFIGS[16]._replace(pdl=True), L.CONFIGS[32]._replace(pdl=True),
+        L.DECODE_WIDE[8]._replace(pdl=True)]
 
 
 @pytest.mark.parametrize("cfg", _PDL, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _PDL])
@@ -282,6 +283,11 @@ def test_pdl_variant_waits_after_the_first_weights(cfg):
     assert len(copies) == 2 * (cfg.wgs + 2), (cfg, len(copies))         # the prologue's, then the unit loop's: a slab per
     assert copies[cfg.wgs - 1] < wait < copies[cfg.wgs], cfg             # warpgroup, two 64-wide boxes of A (swizzle);
                                                                          # in the prologue the slabs, the wait, then A
+    # every stage's barrier (the prologue's and the unit loop's) expects the weights and the A tile: a prologue stage
+    # whose barrier counted the slabs alone would complete before its A landed
+    regs = re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64 \S+ \[\S+\], (%r\d+);", ptx)
+    tx = {int(v) for r in regs for v in re.findall(r"mov\.[bus]32\s+" + re.escape(r) + r", (\d+);", ptx)}
+    assert len(regs) == 2 and tx == {L.SLAB_BYTES * cfg.wgs + cfg.tok_tile * L.K_TILE * 2}, (cfg, regs, tx)
     ops = S.sass_opcodes(S.kernel_sass(cfg))
     assert "LDL" not in ops and "STL" not in ops, (cfg, ops)
     mine, theirs = S.sass_opcodes(S.mainloop_sass(cfg)), S.sass_opcodes(S.mainloop_sass(plain))

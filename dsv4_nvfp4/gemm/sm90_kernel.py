@@ -199,7 +199,7 @@ class _Producer:
         into the same stage (or whatever the shared memory held), which reaches only their own token columns of the
         product, never stored. Lane i of the warp holds row i's map entry for the whole unit (one load per unit, a
         shuffle per row and K tile)."""
-        tt, kt_, wgs = self.tt, K_TILE, self.wgs
+        tt, kt_ = self.tt, K_TILE
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         ps = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -211,7 +211,9 @@ class _Producer:
             # A programmatic dependent: the first unit's weights for the first ring of K tiles, then the wait for the
             # kernel before (it writes A), then those tiles' A into the same stages (each stage's barrier expects
             # both), and the unit loop from tile P on
-            mt0, ti0, l0, rb0 = self.unit_tile(e, start, cnt, local, TR)
+            # (a CTA without a unit loads nothing below, P = 0; cnt >= 1 keeps its tile arithmetic clear of a division
+            # by zero, and a found unit has cnt >= 1 already)
+            mt0, ti0, l0, rb0 = self.unit_tile(e, start, cutlass.max(cnt, 1), local, TR)
             gA0 = cute.local_tile(cute.domain_offset((rb0 + ti0 * tt, 0, 0), tA), (tt, kt_), (0, None, l0))
             tAs0, tAg0 = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                                cute.group_modes(sB, 0, 2), cute.group_modes(gA0, 0, 2))
