@@ -12,8 +12,9 @@ import torch
 from .kv import DSV4_ROPE, RopeConfig, apply_rope
 
 # %% auto #0
-__all__ = ['WINDOW', 'ATTN_CU', 'ATTN_HEADS', 'ATTN_TILE', 'window_slots', 'compressed_count', 'ref_sparse_attention',
-           'attn_splits', 'sparse_attention_decode', 'attend_gathered_bf16', 'sparse_attention_decode_op']
+__all__ = ['WINDOW', 'ATTN_CU', 'ATTN_HEADS', 'ATTN64_HEADS', 'ATTN64_THREADS', 'ATTN64_SMEM', 'ATTN64_MIN_CTAS', 'ATTN_TILE',
+           'window_slots', 'compressed_count', 'ref_sparse_attention', 'attn_heads', 'attn_splits',
+           'sparse_attention_decode', 'attend_gathered_bf16', 'sparse_attention_decode_op']
 
 # %% ../nbs/07b_sparse_attention.ipynb #60719d64
 WINDOW = 128          # raw tokens every layer attends: the query's own token and the 127 before it
@@ -66,16 +67,26 @@ from . import runtime as rt
 from .kv import KV_DIM, NVFP4KVPool, rope_freqs_on
 
 ATTN_CU = "nvfp4_sparse_attn.cu"
-ATTN_HEADS = 16        # heads per CTA: one m16 MMA tile
+ATTN_HEADS = 16        # heads per CTA of nvfp4_sparse_attn_partial: one m16 MMA tile
+ATTN64_HEADS = 64      # heads per CTA of nvfp4_sparse_attn_partial64 (H a multiple of 64: DSV4's 64 and 128)
+ATTN64_THREADS = 256   # its 8 warps: 4 head tiles x 2 dim halves
+ATTN64_SMEM = 120576   # its dynamic shared memory, sizeof(SmemAttn64) (the kernel asserts it)
+ATTN64_MIN_CTAS = 64   # ... where its CTAs per split (B H / 64) number at least this many (measured: below)
 ATTN_TILE = 32         # slots per shared-memory tile
+
+def attn_heads(H: int, B: int) -> int:
+    """Heads per CTA for B sequences of H heads: 64 (nvfp4_sparse_attn_partial64, each tile decoded once for 64 heads)
+    where H is a multiple of 64 and B H / 64 >= ATTN64_MIN_CTAS, else 16 (four times the CTAs: small batches)."""
+    return ATTN64_HEADS if H % ATTN64_HEADS == 0 and B * (H // ATTN64_HEADS) >= ATTN64_MIN_CTAS else ATTN_HEADS
 
 def attn_splits(B: int, H: int, S: int, sms: int = 132, splits: int | None = None) -> tuple[int, int]:
     """(nsplit, chunk) of the flash-decoding split for B sequences of H heads over S slots: each CTA takes `chunk`
-    slots (a multiple of 32) of one sequence and 16 heads. By default enough splits that the B * H/16 * nsplit CTAs
-    cover `sms` SMs about twice, none shorter than one tile; `splits` asks for that many (fewer where S is short)."""
+    slots (a multiple of 32) of one sequence and `attn_heads(H, B)` heads. By default enough splits that the
+    B * H/attn_heads(H, B) * nsplit CTAs cover `sms` SMs about twice, none shorter than one tile; `splits` asks for
+    that many (fewer where S is short)."""
     if min(B, H, S) < 1 or H % ATTN_HEADS: raise ValueError(f"attn_splits: need B, S >= 1 and H a multiple of {ATTN_HEADS}, got {B}, {H}, {S}")
     tiles = -(-S // ATTN_TILE)
-    want = splits if splits is not None else -(-2 * sms // (B * (H // ATTN_HEADS)))
+    want = splits if splits is not None else -(-2 * sms // (B * (H // attn_heads(H, B))))
     if want < 1: raise ValueError(f"attn_splits: splits must be >= 1, got {splits}")
     chunk = -(-tiles // max(1, min(tiles, want))) * ATTN_TILE
     return -(-S // chunk), chunk
@@ -132,10 +143,14 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
     out = torch.empty_like(q) if out is None else out
     freqs = rope_freqs_on(rope, dev) if out_pos is not None else None
     with rt.on_device(dev):
-        rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial", (nsplit, H // ATTN_HEADS, B), (128, 1, 1),
-                  [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
-                   rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),
-                   rt.ptr(ml_part), rt.ptr(bad_count)])
+        args = [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
+                rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),
+                rt.ptr(ml_part), rt.ptr(bad_count)]
+        if attn_heads(H, B) == ATTN64_HEADS:
+            rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial64", (nsplit, H // ATTN64_HEADS, B), (ATTN64_THREADS, 1, 1), args,
+                      shmem=ATTN64_SMEM)
+        else:
+            rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial", (nsplit, H // ATTN_HEADS, B), (128, 1, 1), args)
         rt.launch(ATTN_CU, "nvfp4_sparse_attn_combine", (B * H, 1, 1), (128, 1, 1),
                   [rt.ptr(o_part), rt.ptr(ml_part), rt.i32(nsplit), rt.i32(H), rt.ptr(sink), rt.ptr(out_pos), rt.ptr(freqs), rt.ptr(out)])
     return out

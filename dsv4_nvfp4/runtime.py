@@ -24,12 +24,12 @@ from .formats import cdiv, round_up  # noqa: F401 (launchers use rt.cdiv / rt.ro
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")  # compile-checked in CI; sm_90a is the verified target
 
 # %% auto #0
-__all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'KernelCompileError', 'KernelLaunchError',
-           'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir', 'show_cu',
-           'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult', 'compile_cubin',
-           'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'copy_d2d', 'i64', 'i32', 'u32',
-           'f32', 'launch_device_type', 'on_device', 'check_tensor', 'out_tensor', 'check_k16', 'launch_1d',
-           'register_op_object', 'op_object', 'define_op']
+__all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'SMEM_DEFAULT_MAX', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'KernelCompileError',
+           'KernelLaunchError', 'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir',
+           'show_cu', 'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult',
+           'compile_cubin', 'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'copy_d2d', 'i64',
+           'i32', 'u32', 'f32', 'launch_device_type', 'on_device', 'check_tensor', 'out_tensor', 'check_k16',
+           'launch_1d', 'register_op_object', 'op_object', 'define_op']
 
 # %% ../nbs/03_runtime.ipynb #2ee0e57b
 class KernelCompileError(RuntimeError):
@@ -401,12 +401,29 @@ def _launch_fn():
 
 _launcher = None
 _fast: dict = {}      # (device, file, name, defines) -> Kernel: the launch hot path's only lookup
+_smem_opted: set = set()   # (device, file, name, defines, bytes): kernels whose dynamic shared memory limit was raised
+SMEM_DEFAULT_MAX = 48 * 1024   # dynamic shared memory a launch gets without opting in
+
+def _opt_in_smem(kernel, dev: int, shmem: int, name: str, file: str):
+    "Raise `kernel`'s dynamic shared memory limit on device `dev` to `shmem` bytes (a launch above 48 KB needs it)."
+    try:
+        from cuda.bindings import driver as D
+    except ImportError:
+        from cuda import cuda as D
+    h = kernel.handle if hasattr(kernel, "handle") else kernel._handle
+    attr = D.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if isinstance(h, D.CUkernel): (err,) = D.cuKernelSetAttribute(attr, shmem, h, D.CUdevice(dev))
+    else: (err,) = D.cuFuncSetAttribute(h, attr, shmem)
+    if err != D.CUresult.CUDA_SUCCESS:
+        raise KernelLaunchError(f"{name} (kernels_cu/{file}): {shmem} bytes of dynamic shared memory refused on device {dev}: {err}")
 _configs: dict = {}   # (grid, block, shmem) -> LaunchConfig
 _torch_mod = None
 
 def launch(file: str, name: str, grid, block, args, *, shmem: int = 0, stream=None, defines: dict | None = None):
     """Launch `name` from `kernels_cu/<file>` on `stream` (default `torch.cuda.current_stream()`), asynchronously.
-    `args` must already be typed: `ptr(t)` for tensors, `i64(n)`, `i32(n)`, `u32(n)`, `f32(x)` for scalars."""
+    `args` must already be typed: `ptr(t)` for tensors, `i64(n)`, `i32(n)`, `u32(n)`, `f32(x)` for scalars. `shmem`:
+    dynamic shared memory in bytes; above `SMEM_DEFAULT_MAX` the kernel's limit is raised to it on its first such
+    launch on the device (KernelLaunchError where the device refuses)."""
     global _launcher, _torch_mod
     torch = _torch_mod or _torch()
     _torch_mod = torch
@@ -423,6 +440,9 @@ def launch(file: str, name: str, grid, block, args, *, shmem: int = 0, stream=No
     # NOTE: checked on every launch (an int compare): a wrong count would corrupt the launch silently
     if n is not None and n != len(args):
         raise KernelLaunchError(f"{name} (kernels_cu/{file}) takes {n} arguments, got {len(args)}")
+    if shmem > SMEM_DEFAULT_MAX and fkey + (shmem,) not in _smem_opted:   # once per kernel, device and size
+        _opt_in_smem(kernel, dev, shmem, name, file)
+        _smem_opted.add(fkey + (shmem,))
     _ensure_context(dev)
     st = stream if stream is not None else torch.cuda.current_stream(dev)
     cs = _cc_stream(dev, int(st.cuda_stream))

@@ -294,6 +294,234 @@ nvfp4_sparse_attn_partial(const __nv_bfloat16* __restrict__ q,      // (B, H, 51
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// nvfp4_sparse_attn_partial64: the same partials for H a multiple of 64, a CTA per 64 heads, so each tile of entries is
+// decoded once for 64 heads (the 16-head kernel above decodes it once per 16). grid (nsplit, H / 64, B), 256 threads,
+// dynamic shared memory sizeof(SmemAttn64) (the launcher opts in above 48 KB). Warp w takes heads 16 (w / 2) .. + 15
+// of the CTA's 64 and dims 256 (w % 2) .. + 255 for both products: its o is 16 x 256 fp32 (128 registers a thread),
+// q comes from shared memory by ldmatrix. The two warps of a head tile sum their partial scores through shared memory
+// in dim-half order (a named barrier for the pair), so both keep the same softmax state. The slots, the validity
+// rules, the scales on the fp32 scores and on p, the partials' layout and the fixed merge order are the 16-head
+// kernel's; only the dims' split of the score sums differs (two halves of 256, not four quarters of 128).
+constexpr int kHT64 = 64;                       // heads per CTA
+constexpr int kWarps64 = 8;
+constexpr int kThreads64 = 32 * kWarps64;
+constexpr int kDW64 = kD / 2;                   // dims per warp (256)
+constexpr int kTPT64 = kTS / kWarps64;          // tile slots per warp (4): the tasks of one thread, 16 dims of one slot each
+
+struct __align__(16) SmemAttn64 {
+    __nv_bfloat16 q[kHT64][kRow];               // the CTA's 64 query rows (1040-byte stride: ldmatrix without conflicts)
+    __nv_bfloat16 kv[kTS][kRow];                // the tile's 32 latents (kv_hat), zero rows for invalid slots
+    float part[kWarps64][kHT][kTS + 8];         // each warp's partial scores over its 256 dims
+    float gsv[kTS];
+    int ok[kTS];
+};
+// the launcher's dynamic shared memory (dsv4_nvfp4.attention.ATTN64_SMEM) is this size
+static_assert(sizeof(SmemAttn64) == 120576, "SmemAttn64 changed: update dsv4_nvfp4.attention.ATTN64_SMEM");
+
+extern "C" __global__ void __launch_bounds__(kThreads64, 1)
+nvfp4_sparse_attn_partial64(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ win,
+                            const int* __restrict__ wlen, int W, const u8* __restrict__ codes, const u8* __restrict__ sf,
+                            const float* __restrict__ gs, i64 cap, const int* __restrict__ idx, int K, int H, float scale,
+                            int chunk, float* __restrict__ o_part, float* __restrict__ ml_part, int* __restrict__ bad) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    SmemAttn64& sm = *reinterpret_cast<SmemAttn64*>(smem_raw);
+    const int split = blockIdx.x, hb = blockIdx.y, b = blockIdx.z, nsplit = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int hg = warp >> 1, dh = warp & 1;    // head tile (16 heads) and dim half of this warp
+    const int S = W + K;
+    const int j0 = split * chunk, j1 = min(S, j0 + chunk);
+    const int wl = W > 0 ? min(max(wlen[b], 0), W) : 0;
+    const int h0 = hb * kHT64;
+
+    // the CTA's 64 query rows into shared memory (16-byte copies; visible after the first tile's barrier)
+    {
+        const __nv_bfloat16* qb = q + ((i64)b * H + h0) * kD;
+        for (int c = threadIdx.x; c < kHT64 * (kD / 8); c += kThreads64) {
+            const int r = c / (kD / 8), col = (c % (kD / 8)) * 8;
+            *reinterpret_cast<uint4*>(&sm.q[r][col]) = *reinterpret_cast<const uint4*>(qb + (i64)r * kD + col);
+        }
+    }
+    float o[32][4];
+#pragma unroll
+    for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_r[2] = {-kInf, -kInf};
+    float l_r[2] = {0.0f, 0.0f};
+    const int mat = lane >> 3, mr = lane & 7;
+
+    auto pool_index = [&](int j) -> int {
+        return (j >= W && j < j1) ? idx[(i64)b * K + (j - W)] : -1;
+    };
+    int e_cur[kTPT64], e_nxt[kTPT64];
+    uint2 cw[kTPT64];
+    u32 sb[kTPT64];
+    float gv[kTPT64];
+    auto load_raw = [&]() {
+#pragma unroll
+        for (int i = 0; i < kTPT64; ++i) {
+            const int e = e_cur[i];
+            cw[i] = make_uint2(0, 0); sb[i] = 0; gv[i] = 0.0f;
+            if (e >= 0 && (i64)e < cap) {
+                cw[i] = *reinterpret_cast<const uint2*>(codes + (i64)e * (kD / 2) + lane * 8);
+                sb[i] = sf[(i64)e * (kD / 16) + lane];
+                gv[i] = gs[e];
+            }
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < kTPT64; ++i) {
+        e_cur[i] = pool_index(j0 + warp + kWarps64 * i);
+        e_nxt[i] = pool_index(j0 + kTS + warp + kWarps64 * i);
+    }
+    load_raw();
+
+    for (int base = j0; base < j1; base += kTS) {
+        // ---- store the tile (thread task i: slot warp + 8 i, 16-block `lane`)
+        bool async = false;
+#pragma unroll
+        for (int i = 0; i < kTPT64; ++i) {
+            const int s = warp + kWarps64 * i, j = base + s, e = e_cur[i];
+            __nv_bfloat16* dst = &sm.kv[s][lane * 16];
+            float gj = 0.0f;
+            int ok = 0;
+            if (j < j1 && j < W) {
+                if (j < wl) {
+                    const __nv_bfloat16* src = win + ((i64)b * W + j) * kD + lane * 16;
+                    const u32 d = (u32)__cvta_generic_to_shared(dst);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d + 16), "l"(src + 8));
+                    async = true; gj = 1.0f; ok = 1;
+                }
+            } else if (j < j1 && e >= 0 && (i64)e < cap) {
+                const float s64 = __fmul_rn(e4m3_to_float(sb[i]), 64.0f);
+                u32 w8[8];
+                decode8_bf16(cw[i].x, s64, w8);
+                decode8_bf16(cw[i].y, s64, w8 + 4);
+                uint4* d = reinterpret_cast<uint4*>(dst);
+                d[0] = make_uint4(w8[0], w8[1], w8[2], w8[3]); d[1] = make_uint4(w8[4], w8[5], w8[6], w8[7]);
+                gj = gv[i]; ok = 1;
+            } else if (j < j1 && j >= W && e != -1 && bad != nullptr && hb == 0 && lane == 0) {
+                atomicAdd(bad, 1);       // once per (sequence, slot): one split owns the slot, head block 0 counts
+            }
+            if (!ok) {
+                uint4* d = reinterpret_cast<uint4*>(dst);
+                d[0] = make_uint4(0, 0, 0, 0); d[1] = make_uint4(0, 0, 0, 0);
+            }
+            if (lane == 0) { sm.gsv[s] = gj; sm.ok[s] = ok; }
+        }
+        if (async) asm volatile("cp.async.wait_all;\n" ::: "memory");
+        __syncthreads();
+        if (base + kTS < j1) {
+#pragma unroll
+            for (int i = 0; i < kTPT64; ++i) {
+                e_cur[i] = e_nxt[i];
+                e_nxt[i] = pool_index(base + 2 * kTS + warp + kWarps64 * i);
+            }
+            load_raw();
+        }
+
+        // ---- partial scores: 16 heads x 32 slots over this warp's 256 dims; q's A fragments by ldmatrix
+        float sacc[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) sacc[n][0] = sacc[n][1] = sacc[n][2] = sacc[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < kDW64 / 16; ++kk) {
+            u32 qa[4];                               // rows 16 hg + (lane & 15), dims + 8 (lane >> 4): a0..a3 in MMA order
+            ldsm_x4(qa, &sm.q[kHT * hg + (lane & 15)][dh * kDW64 + kk * 16 + (lane >> 4) * 8]);
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+                u32 r[4];
+                ldsm_x4(r, &sm.kv[8 * (2 * np + (mat >> 1)) + mr][dh * kDW64 + kk * 16 + (mat & 1) * 8]);
+                mma_bf16(sacc[2 * np], qa, r[0], r[1]);
+                mma_bf16(sacc[2 * np + 1], qa, r[2], r[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            *reinterpret_cast<float2*>(&sm.part[warp][g][8 * n + 2 * t]) = make_float2(sacc[n][0], sacc[n][1]);
+            *reinterpret_cast<float2*>(&sm.part[warp][g + 8][8 * n + 2 * t]) = make_float2(sacc[n][2], sacc[n][3]);
+        }
+        asm volatile("bar.sync %0, 64;\n" :: "r"(1 + hg) : "memory");   // the head tile's two warps: partials written
+
+        // ---- the full scores (dim half 0, then 1: the same bits in both warps), online softmax
+        float sv[4][4];
+        float mx[2] = {m_r[0], m_r[1]};
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = g + 8 * h, col = 8 * n + 2 * t;
+                float2 a = *reinterpret_cast<const float2*>(&sm.part[2 * hg][row][col]);
+                const float2 x = *reinterpret_cast<const float2*>(&sm.part[2 * hg + 1][row][col]);
+                a.x = __fadd_rn(a.x, x.x); a.y = __fadd_rn(a.y, x.y);
+                sv[n][2 * h] = sm.ok[col] ? __fmul_rn(a.x, __fmul_rn(sm.gsv[col], scale)) : -kInf;
+                sv[n][2 * h + 1] = sm.ok[col + 1] ? __fmul_rn(a.y, __fmul_rn(sm.gsv[col + 1], scale)) : -kInf;
+                mx[h] = fmaxf(mx[h], fmaxf(sv[n][2 * h], sv[n][2 * h + 1]));
+            }
+        }
+        float mref[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            mref[r] = (mx[r] == -kInf) ? 0.0f : mx[r];
+            alpha[r] = __expf(m_r[r] - mref[r]);
+            m_r[r] = mx[r];
+            l_r[r] *= alpha[r];
+        }
+        u32 pa[2][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * n + 2 * t + (e & 1);
+                p[e] = sm.ok[col] ? __expf(sv[n][e] - mref[e >> 1]) : 0.0f;
+                l_r[e >> 1] += p[e];
+                p[e] = __fmul_rn(p[e], sm.gsv[col]);
+            }
+            pa[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p[0], p[1]);
+            pa[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p[2], p[3]);
+        }
+        // o *= alpha, skipped where every alpha of the warp is exactly 1 (the same bits: x * 1 = x, NaN included)
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+            for (int n = 0; n < 32; ++n) {
+                o[n][0] *= alpha[0]; o[n][1] *= alpha[0]; o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+            }
+        }
+        // ---- o (16 heads x this warp's 256 dims) += P (16 x 32 slots) . kv (32 slots x 256 dims)
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+            for (int np = 0; np < 16; ++np) {
+                u32 r[4];
+                ldsm_x4_t(r, &sm.kv[16 * ks + (mat & 1) * 8 + mr][dh * kDW64 + 8 * (2 * np + (mat >> 1))]);
+                mma_bf16(o[2 * np], pa[ks], r[0], r[1]);
+                mma_bf16(o[2 * np + 1], pa[ks], r[2], r[3]);
+            }
+        }
+        __syncthreads();                           // the tile and the partials are rewritten next
+    }
+
+    const i64 row0 = (((i64)b * nsplit + split) * H + h0 + kHT * hg);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
+        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
+    }
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+        const int d = dh * kDW64 + 8 * n + 2 * t;
+        *reinterpret_cast<float2*>(o_part + (row0 + g) * kD + d) = make_float2(o[n][0], o[n][1]);
+        *reinterpret_cast<float2*>(o_part + (row0 + g + 8) * kD + d) = make_float2(o[n][2], o[n][3]);
+    }
+    if (dh == 0 && t == 0) {
+        *reinterpret_cast<float2*>(ml_part + (row0 + g) * 2) = make_float2(m_r[0], l_r[0]);
+        *reinterpret_cast<float2*>(ml_part + (row0 + g + 8) * 2) = make_float2(m_r[1], l_r[1]);
+    }
+}
+
 // Merge the splits of one (sequence, head) in split order, add the sink to the denominator, rotate the last 64 dims back
 // by the query position (pos != nullptr: pair k turned by -pos * freqs[k], in float64), and store bf16.
 // grid B * H, 128 threads, 4 dims each.

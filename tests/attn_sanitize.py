@@ -1,5 +1,6 @@
 """GPU script for compute-sanitizer: every path of the fused decode attention once, on small shapes (the default split,
-one split, a ragged 16-head batch, no window, window only, Pro's 128 heads). Run as
+one split, a ragged 16-head batch, no window, window only, Pro's 128 heads), with the plan's kernel choice and then with
+the 64-head CTA forced wherever H allows. Run as
 `compute-sanitizer --tool memcheck --report-api-errors no python3 tests/attn_sanitize.py` (likewise racecheck, synccheck)."""
 import os
 import sys
@@ -7,12 +8,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_attention_gpu import case, run                                    # noqa: E402
+from test_attention_gpu import A, case, run                                 # noqa: E402
 
-for args, kw in (((2, 64, 128, 512), {}), ((2, 64, 128, 512), dict(splits=1)), ((3, 16, 37, 33), {}), ((2, 64, 0, 200), {}),
-                 ((2, 64, 128, 0), {}), ((1, 128, 128, 1024), {})):
+plan = A.attn_heads
+SHAPES = (((2, 64, 128, 512), {}), ((2, 64, 128, 512), dict(splits=1)), ((3, 16, 37, 33), {}), ((2, 64, 0, 200), {}),
+          ((2, 64, 128, 0), {}), ((1, 128, 128, 1024), {}))
+for force, (args, kw) in [(f, a) for f in (None, 64) for a in SHAPES]:
+    A.attn_heads = plan if force is None else (lambda H, B: 64 if H % 64 == 0 else 16)
     c = case(*args)
     bad = torch.zeros(1, dtype=torch.int32, device="cuda")
     o = run(c, bad_count=bad, **kw)
     torch.cuda.synchronize()
-    print(args, kw, "ok", bad.item(), float(o.float().abs().mean()))
+    print(force, args, kw, "ok", bad.item(), float(o.float().abs().mean()))

@@ -56,8 +56,15 @@ def rel_per_query(got, want):
                                      (2, 64, 0, 200),        # no window (K not a multiple of the tile)
                                      (2, 64, 128, 0),        # window only (Flash's first layers)
                                      (5, 16, 37, 33)])       # ragged sizes, one head tile
+@pytest.fixture(params=[16, 64], ids=["cta16", "cta64"])
+def cta(request, monkeypatch):
+    "Each partial kernel whatever the batch: 16 heads per CTA, or 64 (nvfp4_sparse_attn_partial64, H % 64 == 0 only)."
+    monkeypatch.setattr(A, "attn_heads", lambda H, B: request.param if H % request.param == 0 else A.ATTN_HEADS)
+    return request.param
+
+
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_against_float64_reference(B, H, W, K, splits):
+def test_against_float64_reference(B, H, W, K, splits, cta):
     c = case(B, H, W, K)
     bad = torch.zeros(1, dtype=torch.int32, device=DEV)
     got = run(c, bad_count=bad, splits=splits)
@@ -66,7 +73,7 @@ def test_against_float64_reference(B, H, W, K, splits):
     assert bad.item() == (1 if B > 1 and K >= 8 else 0)
 
 
-def test_bit_identical_run_to_run_and_graph_replays():
+def test_bit_identical_run_to_run_and_graph_replays(cta):
     c = case(8, 64, 128, 512, seed=3)
     a = run(c)
     assert all(torch.equal(a, run(c)) for _ in range(3))
@@ -85,7 +92,7 @@ def test_bit_identical_run_to_run_and_graph_replays():
     assert d.item() < 2e-3
 
 
-def test_empty_sequence_nan_and_sink():
+def test_empty_sequence_nan_and_sink(cta):
     c = case(4, 64, 128, 256, seed=5)
     c["window_len"][2] = 0
     c["indices"][2] = -1                                     # sequence 2 reads nothing
@@ -146,7 +153,7 @@ def test_bf16_peer_path():
     assert other < 3e-2 and fused <= 5e-3
 
 
-def test_without_sink_and_rotation_ragged_lengths_and_bad_indices():
+def test_without_sink_and_rotation_ragged_lengths_and_bad_indices(cta):
     "The kernel's no-sink and no-rotation paths; window lengths below 0 and above W clamp; an index below -1 is counted."
     c = case(4, 64, 128, 256, seed=11)
     c["window_len"][1], c["window_len"][2] = -3, 128 + 50
@@ -180,3 +187,9 @@ def test_refuses_a_rope_it_does_not_rotate_and_host_tensors():
         run(c, rope=RopeConfig(dim=32))
     with pytest.raises(ValueError, match="CUDA tensor"):
         run(dict(c, indices=c["indices"].cpu()))
+
+
+def test_kernel_choice():
+    "The 64-head CTA where H % 64 == 0 and its CTAs per split are at least ATTN64_MIN_CTAS; 16 heads elsewhere."
+    assert A.attn_heads(64, 64) == 64 and A.attn_heads(128, 32) == 64 and A.attn_heads(128, 128) == 64
+    assert A.attn_heads(64, 63) == 16 and A.attn_heads(64, 1) == 16 and A.attn_heads(48, 4096) == 16

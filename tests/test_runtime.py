@@ -59,7 +59,7 @@ EXPECTED_KERNELS = {
     "nvfp4_rmsnorm_quantize.cu": {f"nvfp4_{k}_{dt}" for k in ("rmsnorm_quantize", "mhc_rmsnorm_quantize")
                                   for dt in _DT3},
     "fp8_quantize.cu": {f"fp8_quantize_rows_{dt}" for dt in _DT3},
-    "nvfp4_sparse_attn.cu": {"nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_combine"},
+    "nvfp4_sparse_attn.cu": {"nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_partial64", "nvfp4_sparse_attn_combine"},
 }
 assert len(EXPECTED_KERNELS["nvfp4_quantize.cu"]) == 14  # 2 + 4 kinds x 3 dtypes
 
@@ -545,8 +545,9 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     sigs = ptx_signatures(sorted(EXPECTED_KERNELS))
     calls, blocks = [], {}                                            # blocks: each kernel's block sizes launched
     monkeypatch.setattr(rt, "_DEVICE_TYPE", "cpu")
+    shmems = {}                                                       # each kernel's dynamic shared memory launched
     monkeypatch.setattr(rt, "launch", lambda file, name, grid, block, args, **kw:
-                        calls.append((file, name, grid, block, list(args))))
+                        (calls.append((file, name, grid, block, list(args))), shmems.setdefault(name, set()).add(kw.get("shmem", 0))))
     monkeypatch.setattr(rt, "sm_count", lambda i: 132)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
 
@@ -637,8 +638,16 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     seq = run(lambda: AT.sparse_attention_decode(qa_, AT.NVFP4KVPool(16), ia_, torch.zeros(2, 4, 512, dtype=torch.bfloat16),
                                                  torch.ones(2, dtype=torch.int32), sink=torch.zeros(64),
                                                  out_pos=torch.zeros(2, dtype=torch.int32), bad_count=torch.zeros(1, dtype=torch.int32)))
-    assert seq == ["nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_combine"], seq
+    assert seq == ["nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_combine"], seq        # 2 x 64 heads: 16-head CTAs
     seen |= set(seq) | set(run(lambda: AT.sparse_attention_decode(qa_, AT.NVFP4KVPool(16), ia_)))
+    qb_, ib_ = torch.zeros(AT.ATTN64_MIN_CTAS, 64, 512, dtype=torch.bfloat16), torch.zeros(AT.ATTN64_MIN_CTAS, 8, dtype=torch.int32)
+    seq = run(lambda: AT.sparse_attention_decode(qb_, AT.NVFP4KVPool(16), ib_))          # enough sequences: 64-head CTAs
+    assert seq == ["nvfp4_sparse_attn_partial64", "nvfp4_sparse_attn_combine"], seq
+    seen |= set(seq)
+    assert blocks["nvfp4_sparse_attn_partial64"] == {AT.ATTN64_THREADS} and shmems["nvfp4_sparse_attn_partial64"] == {AT.ATTN64_SMEM}
+    assert blocks["nvfp4_sparse_attn_partial"] == {128} and shmems["nvfp4_sparse_attn_partial"] == {0}
+    src = rt.kernel_source("nvfp4_sparse_attn.cu")                   # the shared memory the kernel asserts it takes
+    assert re.search(r"static_assert\(sizeof\(SmemAttn64\) == (\d+)", src).group(1) == str(AT.ATTN64_SMEM)
     # the EP kernels count on their exact block size (fixed strides, warps per CTA) and size their shared counters by
     # their key limits; the launchers hard-code the former and check the latter against the package's constants
     EPm = EPT
