@@ -84,3 +84,14 @@ def test_negative_window_length_reads_no_window_rows():
     neg = A.ref_sparse_attention(q, kw, torch.tensor([-3]), kc, idx)
     assert torch.equal(neg, A.ref_sparse_attention(q, kw, torch.tensor([0]), kc, idx))
     assert torch.equal(A.ref_sparse_attention(q, kw, torch.tensor([-3]), kc, torch.tensor([[-1, -1]])), torch.zeros(1, 2, KV_DIM, dtype=torch.float64))
+
+
+def test_kernel_choice():
+    "The 64-head CTA where H % 64 == 0 and its CTAs per split are at least ATTN64_MIN_CTAS; 16 heads elsewhere."
+    assert A.attn_heads(64, 64) == 64 and A.attn_heads(128, 32) == 64 and A.attn_heads(128, 128) == 64
+    assert A.attn_heads(64, 63) == 16 and A.attn_heads(64, 1) == 16 and A.attn_heads(48, 4096) == 16
+    assert A.ATTN64_MIN_CTAS == 64 and A.ATTN64_HEADS == 64
+    nsplit, chunk = A.attn_splits(64, 64, 640, sms=132)              # 64 CTAs per split: about twice the SMs in all
+    assert (nsplit, chunk) == (5, 128), (nsplit, chunk)
+    nsplit, chunk = A.attn_splits(1, 64, 640, sms=132)               # 4 CTAs per split (16 heads each): a tile each
+    assert (nsplit, chunk) == (20, 32), (nsplit, chunk)

@@ -187,9 +187,3 @@ def test_refuses_a_rope_it_does_not_rotate_and_host_tensors():
         run(c, rope=RopeConfig(dim=32))
     with pytest.raises(ValueError, match="CUDA tensor"):
         run(dict(c, indices=c["indices"].cpu()))
-
-
-def test_kernel_choice():
-    "The 64-head CTA where H % 64 == 0 and its CTAs per split are at least ATTN64_MIN_CTAS; 16 heads elsewhere."
-    assert A.attn_heads(64, 64) == 64 and A.attn_heads(128, 32) == 64 and A.attn_heads(128, 128) == 64
-    assert A.attn_heads(64, 63) == 16 and A.attn_heads(64, 1) == 16 and A.attn_heads(48, 4096) == 16
