@@ -51,11 +51,6 @@ def rel_per_query(got, want):
     return ((got.cpu().double() - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2)).clamp_min(1e-300))
 
 
-@pytest.mark.parametrize("B,H,W,K", [(4, 64, 128, 512),      # DSV4-Flash CSA step
-                                     (3, 128, 128, 1024),    # DSV4-Pro CSA step
-                                     (2, 64, 0, 200),        # no window (K not a multiple of the tile)
-                                     (2, 64, 128, 0),        # window only (Flash's first layers)
-                                     (5, 16, 37, 33)])       # ragged sizes, one head tile
 @pytest.fixture(params=[16, 64], ids=["cta16", "cta64"])
 def cta(request, monkeypatch):
     "Each partial kernel whatever the batch: 16 heads per CTA, or 64 (nvfp4_sparse_attn_partial64, H % 64 == 0 only)."
@@ -63,6 +58,11 @@ def cta(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("B,H,W,K", [(4, 64, 128, 512),      # DSV4-Flash CSA step
+                                     (3, 128, 128, 1024),    # DSV4-Pro CSA step
+                                     (2, 64, 0, 200),        # no window (K not a multiple of the tile)
+                                     (2, 64, 128, 0),        # window only (Flash's first layers)
+                                     (5, 16, 37, 33)])       # ragged sizes, one head tile
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_against_float64_reference(B, H, W, K, splits, cta):
     c = case(B, H, W, K)
