@@ -12,7 +12,7 @@ import torch
 from .kv import DSV4_ROPE, RopeConfig, apply_rope
 
 # %% auto #0
-__all__ = ['WINDOW', 'ATTN_CU', 'ATTN_HEADS', 'ATTN64_HEADS', 'ATTN64_THREADS', 'ATTN64_SMEM', 'ATTN64_MIN_CTAS', 'ATTN_TILE',
+__all__ = ['WINDOW', 'ATTN_CU', 'ATTN_HEADS', 'ATTN64_HEADS', 'ATTN64_THREADS', 'ATTN64_SMEM', 'ATTN64_MIN_TILES', 'ATTN_TILE',
            'window_slots', 'compressed_count', 'ref_sparse_attention', 'attn_heads', 'attn_splits',
            'sparse_attention_decode', 'attend_gathered_bf16', 'sparse_attention_decode_op']
 
@@ -71,22 +71,29 @@ ATTN_HEADS = 16        # heads per CTA of nvfp4_sparse_attn_partial: one m16 MMA
 ATTN64_HEADS = 64      # heads per CTA of nvfp4_sparse_attn_partial64 (H a multiple of 64: DSV4's 64 and 128)
 ATTN64_THREADS = 256   # its 8 warps: 4 head tiles x 2 dim halves
 ATTN64_SMEM = 120576   # its dynamic shared memory, sizeof(SmemAttn64) (the kernel asserts it)
-ATTN64_MIN_CTAS = 64   # ... where its CTAs per split (B H / 64) number at least this many (measured: below)
+ATTN64_MIN_TILES = 320  # ... where its work, B H / 64 CTAs x ceil(S / 32) tiles each, is at least this many tiles (measured: below)
 ATTN_TILE = 32         # slots per shared-memory tile
 
-def attn_heads(H: int, B: int) -> int:
-    """Heads per CTA for B sequences of H heads: 64 (nvfp4_sparse_attn_partial64, each tile decoded once for 64 heads)
-    where H is a multiple of 64 and B H / 64 >= ATTN64_MIN_CTAS, else 16 (four times the CTAs: small batches)."""
-    return ATTN64_HEADS if H % ATTN64_HEADS == 0 and B * (H // ATTN64_HEADS) >= ATTN64_MIN_CTAS else ATTN_HEADS
+def attn_heads(H: int, B: int, S: int, smem_optin: int | None = None) -> int:
+    """Heads per CTA for B sequences of H heads over S slots each: 64 (nvfp4_sparse_attn_partial64, each tile decoded
+    once for 64 heads) where H is a multiple of 64, the 64-head work B H / 64 x ceil(S / 32) is at least
+    ATTN64_MIN_TILES tiles and the device lets a block opt in to ATTN64_SMEM bytes of shared memory (`smem_optin`: the
+    device's `shared_memory_per_block_optin`; None: assume it can, as every Hopper and Blackwell datacenter GPU does,
+    227 KB); else 16 (four times the CTAs: small steps, and 99-KB GPUs)."""
+    fits = smem_optin is None or smem_optin >= ATTN64_SMEM
+    tiles = B * (H // ATTN64_HEADS) * -(-S // ATTN_TILE)
+    return ATTN64_HEADS if fits and H % ATTN64_HEADS == 0 and tiles >= ATTN64_MIN_TILES else ATTN_HEADS
 
-def attn_splits(B: int, H: int, S: int, sms: int = 132, splits: int | None = None) -> tuple[int, int]:
+def attn_splits(B: int, H: int, S: int, sms: int = 132, splits: int | None = None, heads: int | None = None) -> tuple[int, int]:
     """(nsplit, chunk) of the flash-decoding split for B sequences of H heads over S slots: each CTA takes `chunk`
-    slots (a multiple of 32) of one sequence and `attn_heads(H, B)` heads. By default enough splits that the
-    B * H/attn_heads(H, B) * nsplit CTAs cover `sms` SMs about twice, none shorter than one tile; `splits` asks for
+    slots (a multiple of 32) of one sequence and `heads` heads (default `attn_heads(H, B, S)`). By default enough splits
+    that the B * H/heads * nsplit CTAs cover `sms` SMs about twice, none shorter than one tile; `splits` asks for
     that many (fewer where S is short)."""
     if min(B, H, S) < 1 or H % ATTN_HEADS: raise ValueError(f"attn_splits: need B, S >= 1 and H a multiple of {ATTN_HEADS}, got {B}, {H}, {S}")
+    heads = attn_heads(H, B, S) if heads is None else heads
+    if heads not in (ATTN_HEADS, ATTN64_HEADS) or H % heads: raise ValueError(f"attn_splits: heads per CTA must be {ATTN_HEADS} or {ATTN64_HEADS} and divide H = {H}, got {heads}")
     tiles = -(-S // ATTN_TILE)
-    want = splits if splits is not None else -(-2 * sms // (B * (H // attn_heads(H, B))))
+    want = splits if splits is not None else -(-2 * sms // (B * (H // heads)))
     if want < 1: raise ValueError(f"attn_splits: splits must be >= 1, got {splits}")
     chunk = -(-tiles // max(1, min(tiles, want))) * ATTN_TILE
     return -(-S // chunk), chunk
@@ -137,7 +144,8 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
     B, H, W, K, cap = _check_attention("sparse_attention_decode", q, codes, scales, gs, indices, window, window_len,
                                        sink, out_pos, scale, rope, out, bad_count)
     dev = q.device
-    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index) if dev.type == "cuda" else 132, splits)
+    heads = attn_heads(H, B, W + K, rt.smem_optin(dev.index))       # 16 on GPUs that cannot give the 64-head CTA its smem
+    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index), splits, heads)
     o_part = torch.empty(B, nsplit, H, KV_DIM, dtype=torch.float32, device=dev)
     ml_part = torch.empty(B, nsplit, H, 2, dtype=torch.float32, device=dev)
     out = torch.empty_like(q) if out is None else out
@@ -146,7 +154,7 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
         args = [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
                 rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),
                 rt.ptr(ml_part), rt.ptr(bad_count)]
-        if attn_heads(H, B) == ATTN64_HEADS:
+        if heads == ATTN64_HEADS:
             rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial64", (nsplit, H // ATTN64_HEADS, B), (ATTN64_THREADS, 1, 1), args,
                       shmem=ATTN64_SMEM)
         else:
@@ -176,8 +184,9 @@ def sparse_attention_decode(q: torch.Tensor,                      # bf16 (B, H, 
     across CUDA-graph replays for a fixed `splits` (the default depends only on the shapes and the GPU's SM count). Indices -1 or outside the pool
     contribute nothing and are never read (`bad_count` counts the latter once per slot); a sequence with no valid
     slot returns zeros; a NaN in an entry reaches only the sequences that read it. Allocates its split workspace
-    (B x splits x H x 2 KB) per call; the first call with `out_pos` per device copies the RoPE table there, so make it
-    before a graph capture. TypeError / ValueError for wrong dtypes, shapes or devices, more than 65535 sequences, or a
+    (B x splits x H x 2 KB) per call; the first call with `out_pos` per device copies the RoPE table there, and the
+    first call of each partial kernel per device (16 or 64 heads per CTA: `attn_heads` picks by batch and the device's
+    shared memory) compiles and loads it, so make a call with the batch size to be captured before a graph capture. TypeError / ValueError for wrong dtypes, shapes or devices, more than 65535 sequences, or a
     `rope` whose `dim` is not 64 with `out_pos`, before any launch."""
     if not isinstance(pool, NVFP4KVPool): raise TypeError(f"sparse_attention_decode: pool must be an NVFP4KVPool, got {type(pool).__name__}")
     scale = KV_DIM ** -0.5 if scale is None else float(scale)

@@ -27,9 +27,9 @@ SUPPORTED_ARCHS = ("sm_90a", "sm_100a")  # compile-checked in CI; sm_90a is the 
 __all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'SMEM_DEFAULT_MAX', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'KernelCompileError',
            'KernelLaunchError', 'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir',
            'show_cu', 'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult',
-           'compile_cubin', 'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'launch', 'ptr', 'copy_d2d', 'i64',
-           'i32', 'u32', 'f32', 'launch_device_type', 'on_device', 'check_tensor', 'out_tensor', 'check_k16',
-           'launch_1d', 'register_op_object', 'op_object', 'define_op']
+           'compile_cubin', 'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'smem_optin', 'launch', 'ptr',
+           'copy_d2d', 'i64', 'i32', 'u32', 'f32', 'launch_device_type', 'on_device', 'check_tensor', 'out_tensor',
+           'check_k16', 'launch_1d', 'register_op_object', 'op_object', 'define_op']
 
 # %% ../nbs/03_runtime.ipynb #2ee0e57b
 class KernelCompileError(RuntimeError):
@@ -401,29 +401,49 @@ def _launch_fn():
 
 _launcher = None
 _fast: dict = {}      # (device, file, name, defines) -> Kernel: the launch hot path's only lookup
-_smem_opted: set = set()   # (device, file, name, defines, bytes): kernels whose dynamic shared memory limit was raised
+_smem_max: dict = {}   # (device, file, name, defines) -> the dynamic shared memory limit granted so far (only raised)
 SMEM_DEFAULT_MAX = 48 * 1024   # dynamic shared memory a launch gets without opting in
 
-def _opt_in_smem(kernel, dev: int, shmem: int, name: str, file: str):
-    "Raise `kernel`'s dynamic shared memory limit on device `dev` to `shmem` bytes (a launch above 48 KB needs it)."
+def _driver():
     try:
         from cuda.bindings import driver as D
     except ImportError:
         from cuda import cuda as D
-    h = kernel.handle if hasattr(kernel, "handle") else kernel._handle
-    attr = D.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if isinstance(h, D.CUkernel): (err,) = D.cuKernelSetAttribute(attr, shmem, h, D.CUdevice(dev))
-    else: (err,) = D.cuFuncSetAttribute(h, attr, shmem)
-    if err != D.CUresult.CUDA_SUCCESS:
+    return D
+
+def _opt_in_smem(kernel, dev: int, shmem: int, name: str, file: str):
+    """Raise `kernel`'s dynamic shared memory limit on device `dev` to `shmem` bytes (a launch above 48 KB needs it).
+    The device's context must be current. KernelLaunchError where the driver refuses or the call itself fails."""
+    try:
+        D = _driver()
+        h = kernel.handle if hasattr(kernel, "handle") else kernel._handle
+        attr = D.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        if isinstance(h, D.CUkernel): (err,) = D.cuKernelSetAttribute(attr, shmem, h, D.CUdevice(dev))
+        else: (err,) = D.cuFuncSetAttribute(h, attr, shmem)
+        ok = err == D.CUresult.CUDA_SUCCESS
+    except Exception as e:
+        raise KernelLaunchError(f"{name} (kernels_cu/{file}): raising its dynamic shared memory limit to {shmem} bytes "
+                                f"on device {dev} failed: {e!r}") from e
+    if not ok:
         raise KernelLaunchError(f"{name} (kernels_cu/{file}): {shmem} bytes of dynamic shared memory refused on device {dev}: {err}")
+
+_smem_optin_cache: dict = {}
+
+def smem_optin(device_index: int) -> int:
+    "The most shared memory one block may opt in to on the device, in bytes (227 KB on Hopper, 99 KB on sm_86/89), cached."
+    if device_index not in _smem_optin_cache:
+        _smem_optin_cache[device_index] = int(_torch().cuda.get_device_properties(device_index).shared_memory_per_block_optin)
+    return _smem_optin_cache[device_index]
 _configs: dict = {}   # (grid, block, shmem) -> LaunchConfig
 _torch_mod = None
 
 def launch(file: str, name: str, grid, block, args, *, shmem: int = 0, stream=None, defines: dict | None = None):
     """Launch `name` from `kernels_cu/<file>` on `stream` (default `torch.cuda.current_stream()`), asynchronously.
     `args` must already be typed: `ptr(t)` for tensors, `i64(n)`, `i32(n)`, `u32(n)`, `f32(x)` for scalars. `shmem`:
-    dynamic shared memory in bytes; above `SMEM_DEFAULT_MAX` the kernel's limit is raised to it on its first such
-    launch on the device (KernelLaunchError where the device refuses)."""
+    dynamic shared memory in bytes; above `SMEM_DEFAULT_MAX` the kernel's limit on the device is raised to the largest
+    size it has been launched with (never lowered: a smaller launch after a larger one keeps the larger limit), once per
+    new maximum (KernelLaunchError where the device refuses). The limit counts dynamic memory only: a kernel's static
+    shared memory plus `shmem` must fit the device's opt-in maximum (`smem_optin`)."""
     global _launcher, _torch_mod
     torch = _torch_mod or _torch()
     _torch_mod = torch
@@ -440,10 +460,10 @@ def launch(file: str, name: str, grid, block, args, *, shmem: int = 0, stream=No
     # NOTE: checked on every launch (an int compare): a wrong count would corrupt the launch silently
     if n is not None and n != len(args):
         raise KernelLaunchError(f"{name} (kernels_cu/{file}) takes {n} arguments, got {len(args)}")
-    if shmem > SMEM_DEFAULT_MAX and fkey + (shmem,) not in _smem_opted:   # once per kernel, device and size
-        _opt_in_smem(kernel, dev, shmem, name, file)
-        _smem_opted.add(fkey + (shmem,))
     _ensure_context(dev)
+    if shmem > SMEM_DEFAULT_MAX and shmem > _smem_max.get(fkey, SMEM_DEFAULT_MAX):   # a new maximum for this kernel
+        _opt_in_smem(kernel, dev, shmem, name, file)
+        _smem_max[fkey] = shmem
     st = stream if stream is not None else torch.cuda.current_stream(dev)
     cs = _cc_stream(dev, int(st.cuda_stream))
     if _launcher is None: _launcher = _launch_fn()

@@ -81,6 +81,165 @@ __device__ __forceinline__ void decode8_bf16(u32 w, float s64, u32* o) {
     for (int j = 0; j < 4; ++j) o[j] = pack_bf16(__fmul_rn(f[j].x, s64), __fmul_rn(f[j].y, s64));
 }
 
+
+// ---- the pieces both partial kernels share (NW warps, NT = 32 / NW tile slots per thread) ----------------------------
+
+// The pool slot tile slot j of sequence b names: -1 for window slots and past the split's end.
+__device__ __forceinline__ int pool_index(const int* __restrict__ idx, i64 b, int K, int W, int j1, int j) {
+    return (j >= W && j < j1) ? idx[b * K + (j - W)] : -1;
+}
+
+// A tile's pool rows into registers: codes (16 E2M1 of block `lane`), scale byte, global scale; zeros for e outside the pool.
+template <int NT>
+__device__ __forceinline__ void load_raw(const int (&e)[NT], uint2 (&cw)[NT], u32 (&sb)[NT], float (&gv)[NT],
+                                         const u8* __restrict__ codes, const u8* __restrict__ sf,
+                                         const float* __restrict__ gs, i64 cap, int lane) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        const int ei = e[i];
+        cw[i] = make_uint2(0, 0); sb[i] = 0; gv[i] = 0.0f;
+        if (ei >= 0 && (i64)ei < cap) {
+            cw[i] = *reinterpret_cast<const uint2*>(codes + (i64)ei * (kD / 2) + lane * 8);
+            sb[i] = sf[(i64)ei * (kD / 16) + lane];
+            gv[i] = gs[ei];
+        }
+    }
+}
+
+// Store the tile starting at slot `base` (thread task i: slot warp + NW i, 16-dim block `lane`): window rows by cp.async,
+// pool rows decoded from the registers, zero rows for the rest; gsv / ok per slot. With `count` (one CTA per
+// (sequence, slot) sets it) *bad counts the indices outside [-1, cap). Returns whether cp.async copies are in flight.
+template <int NW, int NT>
+__device__ __forceinline__ bool store_tile(__nv_bfloat16 (*kv)[kRow], float* gsv, int* okv, int warp, int lane, int base,
+                                           int j1, int W, int wl, const __nv_bfloat16* __restrict__ win, i64 b,
+                                           const int (&e)[NT], const uint2 (&cw)[NT], const u32 (&sb)[NT],
+                                           const float (&gv)[NT], i64 cap, int* bad, bool count) {
+    bool async = false;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        const int s = warp + NW * i, j = base + s;
+        __nv_bfloat16* dst = &kv[s][lane * 16];
+        float gj = 0.0f;
+        int ok = 0;
+        if (j < j1 && j < W) {
+            if (j < wl) {
+                const __nv_bfloat16* src = win + (b * W + j) * kD + lane * 16;
+                const u32 d = (u32)__cvta_generic_to_shared(dst);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d + 16), "l"(src + 8));
+                async = true; gj = 1.0f; ok = 1;
+            }
+        } else if (j < j1 && e[i] >= 0 && (i64)e[i] < cap) {
+            const float s64 = __fmul_rn(e4m3_to_float(sb[i]), 64.0f);
+            u32 w8[8];
+            decode8_bf16(cw[i].x, s64, w8);
+            decode8_bf16(cw[i].y, s64, w8 + 4);
+            uint4* d = reinterpret_cast<uint4*>(dst);
+            d[0] = make_uint4(w8[0], w8[1], w8[2], w8[3]); d[1] = make_uint4(w8[4], w8[5], w8[6], w8[7]);
+            gj = gv[i]; ok = 1;
+        } else if (j < j1 && j >= W && e[i] != -1 && count && lane == 0) {
+            atomicAdd(bad, 1);
+        }
+        if (!ok) {
+            uint4* d = reinterpret_cast<uint4*>(dst);
+            d[0] = make_uint4(0, 0, 0, 0); d[1] = make_uint4(0, 0, 0, 0);
+        }
+        if (lane == 0) { gsv[s] = gj; okv[s] = ok; }
+    }
+    return async;
+}
+
+// The online softmax of one tile for rows g, g + 8 of a 16-head tile: the scores are the NP partials part[0 .. NP-1]
+// summed in that order (the same bits in every warp that sums them), times gs * scale, -inf for invalid slots; the
+// running max m_r and this thread's share of the denominators l_r updated; alpha, the factor o must be scaled by;
+// P (times each slot's gs) packed as the A fragments of the P . kv MMA (k steps of 16 slots).
+template <int NP>
+__device__ __forceinline__ void softmax_tile(const float (*part)[kHT][kTS + 8], const float* gsv, const int* okv, float scale,
+                                             int g, int t, float (&m_r)[2], float (&l_r)[2], float (&alpha)[2],
+                                             u32 (&pa)[2][4]) {
+    float sv[4][4];
+    float mx[2] = {m_r[0], m_r[1]};
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {                   // row g + 8 h, columns 8 n + 2 t and + 1: one 8-byte read per partial
+            const int row = g + 8 * h, col = 8 * n + 2 * t;
+            float2 a = *reinterpret_cast<const float2*>(&part[0][row][col]);
+#pragma unroll
+            for (int w = 1; w < NP; ++w) {
+                const float2 x = *reinterpret_cast<const float2*>(&part[w][row][col]);
+                a.x = __fadd_rn(a.x, x.x); a.y = __fadd_rn(a.y, x.y);
+            }
+            sv[n][2 * h] = okv[col] ? __fmul_rn(a.x, __fmul_rn(gsv[col], scale)) : -kInf;
+            sv[n][2 * h + 1] = okv[col + 1] ? __fmul_rn(a.y, __fmul_rn(gsv[col + 1], scale)) : -kInf;
+            mx[h] = fmaxf(mx[h], fmaxf(sv[n][2 * h], sv[n][2 * h + 1]));
+        }
+    }
+    float mref[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        mref[r] = (mx[r] == -kInf) ? 0.0f : mx[r];                 // never -inf: no (-inf) - (-inf)
+        alpha[r] = __expf(m_r[r] - mref[r]);                           // m_r = -inf -> 0 (o and l are 0 then)
+        m_r[r] = mx[r];
+        l_r[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = 8 * n + 2 * t + (e & 1);
+            p[e] = okv[col] ? __expf(sv[n][e] - mref[e >> 1]) : 0.0f;     // a NaN score stays NaN
+            l_r[e >> 1] += p[e];
+            p[e] = __fmul_rn(p[e], gsv[col]);                            // the entry's global scale, on p
+        }
+        // C fragment of n tile n -> A fragment of k step n / 2 (slots 16 (n/2) ..): registers (n & 1) * 2 + {0, 1}
+        pa[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p[0], p[1]);
+        pa[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p[2], p[3]);
+    }
+}
+
+// o (16 heads x 8 N dims from dim0) += P (16 x 32 slots) . kv (32 slots x those dims)
+template <int N>
+__device__ __forceinline__ void pv_mma(float (&o)[N][4], const u32 (&pa)[2][4], __nv_bfloat16 (*kv)[kRow], int dim0,
+                                       int mat, int mr) {
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+        for (int np = 0; np < N / 2; ++np) {        // dim tiles 2np, 2np + 1: matrices (slots 16ks + 0..7 | 8..15) x 2 tiles
+            u32 r[4];
+            ldsm_x4_t(r, &kv[16 * ks + (mat & 1) * 8 + mr][dim0 + 8 * (2 * np + (mat >> 1))]);
+            mma_bf16(o[2 * np], pa[ks], r[0], r[1]);
+            mma_bf16(o[2 * np + 1], pa[ks], r[2], r[3]);
+        }
+    }
+}
+
+// A split's partials for rows row0 + g, + 8 and dims dim0 .. dim0 + 8 N - 1: o relative to m, and (m, l) where `ml`
+// (one thread per row quad: l summed over the quad here).
+template <int N>
+__device__ __forceinline__ void store_partials(const float (&o)[N][4], const float (&m_r)[2], float (&l_r)[2], i64 row0,
+                                               int dim0, int g, int t, bool ml, float* __restrict__ o_part,
+                                               float* __restrict__ ml_part) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
+        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const int d = dim0 + 8 * n + 2 * t;
+        *reinterpret_cast<float2*>(o_part + (row0 + g) * kD + d) = make_float2(o[n][0], o[n][1]);
+        *reinterpret_cast<float2*>(o_part + (row0 + g + 8) * kD + d) = make_float2(o[n][2], o[n][3]);
+    }
+    if (ml && t == 0) {
+        *reinterpret_cast<float2*>(ml_part + (row0 + g) * 2) = make_float2(m_r[0], l_r[0]);
+        *reinterpret_cast<float2*>(ml_part + (row0 + g + 8) * 2) = make_float2(m_r[1], l_r[1]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads)
 nvfp4_sparse_attn_partial(const __nv_bfloat16* __restrict__ q,      // (B, H, 512) bf16
                           const __nv_bfloat16* __restrict__ win,    // (B, W, 512) bf16 window rows (unused when W == 0)
@@ -126,70 +285,30 @@ nvfp4_sparse_attn_partial(const __nv_bfloat16* __restrict__ q,      // (B, H, 51
     // while this tile computes, and their indices one tile earlier still, so no load waits on another inside the loop.
     // Window rows (bf16 already) go straight to shared memory by cp.async when their tile is stored.
     // Thread task i (0..7) of a tile: slot warp + 4 i, 16-block `lane`.
-    auto pool_index = [&](int j) -> int {                // the pool slot a tile slot names (-1 for window / past-the-end)
-        return (j >= W && j < j1) ? idx[(i64)b * K + (j - W)] : -1;
-    };
     int e_cur[kTPT], e_nxt[kTPT];
     uint2 cw[kTPT];
     u32 sb[kTPT];
     float gv[kTPT];
-    auto load_raw = [&]() {
 #pragma unroll
-        for (int i = 0; i < kTPT; ++i) {
-            const int e = e_cur[i];
-            cw[i] = make_uint2(0, 0); sb[i] = 0; gv[i] = 0.0f;
-            if (e >= 0 && (i64)e < cap) {
-                cw[i] = *reinterpret_cast<const uint2*>(codes + (i64)e * (kD / 2) + lane * 8);
-                sb[i] = sf[(i64)e * (kD / 16) + lane];
-                gv[i] = gs[e];
-            }
-        }
-    };
-#pragma unroll
-    for (int i = 0; i < kTPT; ++i) { e_cur[i] = pool_index(j0 + warp + 4 * i); e_nxt[i] = pool_index(j0 + kTS + warp + 4 * i); }
-    load_raw();
+    for (int i = 0; i < kTPT; ++i) {
+        e_cur[i] = pool_index(idx, b, K, W, j1, j0 + warp + kWarps * i);
+        e_nxt[i] = pool_index(idx, b, K, W, j1, j0 + kTS + warp + kWarps * i);
+    }
+    load_raw(e_cur, cw, sb, gv, codes, sf, gs, cap, lane);
+    const bool count = bad != nullptr && hg == 0;   // once per (sequence, slot): one split owns it, head group 0 counts
 
     for (int base = j0; base < j1; base += kTS) {
-        // ---- store the tile: window rows by cp.async, pool rows decoded from the registers, zero rows for the rest
-        bool async = false;
-#pragma unroll
-        for (int i = 0; i < kTPT; ++i) {
-            const int s = warp + 4 * i, j = base + s, e = e_cur[i];
-            __nv_bfloat16* dst = &sm.kv[s][lane * 16];
-            float gj = 0.0f;
-            int ok = 0;
-            if (j < j1 && j < W) {
-                if (j < wl) {
-                    const __nv_bfloat16* src = win + ((i64)b * W + j) * kD + lane * 16;
-                    const u32 d = (u32)__cvta_generic_to_shared(dst);
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d + 16), "l"(src + 8));
-                    async = true; gj = 1.0f; ok = 1;
-                }
-            } else if (j < j1 && e >= 0 && (i64)e < cap) {
-                const float s64 = __fmul_rn(e4m3_to_float(sb[i]), 64.0f);
-                u32 w8[8];
-                decode8_bf16(cw[i].x, s64, w8);
-                decode8_bf16(cw[i].y, s64, w8 + 4);
-                uint4* d = reinterpret_cast<uint4*>(dst);
-                d[0] = make_uint4(w8[0], w8[1], w8[2], w8[3]); d[1] = make_uint4(w8[4], w8[5], w8[6], w8[7]);
-                gj = gv[i]; ok = 1;
-            } else if (j < j1 && j >= W && e != -1 && bad != nullptr && hg == 0 && lane == 0) {
-                atomicAdd(bad, 1);       // once per (sequence, slot): one split owns the slot, head group 0 counts
-            }
-            if (!ok) {
-                uint4* d = reinterpret_cast<uint4*>(dst);
-                d[0] = make_uint4(0, 0, 0, 0); d[1] = make_uint4(0, 0, 0, 0);
-            }
-            if (lane == 0) { sm.gsv[s] = gj; sm.ok[s] = ok; }
-        }
-        if (async) asm volatile("cp.async.wait_all;\n" ::: "memory");
+        if (store_tile<kWarps>(sm.kv, sm.gsv, sm.ok, warp, lane, base, j1, W, wl, win, b, e_cur, cw, sb, gv, cap, bad, count))
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
         __syncthreads();
         // ---- the next tile's pool rows into registers, the one after's indices: in flight while this tile computes
         if (base + kTS < j1) {
 #pragma unroll
-            for (int i = 0; i < kTPT; ++i) { e_cur[i] = e_nxt[i]; e_nxt[i] = pool_index(base + 2 * kTS + warp + 4 * i); }
-            load_raw();
+            for (int i = 0; i < kTPT; ++i) {
+                e_cur[i] = e_nxt[i];
+                e_nxt[i] = pool_index(idx, b, K, W, j1, base + 2 * kTS + warp + kWarps * i);
+            }
+            load_raw(e_cur, cw, sb, gv, codes, sf, gs, cap, lane);
         }
 
         // ---- partial scores: S_w (16 heads x 32 slots) over this warp's 128 dims
@@ -214,84 +333,20 @@ nvfp4_sparse_attn_partial(const __nv_bfloat16* __restrict__ q,      // (B, H, 51
         __syncthreads();
 
         // ---- the full scores (the four partials in warp order: the same bits in every warp), online softmax
-        float sv[4][4];
-        float mx[2] = {m_r[0], m_r[1]};
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {               // row g + 8 h, columns 8 n + 2 t and + 1: one 8-byte read per warp's partial
-                const int row = g + 8 * h, col = 8 * n + 2 * t;
-                float2 a = *reinterpret_cast<const float2*>(&sm.part[0][row][col]);
-#pragma unroll
-                for (int w = 1; w < kWarps; ++w) {
-                    const float2 x = *reinterpret_cast<const float2*>(&sm.part[w][row][col]);
-                    a.x = __fadd_rn(a.x, x.x); a.y = __fadd_rn(a.y, x.y);
-                }
-                sv[n][2 * h] = sm.ok[col] ? __fmul_rn(a.x, __fmul_rn(sm.gsv[col], scale)) : -kInf;
-                sv[n][2 * h + 1] = sm.ok[col + 1] ? __fmul_rn(a.y, __fmul_rn(sm.gsv[col + 1], scale)) : -kInf;
-                mx[h] = fmaxf(mx[h], fmaxf(sv[n][2 * h], sv[n][2 * h + 1]));
-            }
-        }
-        float mref[2], alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            mref[r] = (mx[r] == -kInf) ? 0.0f : mx[r];                 // never -inf: no (-inf) - (-inf)
-            alpha[r] = __expf(m_r[r] - mref[r]);                           // m_r = -inf -> 0 (o and l are 0 then)
-            m_r[r] = mx[r];
-            l_r[r] *= alpha[r];
-        }
+        float alpha[2];
         u32 pa[2][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = 8 * n + 2 * t + (e & 1);
-                p[e] = sm.ok[col] ? __expf(sv[n][e] - mref[e >> 1]) : 0.0f;   // a NaN score stays NaN
-                l_r[e >> 1] += p[e];
-                p[e] = __fmul_rn(p[e], sm.gsv[col]);                          // the entry's global scale, on p
-            }
-            // C fragment of n tile n -> A fragment of k step n / 2 (slots 16 (n/2) ..): registers (n & 1) * 2 + {0, 1}
-            pa[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p[0], p[1]);
-            pa[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p[2], p[3]);
-        }
+        softmax_tile<kWarps>(sm.part, sm.gsv, sm.ok, scale, g, t, m_r, l_r, alpha, pa);
 #pragma unroll
         for (int n = 0; n < 16; ++n) {
             o[n][0] *= alpha[0]; o[n][1] *= alpha[0]; o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
         }
         // ---- o (16 heads x this warp's 128 dims) += P (16 x 32 slots) . kv (32 slots x 128 dims)
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-#pragma unroll
-            for (int np = 0; np < 8; ++np) {        // dim tiles 2np, 2np + 1: matrices (slots 16ks + 0..7 | 8..15) x 2 tiles
-                u32 r[4];
-                ldsm_x4_t(r, &sm.kv[16 * ks + (mat & 1) * 8 + mr][warp * kDW + 8 * (2 * np + (mat >> 1))]);
-                mma_bf16(o[2 * np], pa[ks], r[0], r[1]);
-                mma_bf16(o[2 * np + 1], pa[ks], r[2], r[3]);
-            }
-        }
+        pv_mma(o, pa, sm.kv, warp * kDW, mat, mr);
         __syncthreads();                           // the tile and the partials are rewritten next
     }
 
     // ---- the split's partials: o relative to m, the quad's l
-    const i64 row0 = (((i64)b * nsplit + split) * H + h0);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
-        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
-    }
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-        const int d = warp * kDW + 8 * n + 2 * t;
-        *reinterpret_cast<float2*>(o_part + (row0 + g) * kD + d) = make_float2(o[n][0], o[n][1]);
-        *reinterpret_cast<float2*>(o_part + (row0 + g + 8) * kD + d) = make_float2(o[n][2], o[n][3]);
-    }
-    if (warp == 0 && t == 0) {
-        *reinterpret_cast<float2*>(ml_part + (row0 + g) * 2) = make_float2(m_r[0], l_r[0]);
-        *reinterpret_cast<float2*>(ml_part + (row0 + g + 8) * 2) = make_float2(m_r[1], l_r[1]);
-    }
+    store_partials(o, m_r, l_r, ((i64)b * nsplit + split) * H + h0, warp * kDW, g, t, warp == 0, o_part, ml_part);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -349,75 +404,30 @@ nvfp4_sparse_attn_partial64(const __nv_bfloat16* __restrict__ q, const __nv_bflo
     float l_r[2] = {0.0f, 0.0f};
     const int mat = lane >> 3, mr = lane & 7;
 
-    auto pool_index = [&](int j) -> int {
-        return (j >= W && j < j1) ? idx[(i64)b * K + (j - W)] : -1;
-    };
+    // the 16-head kernel's tile pipeline, thread task i: slot warp + 8 i, 16-block `lane`
     int e_cur[kTPT64], e_nxt[kTPT64];
     uint2 cw[kTPT64];
     u32 sb[kTPT64];
     float gv[kTPT64];
-    auto load_raw = [&]() {
-#pragma unroll
-        for (int i = 0; i < kTPT64; ++i) {
-            const int e = e_cur[i];
-            cw[i] = make_uint2(0, 0); sb[i] = 0; gv[i] = 0.0f;
-            if (e >= 0 && (i64)e < cap) {
-                cw[i] = *reinterpret_cast<const uint2*>(codes + (i64)e * (kD / 2) + lane * 8);
-                sb[i] = sf[(i64)e * (kD / 16) + lane];
-                gv[i] = gs[e];
-            }
-        }
-    };
 #pragma unroll
     for (int i = 0; i < kTPT64; ++i) {
-        e_cur[i] = pool_index(j0 + warp + kWarps64 * i);
-        e_nxt[i] = pool_index(j0 + kTS + warp + kWarps64 * i);
+        e_cur[i] = pool_index(idx, b, K, W, j1, j0 + warp + kWarps64 * i);
+        e_nxt[i] = pool_index(idx, b, K, W, j1, j0 + kTS + warp + kWarps64 * i);
     }
-    load_raw();
+    load_raw(e_cur, cw, sb, gv, codes, sf, gs, cap, lane);
+    const bool count = bad != nullptr && hb == 0;   // once per (sequence, slot): head block 0 counts
 
     for (int base = j0; base < j1; base += kTS) {
-        // ---- store the tile (thread task i: slot warp + 8 i, 16-block `lane`)
-        bool async = false;
-#pragma unroll
-        for (int i = 0; i < kTPT64; ++i) {
-            const int s = warp + kWarps64 * i, j = base + s, e = e_cur[i];
-            __nv_bfloat16* dst = &sm.kv[s][lane * 16];
-            float gj = 0.0f;
-            int ok = 0;
-            if (j < j1 && j < W) {
-                if (j < wl) {
-                    const __nv_bfloat16* src = win + ((i64)b * W + j) * kD + lane * 16;
-                    const u32 d = (u32)__cvta_generic_to_shared(dst);
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d + 16), "l"(src + 8));
-                    async = true; gj = 1.0f; ok = 1;
-                }
-            } else if (j < j1 && e >= 0 && (i64)e < cap) {
-                const float s64 = __fmul_rn(e4m3_to_float(sb[i]), 64.0f);
-                u32 w8[8];
-                decode8_bf16(cw[i].x, s64, w8);
-                decode8_bf16(cw[i].y, s64, w8 + 4);
-                uint4* d = reinterpret_cast<uint4*>(dst);
-                d[0] = make_uint4(w8[0], w8[1], w8[2], w8[3]); d[1] = make_uint4(w8[4], w8[5], w8[6], w8[7]);
-                gj = gv[i]; ok = 1;
-            } else if (j < j1 && j >= W && e != -1 && bad != nullptr && hb == 0 && lane == 0) {
-                atomicAdd(bad, 1);       // once per (sequence, slot): one split owns the slot, head block 0 counts
-            }
-            if (!ok) {
-                uint4* d = reinterpret_cast<uint4*>(dst);
-                d[0] = make_uint4(0, 0, 0, 0); d[1] = make_uint4(0, 0, 0, 0);
-            }
-            if (lane == 0) { sm.gsv[s] = gj; sm.ok[s] = ok; }
-        }
-        if (async) asm volatile("cp.async.wait_all;\n" ::: "memory");
+        if (store_tile<kWarps64>(sm.kv, sm.gsv, sm.ok, warp, lane, base, j1, W, wl, win, b, e_cur, cw, sb, gv, cap, bad, count))
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
         __syncthreads();
         if (base + kTS < j1) {
 #pragma unroll
             for (int i = 0; i < kTPT64; ++i) {
                 e_cur[i] = e_nxt[i];
-                e_nxt[i] = pool_index(base + 2 * kTS + warp + kWarps64 * i);
+                e_nxt[i] = pool_index(idx, b, K, W, j1, base + 2 * kTS + warp + kWarps64 * i);
             }
-            load_raw();
+            load_raw(e_cur, cw, sb, gv, codes, sf, gs, cap, lane);
         }
 
         // ---- partial scores: 16 heads x 32 slots over this warp's 256 dims; q's A fragments by ldmatrix
@@ -444,45 +454,9 @@ nvfp4_sparse_attn_partial64(const __nv_bfloat16* __restrict__ q, const __nv_bflo
         asm volatile("bar.sync %0, 64;\n" :: "r"(1 + hg) : "memory");   // the head tile's two warps: partials written
 
         // ---- the full scores (dim half 0, then 1: the same bits in both warps), online softmax
-        float sv[4][4];
-        float mx[2] = {m_r[0], m_r[1]};
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = g + 8 * h, col = 8 * n + 2 * t;
-                float2 a = *reinterpret_cast<const float2*>(&sm.part[2 * hg][row][col]);
-                const float2 x = *reinterpret_cast<const float2*>(&sm.part[2 * hg + 1][row][col]);
-                a.x = __fadd_rn(a.x, x.x); a.y = __fadd_rn(a.y, x.y);
-                sv[n][2 * h] = sm.ok[col] ? __fmul_rn(a.x, __fmul_rn(sm.gsv[col], scale)) : -kInf;
-                sv[n][2 * h + 1] = sm.ok[col + 1] ? __fmul_rn(a.y, __fmul_rn(sm.gsv[col + 1], scale)) : -kInf;
-                mx[h] = fmaxf(mx[h], fmaxf(sv[n][2 * h], sv[n][2 * h + 1]));
-            }
-        }
-        float mref[2], alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            mref[r] = (mx[r] == -kInf) ? 0.0f : mx[r];
-            alpha[r] = __expf(m_r[r] - mref[r]);
-            m_r[r] = mx[r];
-            l_r[r] *= alpha[r];
-        }
+        float alpha[2];
         u32 pa[2][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = 8 * n + 2 * t + (e & 1);
-                p[e] = sm.ok[col] ? __expf(sv[n][e] - mref[e >> 1]) : 0.0f;
-                l_r[e >> 1] += p[e];
-                p[e] = __fmul_rn(p[e], sm.gsv[col]);
-            }
-            pa[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p[0], p[1]);
-            pa[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p[2], p[3]);
-        }
+        softmax_tile<2>(sm.part + 2 * hg, sm.gsv, sm.ok, scale, g, t, m_r, l_r, alpha, pa);
         // o *= alpha, skipped where every alpha of the warp is exactly 1 (the same bits: x * 1 = x, NaN included)
         if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
@@ -491,35 +465,11 @@ nvfp4_sparse_attn_partial64(const __nv_bfloat16* __restrict__ q, const __nv_bflo
             }
         }
         // ---- o (16 heads x this warp's 256 dims) += P (16 x 32 slots) . kv (32 slots x 256 dims)
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-#pragma unroll
-            for (int np = 0; np < 16; ++np) {
-                u32 r[4];
-                ldsm_x4_t(r, &sm.kv[16 * ks + (mat & 1) * 8 + mr][dh * kDW64 + 8 * (2 * np + (mat >> 1))]);
-                mma_bf16(o[2 * np], pa[ks], r[0], r[1]);
-                mma_bf16(o[2 * np + 1], pa[ks], r[2], r[3]);
-            }
-        }
+        pv_mma(o, pa, sm.kv, dh * kDW64, mat, mr);
         __syncthreads();                           // the tile and the partials are rewritten next
     }
 
-    const i64 row0 = (((i64)b * nsplit + split) * H + h0 + kHT * hg);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
-        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
-    }
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-        const int d = dh * kDW64 + 8 * n + 2 * t;
-        *reinterpret_cast<float2*>(o_part + (row0 + g) * kD + d) = make_float2(o[n][0], o[n][1]);
-        *reinterpret_cast<float2*>(o_part + (row0 + g + 8) * kD + d) = make_float2(o[n][2], o[n][3]);
-    }
-    if (dh == 0 && t == 0) {
-        *reinterpret_cast<float2*>(ml_part + (row0 + g) * 2) = make_float2(m_r[0], l_r[0]);
-        *reinterpret_cast<float2*>(ml_part + (row0 + g + 8) * 2) = make_float2(m_r[1], l_r[1]);
-    }
+    store_partials(o, m_r, l_r, ((i64)b * nsplit + split) * H + h0 + kHT * hg, dh * kDW64, g, t, dh == 0, o_part, ml_part);
 }
 
 // Merge the splits of one (sequence, head) in split order, add the sink to the denominator, rotate the last 64 dims back

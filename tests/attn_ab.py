@@ -2,31 +2,48 @@
 (nvfp4_sparse_attn_partial64, what H % 64 == 0 launches) and the 16-head CTA (nvfp4_sparse_attn_partial, forced by
 patching attention.attn_heads), with the gather-then-attend bf16 peer beside them; graph-replayed, L2 flushed clean,
 median us. Also the largest relative difference per query between the two kernels' outputs. Writes OUT.json after
-each row.
+each row. With BASE_CU (a copy of kernels_cu/nvfp4_sparse_attn.cu from another commit, put in kernels_cu/ under that
+name), both kernels of the base are timed beside the tree's and their outputs compared bit for bit (`same_bits`: a
+refactor that keeps the arithmetic must keep every bit).
 
-    python tests/attn_ab.py OUT.json"""
-import json, sys
+    python tests/attn_ab.py OUT.json [--base BASE_CU] [--batches 1 32 64 128] [--contexts 32768 131072]"""
+import argparse, json
 import torch
 
 from dsv4_nvfp4 import attention as A
 from dsv4_nvfp4.bench.attn import ATTN_CONTEXTS, ATTN_PROBLEMS, attn_inputs
 from dsv4_nvfp4.bench.core import Timer, gpu_info
 
+ap = argparse.ArgumentParser()
+ap.add_argument("out")
+ap.add_argument("--base", default=None)
+ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128])   # 32: Flash's 16-head pick, Pro's 64-head one
+ap.add_argument("--contexts", type=int, nargs="+", default=None)
+args = ap.parse_args()
 timer, res = Timer(), dict(info=gpu_info(), rows=[])
-heads64 = A.attn_heads
+base_cu = args.base
+tree_cu = A.ATTN_CU
+heads64 = A.attn_heads                       # the plan (restored after each forced pair)
 for name, H, K, ratio in ATTN_PROBLEMS:
-    for ctx in ATTN_CONTEXTS:
-        for B in (1, 64, 128):
+    for ctx in args.contexts or ATTN_CONTEXTS:
+        for B in args.batches:
             a = attn_inputs(B, H, K, ratio, ctx)
             a.pop("kv_bytes"); a.pop("flops")
             out = torch.empty_like(a["q"])
-            row = dict(problem=name, heads=H, batch=B, context=ctx)
+            row = dict(problem=name, heads=H, batch=B, context=ctx,
+                       plan=heads64(H, B, a["window"].shape[1] + a["indices"].shape[1]))   # attn_heads' pick here
             outs = {}
-            for kind, fn in (("cta64", lambda h, b: A.ATTN64_HEADS), ("cta16", lambda h, b: A.ATTN_HEADS)):
+            for kind, fn in (("cta64", lambda h, b, s, smem_optin=None: A.ATTN64_HEADS), ("cta16", lambda h, b, s, smem_optin=None: A.ATTN_HEADS)):
                 A.attn_heads = fn
                 g, e = timer(lambda: A.sparse_attention_decode(**a, out=out))
                 row[f"{kind}_us"] = round(g or e, 1)
                 outs[kind] = A.sparse_attention_decode(**a).float()
+                if base_cu:
+                    A.ATTN_CU = base_cu
+                    g, e = timer(lambda: A.sparse_attention_decode(**a, out=out))
+                    row[f"base_{kind}_us"] = round(g or e, 1)
+                    row[f"{kind}_same_bits"] = bool(torch.equal(A.sparse_attention_decode(**a).float(), outs[kind]))
+                    A.ATTN_CU = tree_cu
             A.attn_heads = heads64
             g, e = timer(lambda: A.attend_gathered_bf16(**a))
             row["peer_us"] = round(g or e, 1)
@@ -35,5 +52,5 @@ for name, H, K, ratio in ATTN_PROBLEMS:
             row["cta64_over_cta16"] = round(row["cta16_us"] / row["cta64_us"], 3)
             row["peer_over_cta64"] = round(row["peer_us"] / row["cta64_us"], 3)
             res["rows"].append(row); print(row, flush=True)
-            json.dump(res, open(sys.argv[1], "w"), indent=1)
+            json.dump(res, open(args.out, "w"), indent=1)
             del a, out, outs; torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ plan = A.attn_heads
 SHAPES = (((2, 64, 128, 512), {}), ((2, 64, 128, 512), dict(splits=1)), ((3, 16, 37, 33), {}), ((2, 64, 0, 200), {}),
           ((2, 64, 128, 0), {}), ((1, 128, 128, 1024), {}))
 for force, (args, kw) in [(f, a) for f in (None, 64) for a in SHAPES]:
-    A.attn_heads = plan if force is None else (lambda H, B: 64 if H % 64 == 0 else 16)
+    A.attn_heads = plan if force is None else (lambda H, B, S, smem_optin=None: 64 if H % 64 == 0 else 16)
     c = case(*args)
     bad = torch.zeros(1, dtype=torch.int32, device="cuda")
     o = run(c, bad_count=bad, **kw)

@@ -87,11 +87,21 @@ def test_negative_window_length_reads_no_window_rows():
 
 
 def test_kernel_choice():
-    "The 64-head CTA where H % 64 == 0 and its CTAs per split are at least ATTN64_MIN_CTAS; 16 heads elsewhere."
-    assert A.attn_heads(64, 64) == 64 and A.attn_heads(128, 32) == 64 and A.attn_heads(128, 128) == 64
-    assert A.attn_heads(64, 63) == 16 and A.attn_heads(64, 1) == 16 and A.attn_heads(48, 4096) == 16
-    assert A.ATTN64_MIN_CTAS == 64 and A.ATTN64_HEADS == 64
+    """The 64-head CTA where H % 64 == 0 and its work, B H / 64 CTAs x ceil(S / 32) tiles, is at least
+    ATTN64_MIN_TILES; 16 heads elsewhere (the crossover measured in 07b: 16 Flash CSA sequences of 640 slots)."""
+    assert A.ATTN64_MIN_TILES == 320 and A.ATTN64_HEADS == 64 and A.ATTN_TILE == 32
+    assert A.attn_heads(64, 16, 640) == 64 and A.attn_heads(64, 15, 640) == 16        # Flash CSA: 320 and 300 tiles
+    assert A.attn_heads(128, 5, 1152) == 64 and A.attn_heads(128, 4, 1152) == 16      # Pro CSA: 360 and 288 tiles
+    assert A.attn_heads(64, 32, 384) == 64 and A.attn_heads(64, 16, 384) == 16        # Flash HCA at 32K: 384 and 192
+    assert A.attn_heads(64, 1, 10 ** 5) == 64 and A.attn_heads(64, 1, 10208) == 16    # one long sequence: 3125 and 319
+    assert A.attn_heads(48, 4096, 640) == 16 and A.attn_heads(64, 16, 609) == 64 and A.attn_heads(64, 16, 608) == 16
     nsplit, chunk = A.attn_splits(64, 64, 640, sms=132)              # 64 CTAs per split: about twice the SMs in all
     assert (nsplit, chunk) == (5, 128), (nsplit, chunk)
     nsplit, chunk = A.attn_splits(1, 64, 640, sms=132)               # 4 CTAs per split (16 heads each): a tile each
     assert (nsplit, chunk) == (20, 32), (nsplit, chunk)
+    # a GPU whose blocks cannot opt in to the 64-head CTA's shared memory (sm_86/89/120: 99 KB) gets 16-head CTAs
+    assert A.attn_heads(64, 64, 640, smem_optin=99 * 1024) == 16 and A.attn_heads(128, 128, 640, smem_optin=A.ATTN64_SMEM - 1) == 16
+    assert A.attn_heads(64, 64, 640, smem_optin=227 * 1024) == 64 and A.attn_heads(64, 64, 640, smem_optin=A.ATTN64_SMEM) == 64
+    assert A.attn_splits(64, 64, 640, sms=132, heads=16) == (2, 320)   # 256 CTAs per split: 2 splits
+    with pytest.raises(ValueError, match="heads per CTA"):
+        A.attn_splits(2, 48, 640, heads=64)

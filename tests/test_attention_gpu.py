@@ -54,7 +54,7 @@ def rel_per_query(got, want):
 @pytest.fixture(params=[16, 64], ids=["cta16", "cta64"])
 def cta(request, monkeypatch):
     "Each partial kernel whatever the batch: 16 heads per CTA, or 64 (nvfp4_sparse_attn_partial64, H % 64 == 0 only)."
-    monkeypatch.setattr(A, "attn_heads", lambda H, B: request.param if H % request.param == 0 else A.ATTN_HEADS)
+    monkeypatch.setattr(A, "attn_heads", lambda H, B, S, smem_optin=None: request.param if H % request.param == 0 else A.ATTN_HEADS)
     return request.param
 
 
@@ -62,7 +62,9 @@ def cta(request, monkeypatch):
                                      (3, 128, 128, 1024),    # DSV4-Pro CSA step
                                      (2, 64, 0, 200),        # no window (K not a multiple of the tile)
                                      (2, 64, 128, 0),        # window only (Flash's first layers)
-                                     (5, 16, 37, 33)])       # ragged sizes, one head tile
+                                     (5, 16, 37, 33),        # ragged sizes, one head tile
+                                     (3, 64, 37, 100),       # a window that ends mid-tile, 64 heads
+                                     (2, 128, 45, 200)])     # the same, Pro's two 64-head CTAs
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_against_float64_reference(B, H, W, K, splits, cta):
     c = case(B, H, W, K)

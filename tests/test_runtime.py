@@ -426,6 +426,50 @@ def test_runtime_gpu_entry_points_raise_cuda_unavailable(monkeypatch):
     assert issubclass(rt.CudaUnavailableError, RuntimeError)
 
 
+def test_launch_raises_the_smem_limit_only_upwards(monkeypatch):
+    """Above SMEM_DEFAULT_MAX a launch raises the kernel's dynamic shared memory limit once per new maximum, after the
+    device's context is current; a smaller launch after a larger one keeps the larger limit; a driver refusal or a
+    failing driver call is a KernelLaunchError naming the kernel (recorded on CPU: the driver is faked)."""
+    from types import SimpleNamespace as NS
+    events = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: NS(cuda_stream=0))
+    monkeypatch.setattr(rt, "_torch_mod", torch)
+    monkeypatch.setattr(rt, "_fast", {(0, "k.cu", "big", ()): ("KERNEL", None)})
+    monkeypatch.setattr(rt, "_smem_max", {})
+    monkeypatch.setattr(rt, "_ensure_context", lambda dev: events.append(("ctx", dev)))
+    monkeypatch.setattr(rt, "_cc_stream", lambda dev, h: "STREAM")
+    monkeypatch.setattr(rt, "_launcher", lambda cs, grid, block, shmem, kernel, args: events.append(("launch", shmem)))
+    real_opt_in = rt._opt_in_smem
+    monkeypatch.setattr(rt, "_opt_in_smem", lambda k, dev, shmem, name, file: events.append(("opt", shmem)))
+    for shmem in (1024, 120_000, 120_000, 64_000, 150_000, 120_000):
+        rt.launch("k.cu", "big", (1, 1, 1), (32, 1, 1), [], shmem=shmem)
+    assert [e for e in events if e[0] != "ctx"] == [("launch", 1024), ("opt", 120_000), ("launch", 120_000), ("launch", 120_000),
+                                                    ("launch", 64_000), ("opt", 150_000), ("launch", 150_000), ("launch", 120_000)]
+    first_opt = events.index(("opt", 120_000))
+    assert ("ctx", 0) in events[:first_opt], events                    # the context is current before the attribute is set
+    assert rt._smem_max == {(0, "k.cu", "big", ()): 150_000}
+
+    class FakeDriver:                                                   # the driver's attribute call, refusing or raising
+        CUfunction_attribute = NS(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8)
+        CUresult = NS(CUDA_SUCCESS=0)
+        CUkernel = type("CUkernel", (), {})
+        CUdevice = staticmethod(lambda d: d)
+        result = 1
+        @staticmethod
+        def cuFuncSetAttribute(h, attr, v):
+            if FakeDriver.result is None: raise RuntimeError("driver gone")
+            return (FakeDriver.result,)
+    monkeypatch.setattr(rt, "_driver", lambda: FakeDriver)
+    with pytest.raises(rt.KernelLaunchError, match=r"big .*150000 bytes of dynamic shared memory refused"):
+        real_opt_in(NS(handle=object()), 0, 150_000, "big", "k.cu")
+    FakeDriver.result = None
+    with pytest.raises(rt.KernelLaunchError, match=r"big .*driver gone"):
+        real_opt_in(NS(handle=object()), 0, 150_000, "big", "k.cu")
+    FakeDriver.result = 0
+    real_opt_in(NS(handle=object()), 0, 150_000, "big", "k.cu")         # granted: no error
+
+
 def test_device_arch_env_override(monkeypatch):
     "DSV4_NVFP4_ARCH overrides the detected arch (how a GPU-less machine picks the Blackwell build)."
     monkeypatch.setenv("DSV4_NVFP4_ARCH", "sm_100a")
@@ -549,6 +593,8 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     monkeypatch.setattr(rt, "launch", lambda file, name, grid, block, args, **kw:
                         (calls.append((file, name, grid, block, list(args))), shmems.setdefault(name, set()).add(kw.get("shmem", 0))))
     monkeypatch.setattr(rt, "sm_count", lambda i: 132)
+    optin = [227 * 1024]                                              # the device's per-block shared memory opt-in
+    monkeypatch.setattr(rt, "smem_optin", lambda i: optin[0])
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
 
     def run(fn):
@@ -638,12 +684,24 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     seq = run(lambda: AT.sparse_attention_decode(qa_, AT.NVFP4KVPool(16), ia_, torch.zeros(2, 4, 512, dtype=torch.bfloat16),
                                                  torch.ones(2, dtype=torch.int32), sink=torch.zeros(64),
                                                  out_pos=torch.zeros(2, dtype=torch.int32), bad_count=torch.zeros(1, dtype=torch.int32)))
-    assert seq == ["nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_combine"], seq        # 2 x 64 heads: 16-head CTAs
+    assert seq == ["nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_combine"], seq        # 2 x 64 heads, 12 slots: 16-head CTAs
     seen |= set(seq) | set(run(lambda: AT.sparse_attention_decode(qa_, AT.NVFP4KVPool(16), ia_)))
-    qb_, ib_ = torch.zeros(AT.ATTN64_MIN_CTAS, 64, 512, dtype=torch.bfloat16), torch.zeros(AT.ATTN64_MIN_CTAS, 8, dtype=torch.int32)
+    nb_ = AT.ATTN64_MIN_TILES                                         # sequences of one tile each: just enough 64-head work
+    qb_, ib_ = torch.zeros(nb_, 64, 512, dtype=torch.bfloat16), torch.zeros(nb_, 8, dtype=torch.int32)
     seq = run(lambda: AT.sparse_attention_decode(qb_, AT.NVFP4KVPool(16), ib_))          # enough sequences: 64-head CTAs
     assert seq == ["nvfp4_sparse_attn_partial64", "nvfp4_sparse_attn_combine"], seq
     seen |= set(seq)
+    nsplit_, _ = AT.attn_splits(nb_, 64, 8, sms=132, heads=64)
+    assert calls[0][2] == (nsplit_, 1, nb_), calls[0][2]     # grid (splits, H / 64, B)
+    assert calls[1][2] == (nb_ * 64, 1, 1), calls[1][2]      # the merge: one CTA per (sequence, head)
+    qc_ = torch.zeros(nb_, 128, 512, dtype=torch.bfloat16)   # Pro's 128 heads: two 64-head CTAs per split
+    seq = run(lambda: AT.sparse_attention_decode(qc_, AT.NVFP4KVPool(16), ib_, splits=3))
+    assert seq[0] == "nvfp4_sparse_attn_partial64" and calls[0][2] == (1, 2, nb_), calls[0]   # 8 slots: 1 split
+    optin[0] = 99 * 1024                                              # an sm_86/89/120 GPU: 16-head CTAs, whatever the batch
+    seq = run(lambda: AT.sparse_attention_decode(qb_, AT.NVFP4KVPool(16), ib_))
+    assert seq == ["nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_combine"], seq
+    assert calls[0][2][1:] == (64 // AT.ATTN_HEADS, nb_), calls[0][2]
+    optin[0] = 227 * 1024
     assert blocks["nvfp4_sparse_attn_partial64"] == {AT.ATTN64_THREADS} and shmems["nvfp4_sparse_attn_partial64"] == {AT.ATTN64_SMEM}
     assert blocks["nvfp4_sparse_attn_partial"] == {128} and shmems["nvfp4_sparse_attn_partial"] == {0}
     src = rt.kernel_source("nvfp4_sparse_attn.cu")                   # the shared memory the kernel asserts it takes
