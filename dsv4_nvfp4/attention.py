@@ -13,8 +13,9 @@ from .kv import DSV4_ROPE, RopeConfig, apply_rope
 
 # %% auto #0
 __all__ = ['WINDOW', 'ATTN_CU', 'ATTN_HEADS', 'ATTN64_HEADS', 'ATTN64_THREADS', 'ATTN64_SMEM', 'ATTN64_MIN_TILES', 'ATTN_TILE',
-           'window_slots', 'compressed_count', 'ref_sparse_attention', 'attn_heads', 'attn_splits',
-           'sparse_attention_decode', 'attend_gathered_bf16', 'sparse_attention_decode_op']
+           'ATTN_WG_SMEM', 'ATTN_WG_TILE', 'ATTN_WG_MIN_TILES', 'window_slots', 'compressed_count',
+           'ref_sparse_attention', 'attn_wg', 'attn_kernel', 'attn_heads', 'attn_splits', 'sparse_attention_decode',
+           'attend_gathered_bf16', 'sparse_attention_decode_op']
 
 # %% ../nbs/07b_sparse_attention.ipynb #60719d64
 WINDOW = 128          # raw tokens every layer attends: the query's own token and the 127 before it
@@ -73,6 +74,23 @@ ATTN64_THREADS = 256   # its 8 warps: 4 head tiles x 2 dim halves
 ATTN64_SMEM = 120576   # its dynamic shared memory, sizeof(SmemAttn64) (the kernel asserts it)
 ATTN64_MIN_TILES = 320  # ... where its work, B H / 64 CTAs x ceil(S / 32) tiles each, is at least this many tiles (measured: below)
 ATTN_TILE = 32         # slots per shared-memory tile
+ATTN_WG_SMEM = 231424  # nvfp4_sparse_attn_wg's dynamic shared memory (the kernel asserts it)
+ATTN_WG_TILE = 64      # its slots per tile
+ATTN_WG_MIN_TILES = 64  # ... taken where B H / 64 x ceil(S / 32) is at least this many (measured: below)
+
+def attn_wg(H: int, B: int, S: int, smem_optin: int | None = None, arch: str | None = None) -> bool:
+    """Whether a step of B sequences of H heads over S slots runs on `nvfp4_sparse_attn_wg` (64 heads per CTA on
+    Hopper's warpgroup MMA): where H is a multiple of 64, the device is sm_90a (`arch`, `runtime.device_arch`), a block
+    may opt in to ATTN_WG_SMEM bytes (`smem_optin`, None: assume it can) and the 64-head work B H / 64 x ceil(S / 32)
+    is at least ATTN_WG_MIN_TILES tiles of 32 slots (below, the 16-head CTA's four times as many CTAs win)."""
+    tiles = B * (H // ATTN64_HEADS) * -(-S // ATTN_TILE)
+    return (arch == "sm_90a" and H % ATTN64_HEADS == 0 and tiles >= ATTN_WG_MIN_TILES
+            and (smem_optin is None or smem_optin >= ATTN_WG_SMEM))
+
+def attn_kernel(H: int, B: int, S: int, smem_optin: int | None = None, arch: str | None = None) -> str:
+    "The partial kernel such a step launches: `attn_wg`'s, else the 64- or 16-head mma.sync one (`attn_heads`)."
+    if attn_wg(H, B, S, smem_optin, arch): return "nvfp4_sparse_attn_wg"
+    return "nvfp4_sparse_attn_partial64" if attn_heads(H, B, S, smem_optin) == ATTN64_HEADS else "nvfp4_sparse_attn_partial"
 
 def attn_heads(H: int, B: int, S: int, smem_optin: int | None = None) -> int:
     """Heads per CTA for B sequences of H heads over S slots each: 64 (nvfp4_sparse_attn_partial64, each tile decoded
@@ -84,18 +102,21 @@ def attn_heads(H: int, B: int, S: int, smem_optin: int | None = None) -> int:
     tiles = B * (H // ATTN64_HEADS) * -(-S // ATTN_TILE)
     return ATTN64_HEADS if fits and H % ATTN64_HEADS == 0 and tiles >= ATTN64_MIN_TILES else ATTN_HEADS
 
-def attn_splits(B: int, H: int, S: int, sms: int = 132, splits: int | None = None, heads: int | None = None) -> tuple[int, int]:
+def attn_splits(B: int, H: int, S: int, sms: int = 132, splits: int | None = None, heads: int | None = None,
+                tile: int = ATTN_TILE, one_wave: bool = False) -> tuple[int, int]:
     """(nsplit, chunk) of the flash-decoding split for B sequences of H heads over S slots: each CTA takes `chunk`
-    slots (a multiple of 32) of one sequence and `heads` heads (default `attn_heads(H, B, S)`). By default enough splits
-    that the B * H/heads * nsplit CTAs cover `sms` SMs about twice, none shorter than one tile; `splits` asks for
-    that many (fewer where S is short)."""
+    slots (a multiple of `tile`, 32 or the wgmma kernel's 64) of one sequence and `heads` heads (default
+    `attn_heads(H, B, S)`). By default enough splits
+    that the B * H/heads * nsplit CTAs cover `sms` SMs about twice (`one_wave`: at most once, for a kernel of one CTA
+    per SM), none shorter than one tile; `splits` asks for that many (fewer where S is short)."""
     if min(B, H, S) < 1 or H % ATTN_HEADS: raise ValueError(f"attn_splits: need B, S >= 1 and H a multiple of {ATTN_HEADS}, got {B}, {H}, {S}")
     heads = attn_heads(H, B, S) if heads is None else heads
     if heads not in (ATTN_HEADS, ATTN64_HEADS) or H % heads: raise ValueError(f"attn_splits: heads per CTA must be {ATTN_HEADS} or {ATTN64_HEADS} and divide H = {H}, got {heads}")
-    tiles = -(-S // ATTN_TILE)
-    want = splits if splits is not None else -(-2 * sms // (B * (H // heads)))
+    tiles = -(-S // tile)
+    per = B * (H // heads)                                             # CTAs per split
+    want = splits if splits is not None else (max(1, sms // per) if one_wave else -(-2 * sms // per))
     if want < 1: raise ValueError(f"attn_splits: splits must be >= 1, got {splits}")
-    chunk = -(-tiles // max(1, min(tiles, want))) * ATTN_TILE
+    chunk = -(-tiles // max(1, min(tiles, want))) * tile
     return -(-S // chunk), chunk
 
 def _check_attention(what, q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, rope, out, bad_count):
@@ -144,8 +165,10 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
     B, H, W, K, cap = _check_attention("sparse_attention_decode", q, codes, scales, gs, indices, window, window_len,
                                        sink, out_pos, scale, rope, out, bad_count)
     dev = q.device
-    heads = attn_heads(H, B, W + K, rt.smem_optin(dev.index))       # 16 on GPUs that cannot give the 64-head CTA its smem
-    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index), splits, heads)
+    optin = rt.smem_optin(dev.index)
+    wg = attn_wg(H, B, W + K, optin, rt.device_arch(dev))           # Hopper: the warpgroup-MMA kernel
+    heads = ATTN64_HEADS if wg else attn_heads(H, B, W + K, optin)  # 16 on GPUs that cannot give the 64-head CTA its smem
+    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index), splits, heads, ATTN_WG_TILE if wg else ATTN_TILE, wg)
     o_part = torch.empty(B, nsplit, H, KV_DIM, dtype=torch.float32, device=dev)
     ml_part = torch.empty(B, nsplit, H, 2, dtype=torch.float32, device=dev)
     out = torch.empty_like(q) if out is None else out
@@ -154,7 +177,10 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
         args = [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
                 rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),
                 rt.ptr(ml_part), rt.ptr(bad_count)]
-        if heads == ATTN64_HEADS:
+        if wg:
+            rt.launch(ATTN_CU, "nvfp4_sparse_attn_wg", (nsplit, H // ATTN64_HEADS, B), (ATTN64_THREADS, 1, 1), args,
+                      shmem=ATTN_WG_SMEM)
+        elif heads == ATTN64_HEADS:
             rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial64", (nsplit, H // ATTN64_HEADS, B), (ATTN64_THREADS, 1, 1), args,
                       shmem=ATTN64_SMEM)
         else:
@@ -185,7 +211,7 @@ def sparse_attention_decode(q: torch.Tensor,                      # bf16 (B, H, 
     contribute nothing and are never read (`bad_count` counts the latter once per slot); a sequence with no valid
     slot returns zeros; a NaN in an entry reaches only the sequences that read it. Allocates its split workspace
     (B x splits x H x 2 KB) per call; the first call with `out_pos` per device copies the RoPE table there, and the
-    first call of each partial kernel per device (16 or 64 heads per CTA: `attn_heads` picks by batch and the device's
+    first call of each partial kernel per device (`attn_kernel` picks one by the step's size, the device's arch and its
     shared memory) compiles and loads it, so make a call with the batch size to be captured before a graph capture. TypeError / ValueError for wrong dtypes, shapes or devices, more than 65535 sequences, or a
     `rope` whose `dim` is not 64 with `out_pos`, before any launch."""
     if not isinstance(pool, NVFP4KVPool): raise TypeError(f"sparse_attention_decode: pool must be an NVFP4KVPool, got {type(pool).__name__}")

@@ -22,8 +22,13 @@
 // same bits, so all four keep the same softmax state). nvfp4_sparse_attn_combine merges the splits in split order:
 // the result does not depend on timing (run-to-run bit-identical, graph-replay safe: no atomics on data).
 //
+// Two more kernels write the same partials for H a multiple of 64, a CTA per 64 heads: nvfp4_sparse_attn_partial64
+// (mma.sync, 8 warps, any arch) and nvfp4_sparse_attn_wg (Hopper's warpgroup MMA, sm_90a only: it traps elsewhere).
+// dsv4_nvfp4.attention.attn_kernel picks one of the three per step.
+//
 // Partials: o_part (B, nsplit, H, 512) fp32 (unnormalized, relative to m), ml_part (B, nsplit, H, 2) fp32 (m, l).
-// chunk is a multiple of 32; H a multiple of 16; K >= 0, W >= 0, W + K >= 1; q, win, out rows 16-byte aligned.
+// chunk is a multiple of 32 (of 64 for nvfp4_sparse_attn_wg); H a multiple of 16; K >= 0, W >= 0, W + K >= 1; q, win,
+// out rows 16-byte aligned.
 //
 // Compile-time switches: none.
 #include "nvfp4_common.cuh"
@@ -149,29 +154,22 @@ __device__ __forceinline__ bool store_tile(__nv_bfloat16 (*kv)[kRow], float* gsv
     return async;
 }
 
-// The online softmax of one tile for rows g, g + 8 of a 16-head tile: the scores are the NP partials part[0 .. NP-1]
-// summed in that order (the same bits in every warp that sums them), times gs * scale, -inf for invalid slots; the
-// running max m_r and this thread's share of the denominators l_r updated; alpha, the factor o must be scaled by;
-// P (times each slot's gs) packed as the A fragments of the P . kv MMA (k steps of 16 slots).
-template <int NP>
-__device__ __forceinline__ void softmax_tile(const float (*part)[kHT][kTS + 8], const float* gsv, const int* okv, float scale,
-                                             int g, int t, float (&m_r)[2], float (&l_r)[2], float (&alpha)[2],
-                                             u32 (&pa)[2][4]) {
-    float sv[4][4];
+// The online softmax of one tile of 8 NB slots for rows g, g + 8 of a 16-head tile, from the raw scores `sv` (q . kv_hat,
+// fp32, in the C-fragment layout of NB n8 tiles: sv[n][0..1] row g, sv[n][2..3] row g + 8, columns 8 n + 2 t, + 1):
+// times gs * scale, -inf for invalid slots; the running max m_r and this thread's share of the denominators l_r
+// updated; alpha, the factor o must be scaled by; P (times each slot's gs) packed as the A fragments of the P . kv MMA
+// (k steps of 16 slots).
+template <int NB>
+__device__ __forceinline__ void online_softmax(float (&sv)[NB][4], const float* gsv, const int* okv, float scale, int t,
+                                               float (&m_r)[2], float (&l_r)[2], float (&alpha)[2], u32 (&pa)[NB / 2][4]) {
     float mx[2] = {m_r[0], m_r[1]};
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
+    for (int n = 0; n < NB; ++n) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {                   // row g + 8 h, columns 8 n + 2 t and + 1: one 8-byte read per partial
-            const int row = g + 8 * h, col = 8 * n + 2 * t;
-            float2 a = *reinterpret_cast<const float2*>(&part[0][row][col]);
-#pragma unroll
-            for (int w = 1; w < NP; ++w) {
-                const float2 x = *reinterpret_cast<const float2*>(&part[w][row][col]);
-                a.x = __fadd_rn(a.x, x.x); a.y = __fadd_rn(a.y, x.y);
-            }
-            sv[n][2 * h] = okv[col] ? __fmul_rn(a.x, __fmul_rn(gsv[col], scale)) : -kInf;
-            sv[n][2 * h + 1] = okv[col + 1] ? __fmul_rn(a.y, __fmul_rn(gsv[col + 1], scale)) : -kInf;
+        for (int h = 0; h < 2; ++h) {
+            const int col = 8 * n + 2 * t;
+            sv[n][2 * h] = okv[col] ? __fmul_rn(sv[n][2 * h], __fmul_rn(gsv[col], scale)) : -kInf;
+            sv[n][2 * h + 1] = okv[col + 1] ? __fmul_rn(sv[n][2 * h + 1], __fmul_rn(gsv[col + 1], scale)) : -kInf;
             mx[h] = fmaxf(mx[h], fmaxf(sv[n][2 * h], sv[n][2 * h + 1]));
         }
     }
@@ -186,7 +184,7 @@ __device__ __forceinline__ void softmax_tile(const float (*part)[kHT][kTS + 8], 
         l_r[r] *= alpha[r];
     }
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
+    for (int n = 0; n < NB; ++n) {
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -199,6 +197,30 @@ __device__ __forceinline__ void softmax_tile(const float (*part)[kHT][kTS + 8], 
         pa[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p[0], p[1]);
         pa[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p[2], p[3]);
     }
+}
+
+// The scores of a 32-slot tile from the NP partials part[0 .. NP-1] summed in that order (the same bits in every warp
+// that sums them), then `online_softmax`.
+template <int NP>
+__device__ __forceinline__ void softmax_tile(const float (*part)[kHT][kTS + 8], const float* gsv, const int* okv, float scale,
+                                             int g, int t, float (&m_r)[2], float (&l_r)[2], float (&alpha)[2],
+                                             u32 (&pa)[2][4]) {
+    float sv[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {                   // row g + 8 h, columns 8 n + 2 t and + 1: one 8-byte read per partial
+            const int row = g + 8 * h, col = 8 * n + 2 * t;
+            float2 a = *reinterpret_cast<const float2*>(&part[0][row][col]);
+#pragma unroll
+            for (int w = 1; w < NP; ++w) {
+                const float2 x = *reinterpret_cast<const float2*>(&part[w][row][col]);
+                a.x = __fadd_rn(a.x, x.x); a.y = __fadd_rn(a.y, x.y);
+            }
+            sv[n][2 * h] = a.x; sv[n][2 * h + 1] = a.y;
+        }
+    }
+    online_softmax<4>(sv, gsv, okv, scale, t, m_r, l_r, alpha, pa);
 }
 
 // o (16 heads x 8 N dims from dim0) += P (16 x 32 slots) . kv (32 slots x those dims)
@@ -470,6 +492,249 @@ nvfp4_sparse_attn_partial64(const __nv_bfloat16* __restrict__ q, const __nv_bflo
     }
 
     store_partials(o, m_r, l_r, ((i64)b * nsplit + split) * H + h0 + kHT * hg, dh * kDW64, g, t, dh == 0, o_part, ml_part);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// nvfp4_sparse_attn_wg: the 64-head partials on Hopper's warpgroup MMA (sm_90a; elsewhere the kernel traps and the
+// launcher never picks it). grid (nsplit, H / 64, B), 256 threads (two warpgroups), dynamic shared memory kWgSmem.
+// Tiles of 64 slots, decoded into shared memory in the 128-byte-swizzled layout the MMA reads (a row of 64 dims is
+// 128 bytes, its eight 16-byte chunks XOR-ed with the row's index mod 8; the 512 dims are 8 such blocks of rows), and
+// double-buffered: the tile after this one is decoded while this one's score MMAs run. Warpgroup c takes dims
+// 256 c .. + 255 for both products: S_c = Q[:, dims] . KV[:, dims]^T (64 heads x 64 slots, wgmma m64n64k16, q and kv
+// from shared memory, both K-major), the two warpgroups exchange S_c through shared memory thread by thread (the same
+// thread of each holds the same elements) and each adds the other's (a + b = b + a: both get the same bits, so both
+// keep the same softmax state), the online softmax of the 16-head kernels on the register fragments, then
+// O_c += P . KV[:, dims] (64 x 256, wgmma m64n256k16, P from registers as the A operand, kv read MN-major from the same
+// tile). The slots, the validity rules, the scales and the partials' layout are the other kernels'; the products' sums
+// run in the tensor cores' own order (not bit-identical to the mma.sync kernels; each within the reference tolerance).
+constexpr int kWTS = 64;                                  // slots per tile
+constexpr int kWThreads = 256;
+constexpr int kWBlk = 64 * 128;                           // bytes of one 64-dim block of 64 rows (q: heads, kv: slots)
+// the window, from its 1024-aligned base: q (8 blocks of 64 heads) at 0, two kv tiles, the exchanged scores, gs, ok
+constexpr int kWKV = 8 * kWBlk, kWPart = kWKV + 2 * 8 * kWBlk, kWGsv = kWPart + 2 * 32 * 128 * 4;
+constexpr int kWOk = kWGsv + 2 * kWTS * 4, kWEnd = kWOk + 2 * kWTS * 4;
+constexpr int kWgSmem = kWEnd + 1024;                     // + the alignment of the dynamic window to 1024 bytes
+static_assert(kWgSmem == 231424, "the wgmma kernel's shared memory changed: update dsv4_nvfp4.attention.ATTN_WG_SMEM");
+
+// byte offset of (row r, dims c .. c + 7) in a swizzled region of 8 blocks x 64 rows x 128 bytes
+__device__ __forceinline__ u32 sw_off(int r, int c) {
+    return (u32)((c >> 6) * kWBlk + r * 128 + ((((c >> 3) & 7) ^ (r & 7)) << 4));
+}
+// a wgmma shared-memory descriptor, 128-byte swizzle: start address, leading and stride byte offsets
+__device__ __forceinline__ unsigned long long sw_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
+           ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)      // sm_90a: the warpgroup MMA
+// S (64 x 64, fp32, the C-fragment layout) (+)= Q (64 x 16, smem, K-major) . KV^T (16 x 64 slots, smem, K-major)
+__device__ __forceinline__ void wgmma_qk(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(acc));
+}
+// O (64 x 256, fp32) += P (64 x 16 slots, registers: the A fragment) . KV (16 slots x 256 dims, smem, MN-major)
+__device__ __forceinline__ void wgmma_pv(float* d, const u32 (&a)[4], unsigned long long db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+#endif
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Store a 64-slot tile: thread (warp w, lane) owns slot 8 w + lane / 4 and, in each of the 8 blocks, dims + 16 (lane % 4)
+// .. + 15: window rows by cp.async, pool rows decoded from the registers, zero rows for the rest.
+__device__ __forceinline__ bool wg_store_tile(u32 kv, float* gsv, int* okv, int s, int sub, int base, int j1, int W,
+                                              int wl, const __nv_bfloat16* __restrict__ win, i64 b, int e,
+                                              const uint2 (&cw)[8], const u32 (&sb)[8], float gv, i64 cap, int* bad,
+                                              bool count) {
+    const int j = base + s;
+    float gj = 0.0f;
+    int ok = 0;
+    bool async = false;
+    if (j < j1 && j < W) {
+        if (j < wl) {
+            const __nv_bfloat16* src = win + (b * W + j) * kD + 16 * sub;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(kv + sw_off(s, 64 * i + 16 * sub)), "l"(src + 64 * i));
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(kv + sw_off(s, 64 * i + 16 * sub + 8)), "l"(src + 64 * i + 8));
+            }
+            async = true; gj = 1.0f; ok = 1;
+        }
+    } else if (j < j1 && e >= 0 && (i64)e < cap) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float s64 = __fmul_rn(e4m3_to_float(sb[i]), 64.0f);
+            u32 w8[8];
+            decode8_bf16(cw[i].x, s64, w8);
+            decode8_bf16(cw[i].y, s64, w8 + 4);
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(kv + sw_off(s, 64 * i + 16 * sub)),
+                         "r"(w8[0]), "r"(w8[1]), "r"(w8[2]), "r"(w8[3]) : "memory");
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(kv + sw_off(s, 64 * i + 16 * sub + 8)),
+                         "r"(w8[4]), "r"(w8[5]), "r"(w8[6]), "r"(w8[7]) : "memory");
+        }
+        gj = gv; ok = 1;
+    } else if (j < j1 && j >= W && e != -1 && count && sub == 0) {
+        atomicAdd(bad, 1);
+    }
+    if (!ok) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" :: "r"(kv + sw_off(s, 64 * i + 16 * sub)), "r"(0u) : "memory");
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" :: "r"(kv + sw_off(s, 64 * i + 16 * sub + 8)), "r"(0u) : "memory");
+        }
+    }
+    if (sub == 0) { gsv[s] = gj; okv[s] = ok; }
+    return async;
+}
+
+__device__ __forceinline__ void wg_load_raw(int e, uint2 (&cw)[8], u32 (&sb)[8], float& gv, const u8* __restrict__ codes,
+                                            const u8* __restrict__ sf, const float* __restrict__ gs, i64 cap, int sub) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { cw[i] = make_uint2(0, 0); sb[i] = 0; }
+    gv = 0.0f;
+    if (e >= 0 && (i64)e < cap) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            cw[i] = *reinterpret_cast<const uint2*>(codes + (i64)e * (kD / 2) + 32 * i + 8 * sub);
+            sb[i] = sf[(i64)e * (kD / 16) + 4 * i + sub];
+        }
+        gv = gs[e];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kWThreads, 1)
+nvfp4_sparse_attn_wg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ win,
+                     const int* __restrict__ wlen, int W, const u8* __restrict__ codes, const u8* __restrict__ sf,
+                     const float* __restrict__ gs, i64 cap, const int* __restrict__ idx, int K, int H, float scale,
+                     int chunk, float* __restrict__ o_part, float* __restrict__ ml_part, int* __restrict__ bad) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(16) unsigned char wg_smem[];   // aligned to 1024 bytes here (the swizzle's period)
+    const u32 sbase = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
+    unsigned char* gbase = wg_smem + (sbase - (u32)__cvta_generic_to_shared(wg_smem));
+    float* part = reinterpret_cast<float*>(gbase + kWPart);                 // [2][32][128]: each warpgroup's S_c
+    const int split = blockIdx.x, hb = blockIdx.y, nsplit = gridDim.x;
+    const i64 b = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int c = warp >> 2, tw = threadIdx.x & 127;            // warpgroup (dim half) and thread in it
+    const int S = W + K;
+    const int j0 = split * chunk, j1 = min(S, j0 + chunk);
+    const int wl = W > 0 ? min(max(wlen[b], 0), W) : 0;
+    const int h0 = hb * kHT64;
+    const int s_own = 8 * warp + (lane >> 2), sub = lane & 3;    // the tile slot and 16-dim part this thread stores
+
+    // the CTA's 64 query rows, swizzled (cp.async; published with the first tile)
+    {
+        const __nv_bfloat16* qb = q + (b * H + h0) * kD;
+        for (int k = threadIdx.x; k < 64 * (kD / 8); k += kWThreads) {
+            const int r = k >> 6, col = (k & 63) * 8;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(sbase + sw_off(r, col)), "l"(qb + (i64)r * kD + col));
+        }
+    }
+    float o[32][4];
+#pragma unroll
+    for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_r[2] = {-kInf, -kInf};
+    float l_r[2] = {0.0f, 0.0f};
+    const bool count = bad != nullptr && hb == 0;
+
+    auto pidx = [&](int j) -> int { return pool_index(idx, b, K, W, j1, j); };
+    uint2 cw[8];
+    u32 sb[8];
+    float gv;
+    int e_cur = pidx(j0 + s_own), e_nxt = pidx(j0 + kWTS + s_own);
+    wg_load_raw(e_cur, cw, sb, gv, codes, sf, gs, cap, sub);
+    wg_store_tile(sbase + kWKV, reinterpret_cast<float*>(gbase + kWGsv), reinterpret_cast<int*>(gbase + kWOk), s_own, sub,
+                  j0, j1, W, wl, win, b, e_cur, cw, sb, gv, cap, bad, count);
+    e_cur = e_nxt;
+    e_nxt = pidx(j0 + 2 * kWTS + s_own);
+    if (j0 + kWTS < j1) wg_load_raw(e_cur, cw, sb, gv, codes, sf, gs, cap, sub);
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    fence_async_smem();
+
+    int it = 0;
+    for (int base = j0; base < j1; base += kWTS, ++it) {
+        const int cur = it & 1;
+        const u32 kv = sbase + kWKV + cur * 8 * kWBlk;
+        __syncthreads();                         // this tile published; the other buffer's last readers are done
+        // ---- S_c = Q[:, dims] . KV[:, dims]^T, in flight while the next tile is decoded
+        float sacc[8][4];
+        wg_fence();
+#pragma unroll
+        for (int kb = 0; kb < 4; ++kb)
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                const u32 off = (u32)((4 * c + kb) * kWBlk + 32 * ks);
+                wgmma_qk(reinterpret_cast<float (&)[32]>(sacc), sw_desc(sbase + off, 16, 1024),
+                         sw_desc(kv + off, 16, 1024), (kb | ks) != 0);
+            }
+        wg_commit();
+        if (base + kWTS < j1) {
+            const int nb = cur ^ 1;
+            if (wg_store_tile(sbase + kWKV + nb * 8 * kWBlk, reinterpret_cast<float*>(gbase + kWGsv) + nb * kWTS,
+                              reinterpret_cast<int*>(gbase + kWOk) + nb * kWTS, s_own, sub, base + kWTS, j1, W, wl, win,
+                              b, e_cur, cw, sb, gv, cap, bad, count))
+                asm volatile("cp.async.wait_all;\n" ::: "memory");
+            fence_async_smem();
+            e_cur = e_nxt;
+            e_nxt = pidx(base + 3 * kWTS + s_own);
+            if (base + 2 * kWTS < j1) wg_load_raw(e_cur, cw, sb, gv, codes, sf, gs, cap, sub);
+        }
+        wg_wait0();
+        // ---- the two halves' scores, exchanged thread by thread
+        float* mine = part + c * 32 * 128;
+        const float* other = part + (c ^ 1) * 32 * 128;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) mine[k * 128 + tw] = (&sacc[0][0])[k];
+        __syncthreads();                         // the partial scores and the next tile published
+#pragma unroll
+        for (int k = 0; k < 32; ++k) (&sacc[0][0])[k] = __fadd_rn((&sacc[0][0])[k], other[k * 128 + tw]);
+        float alpha[2];
+        u32 pa[4][4];
+        online_softmax<8>(sacc, reinterpret_cast<const float*>(gbase + kWGsv) + cur * kWTS,
+                          reinterpret_cast<const int*>(gbase + kWOk) + cur * kWTS, scale, t, m_r, l_r, alpha, pa);
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+            for (int n = 0; n < 32; ++n) {
+                o[n][0] *= alpha[0]; o[n][1] *= alpha[0]; o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+            }
+        }
+        // ---- O_c += P . KV[:, dims]: kv MN-major, 64-dim blocks 8192 bytes apart, 8-slot groups 1024
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+            wgmma_pv(&o[0][0], pa[ks], sw_desc(kv + (u32)(4 * c * kWBlk + 16 * 128 * ks), kWBlk, 1024));
+        wg_commit();
+        wg_wait0();
+    }
+    store_partials(o, m_r, l_r, ((i64)b * nsplit + split) * H + h0 + 16 * (warp & 3), 256 * c, g, t, c == 0, o_part, ml_part);
+#else
+    __trap();                                    // sm_90a only: the launcher never picks it elsewhere
+#endif
 }
 
 // Merge the splits of one (sequence, head) in split order, add the sink to the denominator, rotate the last 64 dims back

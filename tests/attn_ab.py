@@ -23,7 +23,7 @@ args = ap.parse_args()
 timer, res = Timer(), dict(info=gpu_info(), rows=[])
 base_cu = args.base
 tree_cu = A.ATTN_CU
-heads64 = A.attn_heads                       # the plan (restored after each forced pair)
+heads64, wg0 = A.attn_heads, A.attn_wg      # the plan (restored after each forced set)
 for name, H, K, ratio in ATTN_PROBLEMS:
     for ctx in args.contexts or ATTN_CONTEXTS:
         for B in args.batches:
@@ -31,25 +31,30 @@ for name, H, K, ratio in ATTN_PROBLEMS:
             a.pop("kv_bytes"); a.pop("flops")
             out = torch.empty_like(a["q"])
             row = dict(problem=name, heads=H, batch=B, context=ctx,
-                       plan=heads64(H, B, a["window"].shape[1] + a["indices"].shape[1]))   # attn_heads' pick here
+                       plan=A.attn_kernel(H, B, a["window"].shape[1] + a["indices"].shape[1], A.rt.smem_optin(0), A.rt.device_arch()))
             outs = {}
-            for kind, fn in (("cta64", lambda h, b, s, smem_optin=None: A.ATTN64_HEADS), ("cta16", lambda h, b, s, smem_optin=None: A.ATTN_HEADS)):
+            for kind, fn in (("cta64", lambda h, b, s, smem_optin=None: A.ATTN64_HEADS), ("cta16", lambda h, b, s, smem_optin=None: A.ATTN_HEADS),
+                             ("wg", lambda h, b, s, smem_optin=None: A.ATTN64_HEADS)):
                 A.attn_heads = fn
+                A.attn_wg = (lambda *a, **k: True) if kind == "wg" else (lambda *a, **k: False)
                 g, e = timer(lambda: A.sparse_attention_decode(**a, out=out))
                 row[f"{kind}_us"] = round(g or e, 1)
                 outs[kind] = A.sparse_attention_decode(**a).float()
-                if base_cu:
+                if base_cu and kind != "wg":
                     A.ATTN_CU = base_cu
                     g, e = timer(lambda: A.sparse_attention_decode(**a, out=out))
                     row[f"base_{kind}_us"] = round(g or e, 1)
                     row[f"{kind}_same_bits"] = bool(torch.equal(A.sparse_attention_decode(**a).float(), outs[kind]))
                     A.ATTN_CU = tree_cu
-            A.attn_heads = heads64
+            A.attn_heads, A.attn_wg = heads64, wg0
             g, e = timer(lambda: A.attend_gathered_bf16(**a))
             row["peer_us"] = round(g or e, 1)
             d = (outs["cta64"] - outs["cta16"]).flatten(1).norm(dim=1) / outs["cta16"].flatten(1).norm(dim=1).clamp_min(1e-30)
             row["max_rel_diff"] = float(d.max())
             row["cta64_over_cta16"] = round(row["cta16_us"] / row["cta64_us"], 3)
+            row["wg_over_cta64"] = round(row["cta64_us"] / row["wg_us"], 3)
+            dw = (outs["wg"] - outs["cta64"]).flatten(1).norm(dim=1) / outs["cta64"].flatten(1).norm(dim=1).clamp_min(1e-30)
+            row["wg_max_rel_diff"] = float(dw.max())
             row["peer_over_cta64"] = round(row["peer_us"] / row["cta64_us"], 3)
             res["rows"].append(row); print(row, flush=True)
             json.dump(res, open(args.out, "w"), indent=1)

@@ -10,11 +10,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_attention_gpu import A, case, run                                 # noqa: E402
 
-plan = A.attn_heads
+plan, plan_wg = A.attn_heads, A.attn_wg
 SHAPES = (((2, 64, 128, 512), {}), ((2, 64, 128, 512), dict(splits=1)), ((3, 16, 37, 33), {}), ((2, 64, 0, 200), {}),
           ((2, 64, 128, 0), {}), ((1, 128, 128, 1024), {}))
-for force, (args, kw) in [(f, a) for f in (None, 64) for a in SHAPES]:
+for force, (args, kw) in [(f, a) for f in (None, 64, "wg") for a in SHAPES]:
     A.attn_heads = plan if force is None else (lambda H, B, S, smem_optin=None: 64 if H % 64 == 0 else 16)
+    A.attn_wg = plan_wg if force is None else (lambda H, B, S, smem_optin=None, arch=None: force == "wg" and H % 64 == 0)
     c = case(*args)
     bad = torch.zeros(1, dtype=torch.int32, device="cuda")
     o = run(c, bad_count=bad, **kw)

@@ -95,6 +95,21 @@ def test_kernel_choice():
     assert A.attn_heads(64, 32, 384) == 64 and A.attn_heads(64, 16, 384) == 16        # Flash HCA at 32K: 384 and 192
     assert A.attn_heads(64, 1, 10 ** 5) == 64 and A.attn_heads(64, 1, 10208) == 16    # one long sequence: 3125 and 319
     assert A.attn_heads(48, 4096, 640) == 16 and A.attn_heads(64, 16, 609) == 64 and A.attn_heads(64, 16, 608) == 16
+    # Hopper: the warpgroup-MMA kernel from ATTN_WG_MIN_TILES tiles of 64-head work up, where the device gives it its smem
+    assert A.ATTN_WG_MIN_TILES == 64 and A.ATTN_WG_TILE == 64
+    wg, p64, p16 = "nvfp4_sparse_attn_wg", "nvfp4_sparse_attn_partial64", "nvfp4_sparse_attn_partial"
+    assert A.attn_kernel(64, 4, 640, arch="sm_90a") == wg and A.attn_kernel(64, 3, 640, arch="sm_90a") == p16   # 80, 60 tiles
+    assert A.attn_kernel(128, 1, 1152, arch="sm_90a") == wg and A.attn_kernel(64, 1, 640, arch="sm_90a") == p16  # Pro 72, Flash 20
+    assert A.attn_kernel(48, 64, 640, arch="sm_90a") == p16                                     # H not a multiple of 64
+    assert A.attn_kernel(64, 64, 640, arch="sm_100a") == p64 and A.attn_kernel(64, 4, 640, arch="sm_100a") == p16
+    assert A.attn_kernel(64, 64, 640, smem_optin=A.ATTN_WG_SMEM - 1, arch="sm_90a") == p64       # too little smem for it
+    assert A.attn_kernel(64, 64, 640, smem_optin=A.ATTN_WG_SMEM, arch="sm_90a") == wg
+    assert A.attn_kernel(64, 64, 640, smem_optin=99 * 1024, arch="sm_90a") == p16
+    # its split: one CTA per SM at most once over (it takes a whole SM), whole 64-slot tiles
+    assert A.attn_splits(128, 64, 640, 132, None, 64, A.ATTN_WG_TILE, True) == (1, 640)         # 128 CTAs: one split
+    assert A.attn_splits(32, 64, 640, 132, None, 64, A.ATTN_WG_TILE, True) == (4, 192)          # 4 x 32 CTAs
+    assert A.attn_splits(1, 64, 640, 132, None, 64, A.ATTN_WG_TILE, True) == (10, 64)           # a tile per CTA
+    assert A.attn_splits(128, 128, 1152, 132, None, 64, A.ATTN_WG_TILE, True) == (1, 1152)      # 256 CTAs: never split
     nsplit, chunk = A.attn_splits(64, 64, 640, sms=132)              # 64 CTAs per split: about twice the SMs in all
     assert (nsplit, chunk) == (5, 128), (nsplit, chunk)
     nsplit, chunk = A.attn_splits(1, 64, 640, sms=132)               # 4 CTAs per split (16 heads each): a tile each

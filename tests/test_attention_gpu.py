@@ -51,10 +51,14 @@ def rel_per_query(got, want):
     return ((got.cpu().double() - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2)).clamp_min(1e-300))
 
 
-@pytest.fixture(params=[16, 64], ids=["cta16", "cta64"])
+@pytest.fixture(params=[16, 64, "wg"], ids=["cta16", "cta64", "wg"])
 def cta(request, monkeypatch):
-    "Each partial kernel whatever the batch: 16 heads per CTA, or 64 (nvfp4_sparse_attn_partial64, H % 64 == 0 only)."
-    monkeypatch.setattr(A, "attn_heads", lambda H, B, S, smem_optin=None: request.param if H % request.param == 0 else A.ATTN_HEADS)
+    """Each partial kernel whatever the batch: 16 heads per CTA, 64 (nvfp4_sparse_attn_partial64) or 64 on the warpgroup
+    MMA (nvfp4_sparse_attn_wg, sm_90a only), the last two where H % 64 == 0."""
+    heads = 16 if request.param == 16 else 64
+    if request.param == "wg" and A.rt.device_arch() != "sm_90a": pytest.skip("nvfp4_sparse_attn_wg runs on sm_90a only")
+    monkeypatch.setattr(A, "attn_heads", lambda H, B, S, smem_optin=None: heads if H % heads == 0 else A.ATTN_HEADS)
+    monkeypatch.setattr(A, "attn_wg", lambda H, B, S, smem_optin=None, arch=None: request.param == "wg" and H % 64 == 0)
     return request.param
 
 

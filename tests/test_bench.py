@@ -106,3 +106,45 @@ def test_mlp_benchmark_text_is_rendered_from_the_rows():
     g = BM.mlp_goals(res)
     assert "met on 1 of 2 rows" in g and "missed: Flash T=8." in g
     assert "Flash at 2048 tokens" in g and "met on 0 of 1 rows" in g
+
+
+def test_timer_waits_for_the_callers_stream_first(monkeypatch):
+    """Timer runs the call on its own stream: it must first wait for the caller's stream, where the inputs are made
+    (without the wait a call could read inputs still being written and write into memory the caller's kernels still
+    use: the session-35 fault of `bench attn`, 07c). Recorded on CPU with the CUDA calls faked."""
+    import contextlib
+    import torch
+    events = []
+
+    class FakeStream:
+        def wait_stream(self, other): events.append(("wait", other))
+
+    class FakeGraph:
+        def replay(self): events.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "CALLER")
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, stream=None: contextlib.nullcontext())
+    t = BC.Timer.__new__(BC.Timer)
+    t.stream = FakeStream()
+    monkeypatch.setattr(t, "_median", lambda run, n: (run(), 1.0)[1])
+    t(lambda: events.append("fn"), warmup=2)
+    assert events[0] == ("wait", "CALLER") and events.count(("wait", "CALLER")) == 1, events
+    assert "fn" in events[1:]
+
+
+@pytest.mark.gpu
+def test_timer_sees_inputs_the_caller_is_still_making():
+    "On a GPU: the caller's stream sleeps, then writes the input; the timed call's first run must see the written value."
+    import torch
+    timer = BC.Timer(flush_mb=1)
+    x = torch.zeros(1 << 20, device="cuda")
+    seen = []
+    torch.cuda._sleep(200_000_000)                   # ~0.1 s of GPU time on the caller's stream before the write
+    x.fill_(7.0)
+    timer(lambda: seen.append(x.clone()) if not seen else None, warmup=1, budget_s=0.01)
+    torch.cuda.synchronize()
+    assert bool((seen[0] == 7.0).all()), "the timed call ran before the caller's stream had written its input"

@@ -59,7 +59,8 @@ EXPECTED_KERNELS = {
     "nvfp4_rmsnorm_quantize.cu": {f"nvfp4_{k}_{dt}" for k in ("rmsnorm_quantize", "mhc_rmsnorm_quantize")
                                   for dt in _DT3},
     "fp8_quantize.cu": {f"fp8_quantize_rows_{dt}" for dt in _DT3},
-    "nvfp4_sparse_attn.cu": {"nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_partial64", "nvfp4_sparse_attn_combine"},
+    "nvfp4_sparse_attn.cu": {"nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_partial64", "nvfp4_sparse_attn_wg",
+                             "nvfp4_sparse_attn_combine"},
 }
 assert len(EXPECTED_KERNELS["nvfp4_quantize.cu"]) == 14  # 2 + 4 kinds x 3 dtypes
 
@@ -502,7 +503,8 @@ CONSTANTS = {                      # file -> the macros it lets a build define (
 
 def test_compile_time_switches_are_the_listed_constants():
     """Every preprocessor conditional of kernels_cu/ is an `#ifndef` default of a listed constant or a test of
-    __CUDA_ARCH__ (per-arch tuning, compiled for both archs above): no variant selected by a define."""
+    __CUDA_ARCH__ or the compiler's arch-feature macros (`__CUDA_ARCH_FEAT_SM90_ALL`: sm_90a's wgmma; per-arch code,
+    compiled for both archs above): no variant selected by a define."""
     found, other = {}, []
     for path in sorted(REPO_KERNELS.glob("*.cu*")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -511,7 +513,7 @@ def test_compile_time_switches_are_the_listed_constants():
             kind, cond = m.group(1), m.group(2).split("//")[0].strip()
             if kind == "ifndef":
                 found.setdefault(path.name, set()).add(cond)
-            elif set(re.findall(r"[A-Za-z_]\w*", cond)) - {"defined", "__CUDA_ARCH__"}:
+            elif {w for w in re.findall(r"[A-Za-z_]\w*", cond) if not re.fullmatch(r"__CUDA_ARCH_FEAT_SM\d+A?_ALL", w)} - {"defined", "__CUDA_ARCH__"}:
                 other.append(f"{path.name}:{n}: {line.strip()}")
     assert not other, f"compile-time switches other than __CUDA_ARCH__: {other}"
     assert found == CONSTANTS, f"#ifndef constants {found}, listed {CONSTANTS}"
@@ -595,6 +597,8 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     monkeypatch.setattr(rt, "sm_count", lambda i: 132)
     optin = [227 * 1024]                                              # the device's per-block shared memory opt-in
     monkeypatch.setattr(rt, "smem_optin", lambda i: optin[0])
+    arch = ["sm_100a"]                                                # the device's arch (sm_90a: the wgmma attention)
+    monkeypatch.setattr(rt, "device_arch", lambda device=None: arch[0])
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
 
     def run(fn):
@@ -702,6 +706,23 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     assert seq == ["nvfp4_sparse_attn_partial", "nvfp4_sparse_attn_combine"], seq
     assert calls[0][2][1:] == (64 // AT.ATTN_HEADS, nb_), calls[0][2]
     optin[0] = 227 * 1024
+    arch[0] = "sm_90a"                                               # Hopper: the warpgroup-MMA kernel from 64 tiles up
+    nw_ = AT.ATTN_WG_MIN_TILES
+    qw_, iw_ = torch.zeros(nw_, 64, 512, dtype=torch.bfloat16), torch.zeros(nw_, 8, dtype=torch.int32)
+    seq = run(lambda: AT.sparse_attention_decode(qw_, AT.NVFP4KVPool(16), iw_))
+    assert seq == ["nvfp4_sparse_attn_wg", "nvfp4_sparse_attn_combine"], seq
+    nsplit_, chunk_ = AT.attn_splits(nw_, 64, 8, sms=132, heads=64, tile=AT.ATTN_WG_TILE, one_wave=True)
+    assert calls[0][2] == (nsplit_, 1, nw_) and chunk_ % AT.ATTN_WG_TILE == 0, (calls[0][2], chunk_)
+    assert calls[0][4][12] == chunk_                                   # the chunk argument: whole 64-slot tiles
+    seen |= set(seq)
+    seq = run(lambda: AT.sparse_attention_decode(qw_[: nw_ - 1], AT.NVFP4KVPool(16), iw_[: nw_ - 1]))
+    assert seq[0] == "nvfp4_sparse_attn_partial", seq                 # one tile less: the 16-head CTA
+    optin[0] = 200 * 1024                                             # too little for its 226 KB: the mma.sync kernels
+    seq = run(lambda: AT.sparse_attention_decode(qb_, AT.NVFP4KVPool(16), ib_))
+    assert seq[0] == "nvfp4_sparse_attn_partial64", seq
+    optin[0], arch[0] = 227 * 1024, "sm_100a"
+    assert blocks["nvfp4_sparse_attn_wg"] == {AT.ATTN64_THREADS} and shmems["nvfp4_sparse_attn_wg"] == {AT.ATTN_WG_SMEM}
+    assert re.search(r"static_assert\(kWgSmem == (\d+)", rt.kernel_source("nvfp4_sparse_attn.cu")).group(1) == str(AT.ATTN_WG_SMEM)
     assert blocks["nvfp4_sparse_attn_partial64"] == {AT.ATTN64_THREADS} and shmems["nvfp4_sparse_attn_partial64"] == {AT.ATTN64_SMEM}
     assert blocks["nvfp4_sparse_attn_partial"] == {128} and shmems["nvfp4_sparse_attn_partial"] == {0}
     src = rt.kernel_source("nvfp4_sparse_attn.cu")                   # the shared memory the kernel asserts it takes

@@ -55,7 +55,9 @@ class Timer:
         torch.cuda.synchronize()
         return statistics.median(a.elapsed_time(b) for a, b in ts) * 1e3
     def __call__(self, fn, warmup: int = 3, budget_s: float = 1.0):
-        "(graph_us, eager_us) of `fn()`; graph_us is None when the call cannot be captured."
+        """(graph_us, eager_us) of `fn()`; graph_us is None when the call cannot be captured. `fn` runs on the timer's own
+        stream, after everything already queued on the caller's (its inputs, made there, must be complete first)."""
+        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(warmup): fn()
             torch.cuda.synchronize()
@@ -75,6 +77,7 @@ class Timer:
         """What a call costs when the GPU is waiting for it: each timed call is issued on an idle GPU (L2 flushed, then a
         sync), so the time between the events before and after it includes the host's launch path. Returns the medians
         `graph_us` (a graph replay) and `eager_us` (the call from Python), and `host_us`, the host time of one eager call."""
+        self.stream.wait_stream(torch.cuda.current_stream())   # the caller's queued work (the inputs) first
         def idle(run):
             ts = []
             for _ in range(n):
