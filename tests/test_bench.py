@@ -141,10 +141,10 @@ def test_timer_sees_inputs_the_caller_is_still_making():
     "On a GPU: the caller's stream sleeps, then writes the input; the timed call's first run must see the written value."
     import torch
     timer = BC.Timer(flush_mb=1)
-    x = torch.zeros(1 << 20, device="cuda")
+    x, y = torch.zeros(1 << 20, device="cuda"), torch.zeros(1 << 20, device="cuda")
     seen = []
     torch.cuda._sleep(200_000_000)                   # ~0.1 s of GPU time on the caller's stream before the write
     x.fill_(7.0)
-    timer(lambda: seen.append(x.clone()) if not seen else None, warmup=1, budget_s=0.01)
+    timer(lambda: seen.append(x.clone()) if not seen else y.copy_(x), warmup=1, budget_s=0.01)
     torch.cuda.synchronize()
     assert bool((seen[0] == 7.0).all()), "the timed call ran before the caller's stream had written its input"
