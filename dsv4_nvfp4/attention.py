@@ -13,7 +13,7 @@ from .kv import DSV4_ROPE, RopeConfig, apply_rope
 
 # %% auto #0
 __all__ = ['WINDOW', 'ATTN_CU', 'ATTN_HEADS', 'ATTN64_HEADS', 'ATTN64_THREADS', 'ATTN64_SMEM', 'ATTN64_MIN_TILES', 'ATTN_TILE',
-           'ATTN_WG_SMEM', 'ATTN_WG_TILE', 'ATTN_WG_MIN_TILES', 'window_slots', 'compressed_count',
+           'ATTN_WG_SMEM', 'ATTN_WG_THREADS', 'ATTN_WG_TILE', 'ATTN_WG_MIN_TILES', 'window_slots', 'compressed_count',
            'ref_sparse_attention', 'attn_wg', 'attn_kernel', 'attn_heads', 'attn_splits', 'sparse_attention_decode',
            'attend_gathered_bf16', 'sparse_attention_decode_op']
 
@@ -75,6 +75,7 @@ ATTN64_SMEM = 120576   # its dynamic shared memory, sizeof(SmemAttn64) (the kern
 ATTN64_MIN_TILES = 320  # ... where its work, B H / 64 CTAs x ceil(S / 32) tiles each, is at least this many tiles (measured: below)
 ATTN_TILE = 32         # slots per shared-memory tile
 ATTN_WG_SMEM = 231424  # nvfp4_sparse_attn_wg's dynamic shared memory (the kernel asserts it)
+ATTN_WG_THREADS = 256  # its two warpgroups
 ATTN_WG_TILE = 64      # its slots per tile
 ATTN_WG_MIN_TILES = 64  # ... taken where B H / 64 x ceil(S / 32) is at least this many (measured: below)
 
@@ -165,9 +166,9 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
     B, H, W, K, cap = _check_attention("sparse_attention_decode", q, codes, scales, gs, indices, window, window_len,
                                        sink, out_pos, scale, rope, out, bad_count)
     dev = q.device
-    optin = rt.smem_optin(dev.index)
-    wg = attn_wg(H, B, W + K, optin, rt.device_arch(dev))           # Hopper: the warpgroup-MMA kernel
-    heads = ATTN64_HEADS if wg else attn_heads(H, B, W + K, optin)  # 16 on GPUs that cannot give the 64-head CTA its smem
+    kern = attn_kernel(H, B, W + K, rt.smem_optin(dev.index), rt.device_arch(dev))
+    wg = kern == "nvfp4_sparse_attn_wg"
+    heads = ATTN_HEADS if kern == "nvfp4_sparse_attn_partial" else ATTN64_HEADS
     nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index), splits, heads, ATTN_WG_TILE if wg else ATTN_TILE, wg)
     o_part = torch.empty(B, nsplit, H, KV_DIM, dtype=torch.float32, device=dev)
     ml_part = torch.empty(B, nsplit, H, 2, dtype=torch.float32, device=dev)
@@ -177,14 +178,9 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
         args = [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
                 rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),
                 rt.ptr(ml_part), rt.ptr(bad_count)]
-        if wg:
-            rt.launch(ATTN_CU, "nvfp4_sparse_attn_wg", (nsplit, H // ATTN64_HEADS, B), (ATTN64_THREADS, 1, 1), args,
-                      shmem=ATTN_WG_SMEM)
-        elif heads == ATTN64_HEADS:
-            rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial64", (nsplit, H // ATTN64_HEADS, B), (ATTN64_THREADS, 1, 1), args,
-                      shmem=ATTN64_SMEM)
-        else:
-            rt.launch(ATTN_CU, "nvfp4_sparse_attn_partial", (nsplit, H // ATTN_HEADS, B), (128, 1, 1), args)
+        threads, smem = {"nvfp4_sparse_attn_wg": (ATTN_WG_THREADS, ATTN_WG_SMEM),
+                         "nvfp4_sparse_attn_partial64": (ATTN64_THREADS, ATTN64_SMEM)}.get(kern, (128, 0))
+        rt.launch(ATTN_CU, kern, (nsplit, H // heads, B), (threads, 1, 1), args, shmem=smem)
         rt.launch(ATTN_CU, "nvfp4_sparse_attn_combine", (B * H, 1, 1), (128, 1, 1),
                   [rt.ptr(o_part), rt.ptr(ml_part), rt.i32(nsplit), rt.i32(H), rt.ptr(sink), rt.ptr(out_pos), rt.ptr(freqs), rt.ptr(out)])
     return out

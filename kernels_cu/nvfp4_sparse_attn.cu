@@ -27,8 +27,8 @@
 // dsv4_nvfp4.attention.attn_kernel picks one of the three per step.
 //
 // Partials: o_part (B, nsplit, H, 512) fp32 (unnormalized, relative to m), ml_part (B, nsplit, H, 2) fp32 (m, l).
-// chunk is a multiple of 32 (of 64 for nvfp4_sparse_attn_wg); H a multiple of 16; K >= 0, W >= 0, W + K >= 1; q, win,
-// out rows 16-byte aligned.
+// chunk is a multiple of 32 (the launcher gives nvfp4_sparse_attn_wg whole 64-slot tiles; it reads no slot past the
+// chunk either way); H a multiple of 16; K >= 0, W >= 0, W + K >= 1; q, win, out rows 16-byte aligned.
 //
 // Compile-time switches: none.
 #include "nvfp4_common.cuh"

@@ -68,7 +68,8 @@ def cta(request, monkeypatch):
                                      (2, 64, 128, 0),        # window only (Flash's first layers)
                                      (5, 16, 37, 33),        # ragged sizes, one head tile
                                      (3, 64, 37, 100),       # a window that ends mid-tile, 64 heads
-                                     (2, 128, 45, 200)])     # the same, Pro's two 64-head CTAs
+                                     (2, 128, 45, 200),      # the same, Pro's two 64-head CTAs
+                                     (2, 64, 0, 40)])        # fewer slots than one 64-slot tile
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_against_float64_reference(B, H, W, K, splits, cta):
     c = case(B, H, W, K)
@@ -98,7 +99,8 @@ def test_bit_identical_run_to_run_and_graph_replays(cta):
     assert d.item() < 2e-3
 
 
-def test_empty_sequence_nan_and_sink(cta):
+@pytest.mark.parametrize("splits", [None, 1])          # 1: every tile of a sequence in one CTA (NaN across tiles)
+def test_empty_sequence_nan_and_sink(cta, splits):
     c = case(4, 64, 128, 256, seed=5)
     c["window_len"][2] = 0
     c["indices"][2] = -1                                     # sequence 2 reads nothing
@@ -106,12 +108,12 @@ def test_empty_sequence_nan_and_sink(cta):
     rest = c["indices"][1:]
     rest[rest == e] = (e + 1) % c["pool"].capacity            # an entry only sequence 0 reads
     c["pool"].global_scale[e] = float("nan")
-    got = run(c)
+    got = run(c, splits=splits)
     assert torch.equal(got[2], torch.zeros_like(got[2])), "no valid slot: zeros"
     assert got[0].isnan().all() and not got[[1, 3]].isnan().any(), "NaN only where its entry was read"
     c["pool"].global_scale[e] = 0.01
     c["sink"] = torch.full_like(c["sink"], -1e4)
-    rel = rel_per_query(run(c)[[0, 1, 3]], reference(c, sink=False)[[0, 1, 3]])
+    rel = rel_per_query(run(c, splits=splits)[[0, 1, 3]], reference(c, sink=False)[[0, 1, 3]])
     assert rel.max().item() <= 5e-3, "a very negative sink is no sink"
 
 

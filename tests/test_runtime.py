@@ -215,6 +215,31 @@ def test_no_register_spills(nvrtc, clean_env, arch):
         assert all(0 < n <= 255 for n in regs.values()), regs
 
 
+def test_attention_wgmma_kernel_is_not_serialized(nvrtc, clean_env):
+    """nvfp4_sparse_attn_wg for sm_90a: ptxas does not serialize its warpgroup MMAs (no "serialized" advisory: that
+    would put a full wait after each one), and its loop holds them back to back: 16 score MMAs with nothing that waits
+    on the tensor cores between them, then 4 for P . kv (from the SASS, where nvdisasm is installed)."""
+    import subprocess
+    r = rt.compile_cubin("nvfp4_sparse_attn.cu", "sm_90a", use_cache=False, verbose_ptxas=True)
+    assert "serialized" not in r.log, r.log[-3000:]
+    try:
+        from dsv4_nvfp4.gemm.sm90_kernel import _nvdisasm
+        dis = _nvdisasm()
+    except (ImportError, FileNotFoundError):
+        pytest.skip("nvdisasm is not installed (the [dev] extra has it)")
+    cub = clean_env.parent / "attn.cubin"
+    cub.write_bytes(bytes(r.cubin))
+    sass = subprocess.run([dis, "-c", str(cub)], capture_output=True, text=True, check=True).stdout
+    body = re.split(r"//-+ \.text\.([A-Za-z_0-9]+) -+", sass)
+    fn = dict(zip(body[1::2], body[2::2]))["nvfp4_sparse_attn_wg"]
+    ops = [l.split("*/", 1)[1].strip() for l in fn.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", l)]
+    qk = [i for i, o in enumerate(ops) if "HGMMA.64x64x16" in o]
+    pv = [i for i, o in enumerate(ops) if "HGMMA.64x256x16" in o]
+    assert len(qk) == 16 and len(pv) == 4, (len(qk), len(pv))
+    between = [o for o in ops[qk[0]:qk[-1]] + ops[pv[0]:pv[-1]] if "DEPBAR" in o or "BAR.SYNC" in o]
+    assert not between, between
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Compile errors
 BROKEN_CU = textwrap.dedent("""\
@@ -711,9 +736,11 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     qw_, iw_ = torch.zeros(nw_, 64, 512, dtype=torch.bfloat16), torch.zeros(nw_, 8, dtype=torch.int32)
     seq = run(lambda: AT.sparse_attention_decode(qw_, AT.NVFP4KVPool(16), iw_))
     assert seq == ["nvfp4_sparse_attn_wg", "nvfp4_sparse_attn_combine"], seq
-    nsplit_, chunk_ = AT.attn_splits(nw_, 64, 8, sms=132, heads=64, tile=AT.ATTN_WG_TILE, one_wave=True)
-    assert calls[0][2] == (nsplit_, 1, nw_) and chunk_ % AT.ATTN_WG_TILE == 0, (calls[0][2], chunk_)
-    assert calls[0][4][12] == chunk_                                   # the chunk argument: whole 64-slot tiles
+    iw2_ = torch.zeros(nw_, 640, dtype=torch.int32)                   # 10 tiles a sequence: one wave is 2 splits (5 if not)
+    seq = run(lambda: AT.sparse_attention_decode(qw_, AT.NVFP4KVPool(16), iw2_))
+    assert seq == ["nvfp4_sparse_attn_wg", "nvfp4_sparse_attn_combine"], seq
+    assert AT.attn_splits(nw_, 64, 640, sms=132, heads=64, tile=AT.ATTN_WG_TILE, one_wave=False)[0] == 5
+    assert calls[0][2] == (2, 1, nw_) and calls[0][4][12] == 320, (calls[0][2], calls[0][4][12])   # 2 x 5 whole tiles
     seen |= set(seq)
     seq = run(lambda: AT.sparse_attention_decode(qw_[: nw_ - 1], AT.NVFP4KVPool(16), iw_[: nw_ - 1]))
     assert seq[0] == "nvfp4_sparse_attn_partial", seq                 # one tile less: the 16-head CTA
@@ -721,7 +748,8 @@ def test_launch_arguments_match_kernel_signatures(nvrtc, clean_env, monkeypatch)
     seq = run(lambda: AT.sparse_attention_decode(qb_, AT.NVFP4KVPool(16), ib_))
     assert seq[0] == "nvfp4_sparse_attn_partial64", seq
     optin[0], arch[0] = 227 * 1024, "sm_100a"
-    assert blocks["nvfp4_sparse_attn_wg"] == {AT.ATTN64_THREADS} and shmems["nvfp4_sparse_attn_wg"] == {AT.ATTN_WG_SMEM}
+    assert blocks["nvfp4_sparse_attn_wg"] == {AT.ATTN_WG_THREADS} and shmems["nvfp4_sparse_attn_wg"] == {AT.ATTN_WG_SMEM}
+    assert re.search(r"constexpr int kWThreads = (\d+);", rt.kernel_source("nvfp4_sparse_attn.cu")).group(1) == str(AT.ATTN_WG_THREADS)
     assert re.search(r"static_assert\(kWgSmem == (\d+)", rt.kernel_source("nvfp4_sparse_attn.cu")).group(1) == str(AT.ATTN_WG_SMEM)
     assert blocks["nvfp4_sparse_attn_partial64"] == {AT.ATTN64_THREADS} and shmems["nvfp4_sparse_attn_partial64"] == {AT.ATTN64_SMEM}
     assert blocks["nvfp4_sparse_attn_partial"] == {128} and shmems["nvfp4_sparse_attn_partial"] == {0}
