@@ -1,6 +1,6 @@
 """GPU script for compute-sanitizer: every path of the fused decode attention once, on small shapes (the default split,
-one split, a ragged 16-head batch, no window, window only, Pro's 128 heads), with the plan's kernel choice and then with
-the 64-head CTA forced wherever H allows. Run as
+one split, a ragged 16-head batch, no window, window only, Pro's 128 heads), with the plan's kernel choice, then with
+the 64-head mma.sync CTA and then the warpgroup-MMA kernel (sm_90a) forced wherever H allows. Run as
 `compute-sanitizer --tool memcheck --report-api-errors no python3 tests/attn_sanitize.py` (likewise racecheck, synccheck).
 Each call is also checked against the float64 reference (5e-3 relative per query) and its count of bad indices, so a
 run that computes garbage fails even where the sanitizer reports nothing."""
