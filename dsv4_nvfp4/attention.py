@@ -84,9 +84,12 @@ def attn_wg(H: int, B: int, S: int, smem_optin: int | None = None, arch: str | N
     Hopper's warpgroup MMA): where H is a multiple of 64, the device is sm_90a (`arch`, `runtime.device_arch`), a block
     may opt in to ATTN_WG_SMEM bytes (`smem_optin`, None: assume it can) and the 64-head work B H / 64 x ceil(S / 32)
     is at least ATTN_WG_MIN_TILES tiles of 32 slots (below, the 16-head CTA's four times as many CTAs win)."""
-    tiles = B * (H // ATTN64_HEADS) * -(-S // ATTN_TILE)
-    return (arch == "sm_90a" and H % ATTN64_HEADS == 0 and tiles >= ATTN_WG_MIN_TILES
+    return (arch == "sm_90a" and H % ATTN64_HEADS == 0 and _tiles64(H, B, S) >= ATTN_WG_MIN_TILES
             and (smem_optin is None or smem_optin >= ATTN_WG_SMEM))
+
+def _tiles64(H: int, B: int, S: int) -> int:
+    "The 64-head work of a step: B H / 64 CTAs of ceil(S / 32) tiles of 32 slots each."
+    return B * (H // ATTN64_HEADS) * -(-S // ATTN_TILE)
 
 def attn_kernel(H: int, B: int, S: int, smem_optin: int | None = None, arch: str | None = None) -> str:
     "The partial kernel such a step launches: `attn_wg`'s, else the 64- or 16-head mma.sync one (`attn_heads`)."
@@ -100,8 +103,7 @@ def attn_heads(H: int, B: int, S: int, smem_optin: int | None = None) -> int:
     device's `shared_memory_per_block_optin`; None: assume it can, as every Hopper and Blackwell datacenter GPU does,
     227 KB); else 16 (four times the CTAs: small steps, and 99-KB GPUs)."""
     fits = smem_optin is None or smem_optin >= ATTN64_SMEM
-    tiles = B * (H // ATTN64_HEADS) * -(-S // ATTN_TILE)
-    return ATTN64_HEADS if fits and H % ATTN64_HEADS == 0 and tiles >= ATTN64_MIN_TILES else ATTN_HEADS
+    return ATTN64_HEADS if fits and H % ATTN64_HEADS == 0 and _tiles64(H, B, S) >= ATTN64_MIN_TILES else ATTN_HEADS
 
 def attn_splits(B: int, H: int, S: int, sms: int = 132, splits: int | None = None, heads: int | None = None,
                 tile: int = ATTN_TILE, one_wave: bool = False) -> tuple[int, int]:
@@ -162,14 +164,18 @@ def _check_attention(what, q, codes, scales, gs, indices, window, window_len, si
         if bad_count.numel() != 1: raise ValueError(f"{what}: bad_count must be an int32 (1,) tensor")
     return B, H, W, indices.shape[1], cap
 
+_ATTN_LAUNCH = {   # partial kernel -> (heads per CTA, threads, dynamic shared memory, slots per tile)
+    "nvfp4_sparse_attn_partial": (ATTN_HEADS, 128, 0, ATTN_TILE),
+    "nvfp4_sparse_attn_partial64": (ATTN64_HEADS, ATTN64_THREADS, ATTN64_SMEM, ATTN_TILE),
+    "nvfp4_sparse_attn_wg": (ATTN64_HEADS, ATTN_WG_THREADS, ATTN_WG_SMEM, ATTN_WG_TILE)}
+
 def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, rope, out, bad_count, splits):
     B, H, W, K, cap = _check_attention("sparse_attention_decode", q, codes, scales, gs, indices, window, window_len,
                                        sink, out_pos, scale, rope, out, bad_count)
     dev = q.device
     kern = attn_kernel(H, B, W + K, rt.smem_optin(dev.index), rt.device_arch(dev))
-    wg = kern == "nvfp4_sparse_attn_wg"
-    heads = ATTN_HEADS if kern == "nvfp4_sparse_attn_partial" else ATTN64_HEADS
-    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index), splits, heads, ATTN_WG_TILE if wg else ATTN_TILE, wg)
+    heads, threads, smem, tile = _ATTN_LAUNCH[kern]
+    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index), splits, heads, tile, kern == "nvfp4_sparse_attn_wg")
     o_part = torch.empty(B, nsplit, H, KV_DIM, dtype=torch.float32, device=dev)
     ml_part = torch.empty(B, nsplit, H, 2, dtype=torch.float32, device=dev)
     out = torch.empty_like(q) if out is None else out
@@ -178,8 +184,6 @@ def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos,
         args = [rt.ptr(q), rt.ptr(window), rt.ptr(window_len), rt.i32(W), rt.ptr(codes), rt.ptr(scales), rt.ptr(gs),
                 rt.i64(cap), rt.ptr(indices), rt.i32(K), rt.i32(H), rt.f32(scale), rt.i32(chunk), rt.ptr(o_part),
                 rt.ptr(ml_part), rt.ptr(bad_count)]
-        threads, smem = {"nvfp4_sparse_attn_wg": (ATTN_WG_THREADS, ATTN_WG_SMEM),
-                         "nvfp4_sparse_attn_partial64": (ATTN64_THREADS, ATTN64_SMEM)}.get(kern, (128, 0))
         rt.launch(ATTN_CU, kern, (nsplit, H // heads, B), (threads, 1, 1), args, shmem=smem)
         rt.launch(ATTN_CU, "nvfp4_sparse_attn_combine", (B * H, 1, 1), (128, 1, 1),
                   [rt.ptr(o_part), rt.ptr(ml_part), rt.i32(nsplit), rt.i32(H), rt.ptr(sink), rt.ptr(out_pos), rt.ptr(freqs), rt.ptr(out)])

@@ -27,7 +27,7 @@ SUPPORTED_ARCHS = ("sm_90a", "sm_100a")  # compile-checked in CI; sm_90a is the 
 __all__ = ['SUPPORTED_ARCHS', 'KERNELS_DIR', 'SMEM_DEFAULT_MAX', 'DTYPE_SUFFIX', 'OP_REGISTRY', 'KernelCompileError',
            'KernelLaunchError', 'CudaUnavailableError', 'kernels_dir', 'kernel_files', 'kernel_source', 'cache_dir',
            'show_cu', 'nvrtc_version', 'cuda_include_dirs', 'compile_options', 'cache_key', 'CompileResult',
-           'compile_cubin', 'compile_all', 'device_arch', 'sm_count', 'get_kernel', 'smem_optin', 'launch', 'ptr',
+           'compile_cubin', 'compile_all', 'device_arch', 'sm_count', 'smem_optin', 'get_kernel', 'launch', 'ptr',
            'copy_d2d', 'i64', 'i32', 'u32', 'f32', 'launch_device_type', 'on_device', 'check_tensor', 'out_tensor',
            'check_k16', 'launch_1d', 'register_op_object', 'op_object', 'define_op']
 
@@ -294,7 +294,7 @@ def _torch():
     return torch
 
 _arch_cache: dict = {}
-_sm_cache: dict = {}
+_props_cache: dict = {}   # device index -> torch's device properties (read once)
 
 def device_arch(device=None) -> str:
     "The NVRTC arch for a torch CUDA device: sm_90a on Hopper, sm_100a on B200/GB200, else sm_XY[a]."
@@ -308,10 +308,17 @@ def device_arch(device=None) -> str:
         _arch_cache[i] = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
     return _arch_cache[i]
 
+def _props(device_index: int):
+    if device_index not in _props_cache: _props_cache[device_index] = _torch().cuda.get_device_properties(device_index)
+    return _props_cache[device_index]
+
 def sm_count(device_index: int) -> int:
-    if device_index not in _sm_cache:
-        _sm_cache[device_index] = _torch().cuda.get_device_properties(device_index).multi_processor_count
-    return _sm_cache[device_index]
+    "The device's SM count (cached)."
+    return _props(device_index).multi_processor_count
+
+def smem_optin(device_index: int) -> int:
+    "The most shared memory one block may opt in to on the device, in bytes (227 KB on Hopper, 99 KB on sm_86/89), cached."
+    return int(_props(device_index).shared_memory_per_block_optin)
 
 _tls = threading.local()
 
@@ -427,13 +434,6 @@ def _opt_in_smem(kernel, dev: int, shmem: int, name: str, file: str):
     if not ok:
         raise KernelLaunchError(f"{name} (kernels_cu/{file}): {shmem} bytes of dynamic shared memory refused on device {dev}: {err}")
 
-_smem_optin_cache: dict = {}
-
-def smem_optin(device_index: int) -> int:
-    "The most shared memory one block may opt in to on the device, in bytes (227 KB on Hopper, 99 KB on sm_86/89), cached."
-    if device_index not in _smem_optin_cache:
-        _smem_optin_cache[device_index] = int(_torch().cuda.get_device_properties(device_index).shared_memory_per_block_optin)
-    return _smem_optin_cache[device_index]
 _configs: dict = {}   # (grid, block, shmem) -> LaunchConfig
 _torch_mod = None
 

@@ -85,9 +85,16 @@ __device__ __forceinline__ void decode8_bf16(u32 w, float s64, u32* o) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] = pack_bf16(__fmul_rn(f[j].x, s64), __fmul_rn(f[j].y, s64));
 }
+// A 16-block (16 codes, its E4M3 scale byte) as 8 bf16x2 words, exact.
+__device__ __forceinline__ void decode16_bf16(uint2 cw, u32 sb, u32 (&o)[8]) {
+    const float s64 = __fmul_rn(e4m3_to_float(sb), 64.0f);
+    decode8_bf16(cw.x, s64, o);
+    decode8_bf16(cw.y, s64, o + 4);
+}
 
 
-// ---- the pieces both partial kernels share (NW warps, NT = 32 / NW tile slots per thread) ----------------------------
+// ---- the pieces the partial kernels share (store_tile / load_raw: the mma.sync ones, NW warps, NT = 32 / NW tile slots
+// per thread) ----------------------------------------------------------------------------------------------------------
 
 // The pool slot tile slot j of sequence b names: -1 for window slots and past the split's end.
 __device__ __forceinline__ int pool_index(const int* __restrict__ idx, i64 b, int K, int W, int j1, int j) {
@@ -135,10 +142,8 @@ __device__ __forceinline__ bool store_tile(__nv_bfloat16 (*kv)[kRow], float* gsv
                 async = true; gj = 1.0f; ok = 1;
             }
         } else if (j < j1 && e[i] >= 0 && (i64)e[i] < cap) {
-            const float s64 = __fmul_rn(e4m3_to_float(sb[i]), 64.0f);
             u32 w8[8];
-            decode8_bf16(cw[i].x, s64, w8);
-            decode8_bf16(cw[i].y, s64, w8 + 4);
+            decode16_bf16(cw[i], sb[i], w8);
             uint4* d = reinterpret_cast<uint4*>(dst);
             d[0] = make_uint4(w8[0], w8[1], w8[2], w8[3]); d[1] = make_uint4(w8[4], w8[5], w8[6], w8[7]);
             gj = gv[i]; ok = 1;
@@ -588,10 +593,8 @@ __device__ __forceinline__ bool wg_store_tile(u32 kv, float* gsv, int* okv, int 
     } else if (j < j1 && e >= 0 && (i64)e < cap) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const float s64 = __fmul_rn(e4m3_to_float(sb[i]), 64.0f);
             u32 w8[8];
-            decode8_bf16(cw[i].x, s64, w8);
-            decode8_bf16(cw[i].y, s64, w8 + 4);
+            decode16_bf16(cw[i], sb[i], w8);
             asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(kv + sw_off(s, 64 * i + 16 * sub)),
                          "r"(w8[0]), "r"(w8[1]), "r"(w8[2]), "r"(w8[3]) : "memory");
             asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(kv + sw_off(s, 64 * i + 16 * sub + 8)),

@@ -1,10 +1,11 @@
-"""The fused decode attention's two partial kernels on the same inputs in one run: the 64-head CTA
-(nvfp4_sparse_attn_partial64, what H % 64 == 0 launches) and the 16-head CTA (nvfp4_sparse_attn_partial, forced by
-patching attention.attn_heads), with the gather-then-attend bf16 peer beside them; graph-replayed, L2 flushed clean,
-median us. Also the largest relative difference per query between the two kernels' outputs. Writes OUT.json after
-each row. With BASE_CU (a copy of kernels_cu/nvfp4_sparse_attn.cu from another commit, put in kernels_cu/ under that
-name), both kernels of the base are timed beside the tree's and their outputs compared bit for bit (`same_bits`: a
-refactor that keeps the arithmetic must keep every bit).
+"""The fused decode attention's three partial kernels on the same inputs in one run, each forced by patching
+attention.attn_heads / attention.attn_wg: the 64-head mma.sync CTA (nvfp4_sparse_attn_partial64), the 16-head one
+(nvfp4_sparse_attn_partial) and the warpgroup-MMA kernel (nvfp4_sparse_attn_wg, sm_90a), with the gather-then-attend
+bf16 peer beside them and the kernel `attn_kernel` would pick (`plan`); graph-replayed, L2 flushed clean, median us.
+Also the largest relative difference per query between the kernels' outputs. Writes OUT.json after each row. With
+BASE_CU (a copy of kernels_cu/nvfp4_sparse_attn.cu from another commit, put in kernels_cu/ under that name), the base's
+two mma.sync kernels are timed beside the tree's and their outputs compared bit for bit (`same_bits`: a refactor that
+keeps the arithmetic must keep every bit).
 
     python tests/attn_ab.py OUT.json [--base BASE_CU] [--batches 1 32 64 128] [--contexts 32768 131072]"""
 import argparse, json
@@ -23,7 +24,7 @@ args = ap.parse_args()
 timer, res = Timer(), dict(info=gpu_info(), rows=[])
 base_cu = args.base
 tree_cu = A.ATTN_CU
-heads64, wg0 = A.attn_heads, A.attn_wg      # the plan (restored after each forced set)
+plan_heads, plan_wg = A.attn_heads, A.attn_wg   # the plan (restored after each forced set)
 for name, H, K, ratio in ATTN_PROBLEMS:
     for ctx in args.contexts or ATTN_CONTEXTS:
         for B in args.batches:
@@ -46,7 +47,7 @@ for name, H, K, ratio in ATTN_PROBLEMS:
                     row[f"base_{kind}_us"] = round(g or e, 1)
                     row[f"{kind}_same_bits"] = bool(torch.equal(A.sparse_attention_decode(**a).float(), outs[kind]))
                     A.ATTN_CU = tree_cu
-            A.attn_heads, A.attn_wg = heads64, wg0
+            A.attn_heads, A.attn_wg = plan_heads, plan_wg
             g, e = timer(lambda: A.attend_gathered_bf16(**a))
             row["peer_us"] = round(g or e, 1)
             d = (outs["cta64"] - outs["cta16"]).flatten(1).norm(dim=1) / outs["cta16"].flatten(1).norm(dim=1).clamp_min(1e-30)

@@ -111,7 +111,7 @@ def test_mlp_benchmark_text_is_rendered_from_the_rows():
 def test_timer_waits_for_the_callers_stream_first(monkeypatch):
     """Timer runs the call on its own stream: it must first wait for the caller's stream, where the inputs are made
     (without the wait a call could read inputs still being written and write into memory the caller's kernels still
-    use: the session-35 fault of `bench attn`, 07c). Recorded on CPU with the CUDA calls faked."""
+    use: the `bench attn` fault 07c explains). Recorded on CPU with the CUDA calls faked."""
     import contextlib
     import torch
     events = []
