@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # (name, command, GPUs, expected seconds): the expectations are last runs' times, to order the queue
 NVRTC = [("pytest_kernels", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider -n {ngpu} tests/test_kernels_gpu.py", "all", 300),
-         ("pytest_kv_route", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_kv_gpu.py tests/test_moe_route_gpu.py tests/test_attention_gpu.py", 1, 120)]
+         ("pytest_kv_route", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_kv_gpu.py tests/test_moe_route_gpu.py tests/test_attention_gpu.py tests/test_bench.py", 1, 120)]
 NVRTC_NBS = ["03_runtime", "03a_quantize_cuda", "03b_norm_quantize", "06_kv_compress", "07_dequant_gather", "07b_sparse_attention", "07c_bench_attn", "index"]
 CUTE = [("pytest_ep_2gpu", "python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider tests/test_ep_gpu.py tests/test_ep_soak_gpu.py", 2, 250),
         ("pytest_gemm", "python3 -m pytest -v -rA --tb=short -m gpu -p no:cacheprovider tests/test_gemm_gpu.py tests/test_w4a8_gpu.py", 1, 220),

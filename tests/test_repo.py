@@ -1,6 +1,7 @@
 """Repository hygiene: what the docs tools and the CLI write stays out of git."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,16 @@ def _gpu_suite():
     spec = importlib.util.spec_from_file_location("gpu_suite", Path(__file__).parent / "gpu_suite.py")
     G = importlib.util.module_from_spec(spec); spec.loader.exec_module(G)
     return G
+
+
+def test_gpu_suite_runs_every_test_file_with_gpu_tests():
+    "A test file with a `gpu` mark that no job of tests/gpu_suite.py names would never run on the GPU host."
+    import gpu_suite
+    named = " ".join(c for _, c, _, _ in gpu_suite.NVRTC + gpu_suite.CUTE)
+    gpu = re.compile(r"^(@pytest\.mark\.gpu|pytestmark\b.*\bgpu\b)", re.M)
+    marked = [p.name for p in (ROOT / "tests").glob("test_*.py") if gpu.search(p.read_text())]
+    assert len(marked) >= 10, marked
+    assert [m for m in marked if f"tests/{m}" not in named] == []
 
 
 def test_gpu_suite_take_gives_distinct_gpus_with_free_slots():
