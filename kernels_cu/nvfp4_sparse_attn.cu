@@ -567,6 +567,16 @@ __device__ __forceinline__ void wgmma_pv(float* d, const u32 (&a)[4], unsigned l
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pin registers an in-flight warpgroup MMA reads or writes: no instruction that touches them moves across the point
+// (the accumulators before the fence and after the wait, P's fragments until the wait).
+template <int N> __device__ __forceinline__ void wg_pin(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+template <int N> __device__ __forceinline__ void wg_pin(u32* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
 #endif
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -686,14 +696,17 @@ nvfp4_sparse_attn_wg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* _
         __syncthreads();                         // this tile published; the other buffer's last readers are done
         // ---- S_c = Q[:, dims] . KV[:, dims]^T, in flight while the next tile is decoded
         float sacc[8][4];
+        // the descriptors of this warpgroup's first k step; the others add their (16-byte) offset to the address field
+        // (no carry out of it: every shared address is below 2^18)
+        const unsigned long long dq = sw_desc(sbase + 4 * c * kWBlk, 16, 1024), dk = sw_desc(kv + 4 * c * kWBlk, 16, 1024);
+        wg_pin<32>(&sacc[0][0]);
         wg_fence();
 #pragma unroll
         for (int kb = 0; kb < 4; ++kb)
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) {
-                const u32 off = (u32)((4 * c + kb) * kWBlk + 32 * ks);
-                wgmma_qk(reinterpret_cast<float (&)[32]>(sacc), sw_desc(sbase + off, 16, 1024),
-                         sw_desc(kv + off, 16, 1024), (kb | ks) != 0);
+                const unsigned long long off = (unsigned long long)((kb * kWBlk + 32 * ks) >> 4);
+                wgmma_qk(reinterpret_cast<float (&)[32]>(sacc), dq + off, dk + off, (kb | ks) != 0);
             }
         wg_commit();
         if (base + kWTS < j1) {
@@ -708,14 +721,19 @@ nvfp4_sparse_attn_wg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* _
             if (base + 2 * kWTS < j1) wg_load_raw(e_cur, cw, sb, gv, codes, sf, gs, cap, sub);
         }
         wg_wait0();
+        wg_pin<32>(&sacc[0][0]);
         // ---- the two halves' scores, exchanged thread by thread
-        float* mine = part + c * 32 * 128;
-        const float* other = part + (c ^ 1) * 32 * 128;
+        float4* mine = reinterpret_cast<float4*>(part) + c * 8 * 128;          // [8][128] float4: 16-byte stores
+        const float4* other = reinterpret_cast<const float4*>(part) + (c ^ 1) * 8 * 128;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) mine[k * 128 + tw] = (&sacc[0][0])[k];
+        for (int n = 0; n < 8; ++n) mine[n * 128 + tw] = make_float4(sacc[n][0], sacc[n][1], sacc[n][2], sacc[n][3]);
         __syncthreads();                         // the partial scores and the next tile published
 #pragma unroll
-        for (int k = 0; k < 32; ++k) (&sacc[0][0])[k] = __fadd_rn((&sacc[0][0])[k], other[k * 128 + tw]);
+        for (int n = 0; n < 8; ++n) {
+            const float4 x = other[n * 128 + tw];
+            sacc[n][0] = __fadd_rn(sacc[n][0], x.x); sacc[n][1] = __fadd_rn(sacc[n][1], x.y);
+            sacc[n][2] = __fadd_rn(sacc[n][2], x.z); sacc[n][3] = __fadd_rn(sacc[n][3], x.w);
+        }
         float alpha[2];
         u32 pa[4][4];
         online_softmax<8>(sacc, reinterpret_cast<const float*>(gbase + kWGsv) + cur * kWTS,
@@ -727,12 +745,16 @@ nvfp4_sparse_attn_wg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* _
             }
         }
         // ---- O_c += P . KV[:, dims]: kv MN-major, 64-dim blocks 8192 bytes apart, 8-slot groups 1024
+        const unsigned long long dv = sw_desc(kv + 4 * c * kWBlk, kWBlk, 1024);
+        wg_pin<128>(&o[0][0]);
+        wg_pin<16>(&pa[0][0]);
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-            wgmma_pv(&o[0][0], pa[ks], sw_desc(kv + (u32)(4 * c * kWBlk + 16 * 128 * ks), kWBlk, 1024));
+        for (int ks = 0; ks < 4; ++ks) wgmma_pv(&o[0][0], pa[ks], dv + (unsigned long long)((16 * 128 * ks) >> 4));
         wg_commit();
         wg_wait0();
+        wg_pin<128>(&o[0][0]);
+        wg_pin<16>(&pa[0][0]);
     }
     store_partials(o, m_r, l_r, ((i64)b * nsplit + split) * H + h0 + 16 * (warp & 3), 256 * c, g, t, c == 0, o_part, ml_part);
 #else
