@@ -506,16 +506,19 @@ nvfp4_sparse_attn_partial64(const __nv_bfloat16* __restrict__ q, const __nv_bflo
 // 128 bytes, its eight 16-byte chunks XOR-ed with the row's index mod 8; the 512 dims are 8 such blocks of rows), and
 // double-buffered: the tile after this one is decoded while this one's score MMAs run. Warpgroup c takes dims
 // 256 c .. + 255 for both products: S_c = Q[:, dims] . KV[:, dims]^T (64 heads x 64 slots, wgmma m64n64k16, q and kv
-// from shared memory, both K-major), the two warpgroups exchange S_c through shared memory thread by thread (the same
-// thread of each holds the same elements) and each adds the other's (a + b = b + a: both get the same bits, so both
-// keep the same softmax state), the online softmax of the 16-head kernels on the register fragments, then
+// from shared memory, both K-major). Warp w of warpgroup c holds heads 16 (w % 4) .. + 15 of S_c; of the two warps that
+// hold a head tile, one (the owner: warps 0, 1, 6, 7, one on each scheduler) adds the other's half, read from shared
+// memory thread by thread (the same thread of each holds the same elements), runs the online softmax of the 16-head
+// kernels on the register fragments and hands P and the rescale factors back to its partner through shared memory
+// (a named barrier per pair of warps); the owner keeps the pair's (m, l). Then
 // O_c += P . KV[:, dims] (64 x 256, wgmma m64n256k16, P from registers as the A operand, kv read MN-major from the same
 // tile). The slots, the validity rules, the scales and the partials' layout are the other kernels'; the products' sums
 // run in the tensor cores' own order (not bit-identical to the mma.sync kernels; each within the reference tolerance).
 constexpr int kWTS = 64;                                  // slots per tile
 constexpr int kWThreads = 256;
 constexpr int kWBlk = 64 * 128;                           // bytes of one 64-dim block of 64 rows (q: heads, kv: slots)
-// the window, from its 1024-aligned base: q (8 blocks of 64 heads) at 0, two kv tiles, the exchanged scores, gs, ok
+// the window, from its 1024-aligned base: q (8 blocks of 64 heads) at 0, two kv tiles, the exchange (the partners' S,
+// then the owners' P and alpha: 25 of its 32 KB), gs, ok
 constexpr int kWKV = 8 * kWBlk, kWPart = kWKV + 2 * 8 * kWBlk, kWGsv = kWPart + 2 * 32 * 128 * 4;
 constexpr int kWOk = kWGsv + 2 * kWTS * 4, kWEnd = kWOk + 2 * kWTS * 4;
 constexpr int kWgSmem = kWEnd + 1024;                     // + the alignment of the dynamic window to 1024 bytes
@@ -649,11 +652,13 @@ nvfp4_sparse_attn_wg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* _
     extern __shared__ __align__(16) unsigned char wg_smem[];   // aligned to 1024 bytes here (the swizzle's period)
     const u32 sbase = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
     unsigned char* gbase = wg_smem + (sbase - (u32)__cvta_generic_to_shared(wg_smem));
-    float* part = reinterpret_cast<float*>(gbase + kWPart);                 // [2][32][128]: each warpgroup's S_c
+    float* part = reinterpret_cast<float*>(gbase + kWPart);                 // the partners' S, the owners' P and alpha
     const int split = blockIdx.x, hb = blockIdx.y, nsplit = gridDim.x;
     const i64 b = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int c = warp >> 2, tw = threadIdx.x & 127;            // warpgroup (dim half) and thread in it
+    const int c = warp >> 2;                                   // warpgroup (dim half)
+    const int hw = warp & 3;                                   // head tile (heads 16 hw ..): warps hw and hw + 4
+    const bool owner = c == (hw >> 1);                         // its softmax: warps 0, 1, 6, 7 (one per scheduler)
     const int S = W + K;
     const int j0 = split * chunk, j1 = min(S, j0 + chunk);
     const int wl = W > 0 ? min(max(wlen[b], 0), W) : 0;
@@ -722,22 +727,41 @@ nvfp4_sparse_attn_wg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* _
         }
         wg_wait0();
         wg_pin<32>(&sacc[0][0]);
-        // ---- the two halves' scores, exchanged thread by thread
-        float4* mine = reinterpret_cast<float4*>(part) + c * 8 * 128;          // [8][128] float4: 16-byte stores
-        const float4* other = reinterpret_cast<const float4*>(part) + (c ^ 1) * 8 * 128;
+        // ---- the scores of head tile hw: the partner's half added to the owner's, the owner's softmax, its P and
+        // alpha handed back (one softmax per head tile, not one per warpgroup; one warp of each scheduler computes it)
+        float4* sx = reinterpret_cast<float4*>(part) + hw * 8 * 32;           // [4 hw][8 n][32 lanes] float4
+        uint4* px = reinterpret_cast<uint4*>(part + 4 * 8 * 32 * 4) + hw * 4 * 32;   // [4 hw][4 ks][32 lanes] uint4
+        float2* ax = reinterpret_cast<float2*>(part + 4 * 8 * 32 * 4 + 4 * 4 * 32 * 4) + hw * 32;   // [4 hw][32 lanes]
+        if (!owner) {
 #pragma unroll
-        for (int n = 0; n < 8; ++n) mine[n * 128 + tw] = make_float4(sacc[n][0], sacc[n][1], sacc[n][2], sacc[n][3]);
-        __syncthreads();                         // the partial scores and the next tile published
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-            const float4 x = other[n * 128 + tw];
-            sacc[n][0] = __fadd_rn(sacc[n][0], x.x); sacc[n][1] = __fadd_rn(sacc[n][1], x.y);
-            sacc[n][2] = __fadd_rn(sacc[n][2], x.z); sacc[n][3] = __fadd_rn(sacc[n][3], x.w);
+            for (int n = 0; n < 8; ++n) sx[n * 32 + lane] = make_float4(sacc[n][0], sacc[n][1], sacc[n][2], sacc[n][3]);
         }
+        __syncthreads();                         // the partners' scores and the next tile published
         float alpha[2];
         u32 pa[4][4];
-        online_softmax<8>(sacc, reinterpret_cast<const float*>(gbase + kWGsv) + cur * kWTS,
-                          reinterpret_cast<const int*>(gbase + kWOk) + cur * kWTS, scale, t, m_r, l_r, alpha, pa);
+        if (owner) {
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {        // a + b == b + a: the bits both warpgroups summed before
+                const float4 x = sx[n * 32 + lane];
+                sacc[n][0] = __fadd_rn(sacc[n][0], x.x); sacc[n][1] = __fadd_rn(sacc[n][1], x.y);
+                sacc[n][2] = __fadd_rn(sacc[n][2], x.z); sacc[n][3] = __fadd_rn(sacc[n][3], x.w);
+            }
+            online_softmax<8>(sacc, reinterpret_cast<const float*>(gbase + kWGsv) + cur * kWTS,
+                              reinterpret_cast<const int*>(gbase + kWOk) + cur * kWTS, scale, t, m_r, l_r, alpha, pa);
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) px[ks * 32 + lane] = make_uint4(pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3]);
+            ax[lane] = make_float2(alpha[0], alpha[1]);
+        }
+        asm volatile("bar.sync %0, 64;\n" :: "r"(1 + hw) : "memory");      // the pair's P and alpha published
+        if (!owner) {
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                const uint4 x = px[ks * 32 + lane];
+                pa[ks][0] = x.x; pa[ks][1] = x.y; pa[ks][2] = x.z; pa[ks][3] = x.w;
+            }
+            const float2 a = ax[lane];
+            alpha[0] = a.x; alpha[1] = a.y;
+        }
         if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
             for (int n = 0; n < 32; ++n) {
@@ -756,7 +780,7 @@ nvfp4_sparse_attn_wg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* _
         wg_pin<128>(&o[0][0]);
         wg_pin<16>(&pa[0][0]);
     }
-    store_partials(o, m_r, l_r, ((i64)b * nsplit + split) * H + h0 + 16 * (warp & 3), 256 * c, g, t, c == 0, o_part, ml_part);
+    store_partials(o, m_r, l_r, ((i64)b * nsplit + split) * H + h0 + 16 * hw, 256 * c, g, t, owner, o_part, ml_part);
 #else
     __trap();                                    // sm_90a only: the launcher never picks it elsewhere
 #endif
