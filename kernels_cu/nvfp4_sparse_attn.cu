@@ -159,22 +159,39 @@ __device__ __forceinline__ bool store_tile(__nv_bfloat16 (*kv)[kRow], float* gsv
     return async;
 }
 
+// exp(x) as __expf computes it (x * log2 e rounded, then the hardware's 2^y), but with the result flushed to zero below
+// 2^-126 instead of computed as a subnormal: __expf's own subnormal path costs four more instructions per call. A p that
+// small adds nothing to l (>= 1 after the row's max) and under 2^-100 of the row's largest term to o.
+__device__ __forceinline__ float exp_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(x, 1.4426950216293334961f)));
+    return y;
+}
+
 // The online softmax of one tile of 8 NB slots for rows g, g + 8 of a 16-head tile, from the raw scores `sv` (q . kv_hat,
 // fp32, in the C-fragment layout of NB n8 tiles: sv[n][0..1] row g, sv[n][2..3] row g + 8, columns 8 n + 2 t, + 1):
 // times gs * scale, -inf for invalid slots; the running max m_r and this thread's share of the denominators l_r
-// updated; alpha, the factor o must be scaled by; P (times each slot's gs) packed as the A fragments of the P . kv MMA
+// updated; alpha, the factor o must be scaled by; P (exp_ftz, times each slot's gs) packed as the A fragments of the P . kv MMA
 // (k steps of 16 slots).
 template <int NB>
 __device__ __forceinline__ void online_softmax(float (&sv)[NB][4], const float* gsv, const int* okv, float scale, int t,
                                                float (&m_r)[2], float (&l_r)[2], float (&alpha)[2], u32 (&pa)[NB / 2][4]) {
     float mx[2] = {m_r[0], m_r[1]};
+    // columns 8 n + 2 t and + 1 of each n tile: their validity and global scale, one 8-byte load each, once
+    int2 ok[NB];
+    float2 gv[NB];
 #pragma unroll
     for (int n = 0; n < NB; ++n) {
+        ok[n] = *reinterpret_cast<const int2*>(okv + 8 * n + 2 * t);
+        gv[n] = *reinterpret_cast<const float2*>(gsv + 8 * n + 2 * t);
+    }
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+        const float f0 = __fmul_rn(gv[n].x, scale), f1 = __fmul_rn(gv[n].y, scale);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int col = 8 * n + 2 * t;
-            sv[n][2 * h] = okv[col] ? __fmul_rn(sv[n][2 * h], __fmul_rn(gsv[col], scale)) : -kInf;
-            sv[n][2 * h + 1] = okv[col + 1] ? __fmul_rn(sv[n][2 * h + 1], __fmul_rn(gsv[col + 1], scale)) : -kInf;
+            sv[n][2 * h] = ok[n].x ? __fmul_rn(sv[n][2 * h], f0) : -kInf;
+            sv[n][2 * h + 1] = ok[n].y ? __fmul_rn(sv[n][2 * h + 1], f1) : -kInf;
             mx[h] = fmaxf(mx[h], fmaxf(sv[n][2 * h], sv[n][2 * h + 1]));
         }
     }
@@ -193,10 +210,9 @@ __device__ __forceinline__ void online_softmax(float (&sv)[NB][4], const float* 
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int col = 8 * n + 2 * t + (e & 1);
-            p[e] = okv[col] ? __expf(sv[n][e] - mref[e >> 1]) : 0.0f;     // a NaN score stays NaN
+            p[e] = exp_ftz(sv[n][e] - mref[e >> 1]);    // invalid: exp(-inf) = 0; a NaN score stays NaN
             l_r[e >> 1] += p[e];
-            p[e] = __fmul_rn(p[e], gsv[col]);                            // the entry's global scale, on p
+            p[e] = __fmul_rn(p[e], (e & 1) ? gv[n].y : gv[n].x);         // the entry's global scale, on p
         }
         // C fragment of n tile n -> A fragment of k step n / 2 (slots 16 (n/2) ..): registers (n & 1) * 2 + {0, 1}
         pa[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p[0], p[1]);
