@@ -53,8 +53,9 @@ def take(free, g):
 
 
 def failures(out, names, per_job=40):
-    """The failing tests and their assertion lines of each job in `names`, from its log, for summary.md: the summary
-    is the one file sure to come back from a time-limited run (a run returns a limited number of files)."""
+    """The failing tests and their assertion lines of each job in `names`, from its log, for summary.md, which is also
+    printed at the end: a run returns a limited number of files, and the printed summary reaches the caller when the
+    job logs and summary.md do not."""
     text = ""
     for n in names:
         f = out / f"{n}.log"
