@@ -218,7 +218,8 @@ def test_no_register_spills(nvrtc, clean_env, arch):
 def test_attention_wgmma_kernel_is_not_serialized(nvrtc, clean_env):
     """nvfp4_sparse_attn_wg for sm_90a: ptxas does not serialize its warpgroup MMAs (no "serialized" advisory: that
     would put a full wait after each one), and its loop holds them back to back: 16 score MMAs with nothing that waits
-    on the tensor cores between them, then 4 for P . kv (from the SASS, where nvdisasm is installed)."""
+    on the tensor cores between them, then 4 for P . kv (from the SASS, where nvdisasm is installed); the loop's
+    barriers, exps and length as 07b describes them."""
     import subprocess
     r = rt.compile_cubin("nvfp4_sparse_attn.cu", "sm_90a", use_cache=False, verbose_ptxas=True)
     assert "serialized" not in r.log, r.log[-3000:]
@@ -238,6 +239,16 @@ def test_attention_wgmma_kernel_is_not_serialized(nvrtc, clean_env):
     assert len(qk) == 16 and len(pv) == 4, (len(qk), len(pv))
     between = [o for o in ops[qk[0]:qk[-1]] + ops[pv[0]:pv[-1]] if "DEPBAR" in o or "BAR.SYNC" in o]
     assert not between, between
+    # one tile's loop, from the barrier that publishes the tile to the last P . kv MMA (07b, session 36): three
+    # barriers (the tile, the partners' scores, the pair's P: a named barrier of 64 threads), 34 exp (32 p through
+    # exp_ftz, with no subnormal path, and the two rescale factors through __expf, with theirs), 1667 static
+    # instructions when written (1983 before the softmax's loads were hoisted and exp_ftz came in)
+    top = next(i for i, o in enumerate(ops) if o.startswith("BAR.SYNC.DEFER_BLOCKING 0x0"))
+    loop = ops[top:pv[-1] + 1]
+    bars = [o for o in loop if o.startswith("BAR.SYNC")]
+    assert len(bars) == 3 and bars[2].rstrip(" ;").endswith(", 0x40"), bars
+    assert sum("MUFU.EX2" in o for o in loop) == 34 and sum("FSETP.GEU" in o for o in loop) <= 2
+    assert len(loop) <= 1700, len(loop)
 
 
 # ------------------------------------------------------------------------------------------------------------
