@@ -160,8 +160,10 @@ __device__ __forceinline__ bool store_tile(__nv_bfloat16 (*kv)[kRow], float* gsv
 }
 
 // exp(x) as __expf computes it (x * log2 e rounded, then the hardware's 2^y), but with the result flushed to zero below
-// 2^-126 instead of computed as a subnormal: __expf's own subnormal path costs four more instructions per call. A p that
-// small adds nothing to l (>= 1 after the row's max) and under 2^-100 of the row's largest term to o.
+// 2^-126 instead of computed as a subnormal: __expf's own subnormal path costs three more instructions per call (a
+// compare and two predicated multiplies). A p that small adds nothing to l (>= 1 after the row's max) and less than
+// 2^-100 of the row's largest term to o; an output element whose every larger term is zero (kv_hat[d] = 0) can keep
+// such a subnormal contribution with __expf and be zero here.
 __device__ __forceinline__ float exp_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(x, 1.4426950216293334961f)));
@@ -586,8 +588,9 @@ __device__ __forceinline__ void wgmma_pv(float* d, const u32 (&a)[4], unsigned l
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Pin registers an in-flight warpgroup MMA reads or writes: no instruction that touches them moves across the point
-// (the accumulators before the fence and after the wait, P's fragments until the wait).
+// Pin registers an in-flight warpgroup MMA reads or writes: the front end (NVVM) moves no instruction that touches
+// them across the point (the accumulators before the fence and after the wait, P's fragments until the wait); ptxas
+// does not see these empty statements (that it keeps the MMAs unserialized is tests/test_runtime.py's check).
 template <int N> __device__ __forceinline__ void wg_pin(float* r) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");

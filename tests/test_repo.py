@@ -46,9 +46,9 @@ def _gpu_suite():
 
 def test_gpu_suite_runs_every_test_file_with_gpu_tests():
     "A test file with a `gpu` mark that no job of tests/gpu_suite.py names would never run on the GPU host."
-    import gpu_suite
-    named = " ".join(c for _, c, _, _ in gpu_suite.NVRTC + gpu_suite.CUTE)
-    gpu = re.compile(r"^(@pytest\.mark\.gpu|pytestmark\b.*\bgpu\b)", re.M)
+    G = _gpu_suite()
+    named = {w for _, c, _, _ in G.NVRTC + G.CUTE for w in c.split()}
+    gpu = re.compile(r"^\s*(@pytest\.mark\.gpu|pytestmark\b.*\bgpu\b)|marks\s*=.*pytest\.mark\.gpu", re.M)
     marked = [p.name for p in (ROOT / "tests").glob("test_*.py") if gpu.search(p.read_text())]
     assert len(marked) >= 10, marked
     assert [m for m in marked if f"tests/{m}" not in named] == []

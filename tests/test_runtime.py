@@ -240,15 +240,18 @@ def test_attention_wgmma_kernel_is_not_serialized(nvrtc, clean_env):
     between = [o for o in ops[qk[0]:qk[-1]] + ops[pv[0]:pv[-1]] if "DEPBAR" in o or "BAR.SYNC" in o]
     assert not between, between
     # one tile's loop, from the barrier that publishes the tile to the last P . kv MMA (07b, session 36): three
-    # barriers (the tile, the partners' scores, the pair's P: a named barrier of 64 threads), 34 exp (32 p through
-    # exp_ftz, with no subnormal path, and the two rescale factors through __expf, with theirs), 1667 static
-    # instructions when written (1983 before the softmax's loads were hoisted and exp_ftz came in)
+    # barriers (the tile, the partners' scores, the pair's P: a named barrier of 64 threads); at least 34 exp (32 p
+    # through exp_ftz, with no subnormal path, and the two rescale factors through __expf, whose subnormal path
+    # compares with -126: at most those two compares); 1667 static instructions with NVRTC 13.5 (1983 before the
+    # softmax's loads were hoisted and exp_ftz came in), bounded with 5% of room for other toolkits
     top = next(i for i, o in enumerate(ops) if o.startswith("BAR.SYNC.DEFER_BLOCKING 0x0"))
     loop = ops[top:pv[-1] + 1]
+    why = f"NVRTC {rt.nvrtc_version()}"
     bars = [o for o in loop if o.startswith("BAR.SYNC")]
-    assert len(bars) == 3 and bars[2].rstrip(" ;").endswith(", 0x40"), bars
-    assert sum("MUFU.EX2" in o for o in loop) == 34 and sum("FSETP.GEU" in o for o in loop) <= 2
-    assert len(loop) <= 1700, len(loop)
+    assert len(bars) == 3 and bars[2].rstrip(" ;").endswith(", 0x40"), (why, bars)
+    subnormal = [o for o in loop if re.search(r",\s*-126\b", o)]
+    assert sum("MUFU.EX2" in o for o in loop) >= 34 and len(subnormal) <= 2, (why, subnormal)
+    assert len(loop) <= 1750, (why, len(loop))
 
 
 # ------------------------------------------------------------------------------------------------------------
