@@ -164,18 +164,18 @@ def _check_attention(what, q, codes, scales, gs, indices, window, window_len, si
         if bad_count.numel() != 1: raise ValueError(f"{what}: bad_count must be an int32 (1,) tensor")
     return B, H, W, indices.shape[1], cap
 
-_ATTN_LAUNCH = {   # partial kernel -> (heads per CTA, threads, dynamic shared memory, slots per tile)
-    "nvfp4_sparse_attn_partial": (ATTN_HEADS, 128, 0, ATTN_TILE),
-    "nvfp4_sparse_attn_partial64": (ATTN64_HEADS, ATTN64_THREADS, ATTN64_SMEM, ATTN_TILE),
-    "nvfp4_sparse_attn_wg": (ATTN64_HEADS, ATTN_WG_THREADS, ATTN_WG_SMEM, ATTN_WG_TILE)}
+_ATTN_LAUNCH = {   # partial kernel -> (heads per CTA, threads, dynamic shared memory, slots per tile, one CTA per SM)
+    "nvfp4_sparse_attn_partial": (ATTN_HEADS, 128, 0, ATTN_TILE, False),
+    "nvfp4_sparse_attn_partial64": (ATTN64_HEADS, ATTN64_THREADS, ATTN64_SMEM, ATTN_TILE, False),
+    "nvfp4_sparse_attn_wg": (ATTN64_HEADS, ATTN_WG_THREADS, ATTN_WG_SMEM, ATTN_WG_TILE, True)}
 
 def _attention(q, codes, scales, gs, indices, window, window_len, sink, out_pos, scale, rope, out, bad_count, splits):
     B, H, W, K, cap = _check_attention("sparse_attention_decode", q, codes, scales, gs, indices, window, window_len,
                                        sink, out_pos, scale, rope, out, bad_count)
     dev = q.device
     kern = attn_kernel(H, B, W + K, rt.smem_optin(dev.index), rt.device_arch(dev))
-    heads, threads, smem, tile = _ATTN_LAUNCH[kern]
-    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index), splits, heads, tile, kern == "nvfp4_sparse_attn_wg")
+    heads, threads, smem, tile, one_wave = _ATTN_LAUNCH[kern]
+    nsplit, chunk = attn_splits(B, H, W + K, rt.sm_count(dev.index), splits, heads, tile, one_wave)
     o_part = torch.empty(B, nsplit, H, KV_DIM, dtype=torch.float32, device=dev)
     ml_part = torch.empty(B, nsplit, H, 2, dtype=torch.float32, device=dev)
     out = torch.empty_like(q) if out is None else out

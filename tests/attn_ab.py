@@ -4,8 +4,8 @@ attention.attn_heads / attention.attn_wg: the 64-head mma.sync CTA (nvfp4_sparse
 bf16 peer beside them and the kernel `attn_kernel` would pick (`plan`); graph-replayed, L2 flushed clean, median us.
 Also the largest relative difference per query between the kernels' outputs. Writes OUT.json after each row. With
 BASE_CU (a copy of kernels_cu/nvfp4_sparse_attn.cu from another commit, put in kernels_cu/ under that name), the base's
-two mma.sync kernels are timed beside the tree's and their outputs compared bit for bit (`same_bits`: a refactor that
-keeps the arithmetic must keep every bit).
+kernel of each kind is timed beside the tree's (`base_<kind>_us`, None where the base has no such kernel) and their
+outputs compared bit for bit (`<kind>_same_bits`: a change that keeps the arithmetic must keep every bit).
 
     python tests/attn_ab.py OUT.json [--base BASE_CU] [--batches 1 32 64 128] [--contexts 32768 131072]"""
 import argparse, json
