@@ -9,8 +9,6 @@ import json, statistics, sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dsv4_nvfp4.moe import FLASH, DSV4MoE
-
 
 def timeline(cap, flush, n=30):
     "Per-kernel median durations and gaps of `cap.graph` replays, and the median span (us)."
@@ -37,6 +35,7 @@ def timeline(cap, flush, n=30):
 
 
 def main():
+    from dsv4_nvfp4.moe import FLASH, DSV4MoE      # here, not at the top: attn_timeline imports `timeline` without the layer's deps
     args = sys.argv[2:]
     w4a8 = "--w4a8" in args
     out, Ts = sys.argv[1], [int(a) for a in args if a != "--w4a8"] or [1]

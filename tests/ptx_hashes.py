@@ -65,8 +65,8 @@ def gemm_configs():
             if epi in (L.Epilogue.BF16, L.Epilogue.BF16_ROW_GS): out.append((f"{name}_{epi.value}_rowmap", c._replace(row_map=True)))
             if epi is L.Epilogue.BF16: out.append((f"{name}_{epi.value}_pdl", c._replace(pdl=True)))   # moe's decode L2
         for epi in (L.Epilogue.BF16_ROW_GS, L.Epilogue.SWIGLU_BF16):     # W4A8 (the sm90_w4a8 backend)
-            out.append((f"{name}_w4a8_{epi.value}", cfg._replace(epilogue=epi, fp8=True)))
-            out.append((f"{name}_w4a8_table_{epi.value}", cfg._replace(epilogue=epi, fp8=True, table=True)))
+            out.append((f"{name}_w4a8_{epi.value}", cfg._replace(epilogue=epi, fp8=True, overlap=False)))
+            out.append((f"{name}_w4a8_table_{epi.value}", cfg._replace(epilogue=epi, fp8=True, overlap=False, table=True)))
     return out
 
 

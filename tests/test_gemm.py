@@ -679,7 +679,7 @@ def test_in_rows_sm90_plans_the_gather_variant(monkeypatch):
         assert tt <= GATHER_MAX_TT and GroupedGemmSm90.can_implement(S90.CONFIGS[tt]._replace(gather=True), 4, 256, **lim)[0]
     for cfg in (S90.CONFIGS[64]._replace(gather=True), S90.CONFIGS[16]._replace(gather=True, row_map=True),
                 S90.CONFIGS[16]._replace(gather=True, epilogue=S90.Epilogue.SWIGLU_BF16),
-                S90.CONFIGS[16]._replace(gather=True, epilogue=S90.Epilogue.BF16_ROW_GS, fp8=True)):
+                S90.CONFIGS[16]._replace(gather=True, epilogue=S90.Epilogue.BF16_ROW_GS, fp8=True, overlap=False)):
         ok, why = GroupedGemmSm90.can_implement(cfg, 4, 256, **lim)
         assert not ok and "gather" in why, cfg
 
@@ -711,7 +711,7 @@ def test_out_rows_sm90_plans_the_row_map_variant(monkeypatch):
     p8 = GC.Problem(6, 4, 256, 256, act="fp8", per_row=True)          # refuses the fp8 loop with one
     assert not W8.Sm90W4A8Backend().plan(p8, S90.CONFIGS[16]._replace(row_map=True)).cfg.row_map
     from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
-    ok, why = GroupedGemmSm90.can_implement(S90.CONFIGS[16]._replace(epilogue=S90.Epilogue.BF16_ROW_GS, fp8=True, row_map=True), 4, 256,
+    ok, why = GroupedGemmSm90.can_implement(S90.CONFIGS[16]._replace(epilogue=S90.Epilogue.BF16_ROW_GS, fp8=True, overlap=False, row_map=True), 4, 256,
                                             smem_limit=S90.HOPPER_SMEM_PER_BLOCK)
     assert not ok and "fp8" in why
 

@@ -139,6 +139,34 @@ def test_every_configuration_gives_the_same_bits():
             and torch.equal(q.global_scale, q4[0].global_scale), f"{c}: W4A4's NVFP4 h differs from {cfgs[0]}'s"
 
 
+@pytest.mark.parametrize("K", [128, 384, 2048])
+def test_overlapped_loop_is_the_plain_loop(K):
+    """GemmConfig.overlap (each half tile decoded under the WGMMAs of the one before, two ring stages held at once)
+    gives the plain loop's bits, for every configuration that has it: one K tile (the loop body never runs), an odd
+    and an even count; ragged experts with an empty one; the plain and the NVFP4 SwiGLU epilogues; and a grid of one
+    SM's CTAs (sms_free), so each CTA runs many units and the ring's phases carry from one unit's loop to the next."""
+    from dsv4_nvfp4 import swiglu as SW
+    E, N = 6, 1024
+    pw, _ = experts(E, N, K, seed=43)
+    g = torch.Generator().manual_seed(43)
+    sizes = torch.tensor([1, 0, 37, 8, 2, 140])
+    offs = torch.cumsum(sizes, 0).to(I32).to(DEV)
+    R_ = int(sizes.sum())
+    a = torch.randn(R_, K, generator=g).to(torch.bfloat16).to(DEV)
+    rs = torch.stack([torch.ones(R_), torch.rand(R_, generator=g)], 1).to(DEV)
+    a2 = torch.rand(E, generator=g).to(DEV) * 0.01 + 1e-3
+    cfgs = [c for c in [*S90.CONFIGS.values(), *S90.DECODE_WIDE.values()] if c.overlap]
+    assert len(cfgs) == 7
+    for c in cfgs:
+        for free in (0, 10_000):
+            run = lambda cf: (GC.grouped_gemm_nvfp4(a, pw, offs, config=cf, sms_free=free),
+                              SW.grouped_gemm_swiglu_nvfp4(a, pw, offs, swiglu_limit=7.0, row_scales=rs, scales_given=True,
+                                                           config=cf, out_dtype="nvfp4", out_scale=a2, sms_free=free))
+            (y, q), (y0, q0) = run(c), run(c._replace(overlap=False))
+            assert torch.isfinite(y).all() and torch.equal(y, y0), (c, K, free)
+            assert torch.equal(q.data, q0.data) and torch.equal(q.scale.view(torch.uint8), q0.scale.view(torch.uint8)), (c, K, free)
+
+
 def test_pdl_variant_is_the_plain_bits():
     """GemmConfig.pdl (the decode L2's configuration, launched as a programmatic dependent; here with nothing before it,
     so its wait returns at once) gives the plain configuration's bits: ragged experts with an empty one; a grid of one

@@ -2,8 +2,9 @@
 extra's nvidia-cuda-nvdisasm), stays within its instruction budget, and its decode is what notebook 04b describes: per K
 tile and consumer thread, one HMUL2 per fragment register (32), four rotations per code word (32 SHF), eight HGMMA,
 no byte permutes (the old per-scale spread), each B descriptor one 64-bit add to the stage's first, and one wait per
-tile in every configuration (decode the tile, 8 WGMMAs, one commit group, wait: the overlapped one-warpgroup loop that
-waited per K block was deleted, it gave wrong sums). The W4A8 loops: the F2FP one (E4M3 to f16 and back, two HMUL2 per
+tile in the plain loop (8 WGMMAs, one commit group, one wait for all; an earlier overlapped loop that waited per K
+block gave wrong sums under an older ptxas). The overlapped bf16 loop (`GemmConfig.overlap`) waits per half tile and
+decodes each half while the half before it runs, touching no register of a WGMMA in flight. The W4A8 loops: the F2FP one (E4M3 to f16 and back, two HMUL2 per
 register) and the table one (`GemmConfig.table`: two PRMTs per code word, no conversion, no multiply, fewer instructions).
 The epilogues: the plain kinds issue all their global loads before their first store, SWIGLU_BF16 one chunk of scales
 at a time."""
@@ -28,10 +29,45 @@ def test_mainloop_sass_budget(tt, row_map):
     # every multiply takes one half of a scale pair: the half selector folded into HMUL2's operand
     assert all(".H0_H0" in s or ".H1_H1" in s for s in body if s.startswith("HMUL2")), [s for s in body if s.startswith("HMUL2")][:4]
     waits = [s for s in body if s.startswith("WARPGROUP.DEPBAR")]
-    assert len(waits) == 1 and waits[0].endswith("gsb0, 0x0"), waits      # decode the tile, 8 WGMMAs, wait for all
-    assert ops["WARPGROUP"] == 2, ops                                       # that wait and one fence
+    if cfg.overlap:                          # a fence and a wait per half tile, each wait leaving the younger half in flight
+        assert len(waits) == 2 and all(w.endswith("gsb0, 0x1") for w in waits) and ops["WARPGROUP"] == 4, (waits, ops)
+    else:                                    # decode the tile, 8 WGMMAs, wait for all: that wait and one fence
+        assert len(waits) == 1 and waits[0].endswith("gsb0, 0x0") and ops["WARPGROUP"] == 2, (waits, ops)
     # the B descriptors: the stage's first plus a 64-bit add per K block, not re-packed from halves per HGMMA (2 UMOV each)
-    assert sum(s.startswith("UIADD3.64") for s in body) == 7 and ops.get("UMOV", 0) <= 2, ops
+    assert sum(s.startswith("UIADD3.64") for s in body) == 7 and ops.get("UMOV", 0) <= (4 if cfg.overlap else 2), ops
+
+
+def _decoded_in_flight(body: list[str]) -> int:
+    "HMUL2s (the decode's multiplies) issued while some WGMMA commit group is in flight, per trip (two trips traced)."
+    ops = [S._unpredicated(s).split() for s in body]
+    groups, n = 0, 0
+    for op in ops + ops:
+        if op[0].startswith("HGMMA") and op[-1] == "gsb0": groups += 1
+        elif op[0].startswith("WARPGROUP.DEPBAR"): groups = min(groups, int(op[-1], 16))
+        elif op[0].startswith("HMUL2") and groups: n += 1
+    return n // 2
+
+
+_OVERLAPPED = [c for c in [*L.CONFIGS.values(), *L.DECODE_WIDE.values()] if c.overlap]
+
+
+@pytest.mark.parametrize("epi", ["BF16", "SWIGLU_NVFP4", "BF16_ROW_GS+row_map"])
+@pytest.mark.parametrize("cfg", _OVERLAPPED, ids=[f"tt{c.tok_tile}x{c.wgs}" for c in _OVERLAPPED])
+def test_overlapped_loop_decodes_under_the_wgmmas(cfg, epi):
+    # GemmConfig.overlap: a half tile is decoded while the half before it is in the tensor cores (measured 24 of the
+    # 32 multiplies per tile; ptxas keeps the rest of the first half's after its wait). With one wait per whole tile
+    # ptxas moved the whole decode behind the wait: nothing overlapped. The plain loop decodes nothing in flight
+    c = cfg._replace(epilogue=getattr(L.Epilogue, epi.split("+")[0]), row_map=epi.endswith("row_map"))
+    assert _decoded_in_flight(S.mainloop_sass(c)) >= 16, c
+    assert _decoded_in_flight(S.mainloop_sass(c._replace(overlap=False))) == 0, c
+
+
+def test_overlap_is_the_bf16_loops():
+    # an overlapped FP8 loop lost (0.99x at two consumer warpgroups, 0.48-0.66x at four with spills) and was removed
+    ok, why = S.GroupedGemmSm90.can_implement(L.CONFIGS[128]._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS), 8,
+                                              smem_limit=L.HOPPER_SMEM_PER_BLOCK)
+    assert L.CONFIGS[128].overlap and not ok and "overlap is the bf16 loop's" in why
+    assert not any(c.overlap for c in (L.CONFIGS[64], L.WIDE_CONFIG))
 
 
 def test_mainloop_sass_finds_the_loop():
@@ -113,7 +149,7 @@ def test_w4a8_mainloop_compiles_to_fp8_wgmma(tt, epi):
     # the W4A8 loop (GemmConfig.fp8): per K tile and thread, 16 A registers of 4 E4M3 bytes from 8 code words: two
     # F2FP up, two HMUL2 and two F2FP down per register, one F2FP per scale pair; four k32 FP8 WGMMAs into a tile
     # accumulator that one FADD per element adds into the fp32 sum after the wait; no hazard
-    cfg = L.CONFIGS[tt]._replace(fp8=True, epilogue=getattr(L.Epilogue, epi))
+    cfg = L.CONFIGS[tt]._replace(fp8=True, overlap=False, epilogue=getattr(L.Epilogue, epi))
     body = S.mainloop_sass(cfg)
     ops = S.sass_opcodes(body)
     assert ops.get("QGMMA") == 4 and "HGMMA" not in ops, ops
@@ -125,9 +161,9 @@ def test_w4a8_mainloop_compiles_to_fp8_wgmma(tt, epi):
 
 
 def test_w4a8_config_needs_the_per_row_epilogue():
-    ok, why = S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True), 4, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
+    ok, why = S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True, overlap=False), 4, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
     assert not ok and "BF16_ROW_GS and SWIGLU_BF16" in why
-    assert S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS), 4,
+    assert S.GroupedGemmSm90.can_implement(L.CONFIGS[8]._replace(fp8=True, overlap=False, epilogue=L.Epilogue.BF16_ROW_GS), 4,
                                            smem_limit=L.HOPPER_SMEM_PER_BLOCK)[0]
 
 
@@ -135,16 +171,18 @@ def test_w4a8_kernel_compiles_for_the_thin_launch_path():
     # the GPU launches through TVM-FFI (E4M3 activations and the fp32 2^c table as DLPack tensors)
     pytest.importorskip("tvm_ffi")
     for epi in (L.Epilogue.BF16_ROW_GS, L.Epilogue.SWIGLU_BF16):
-        assert S.compile_sm90(L.CONFIGS[16]._replace(fp8=True, epilogue=epi), tvm_ffi=True) is not None
+        assert S.compile_sm90(L.CONFIGS[16]._replace(fp8=True, overlap=False, epilogue=epi), tvm_ffi=True) is not None
 
 
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("tt", [64, 32, 16, 8])
 def test_four_consumer_warpgroups(tt, fp8):
     # wgs = 4 (five warpgroups, 640 threads): the producer gives registers back and the consumers take CONSUMER_REGS_4
-    # (setmaxnreg, within the 96 per thread the launch gives); the K loop is the two-warpgroup one, no spills, no hazard;
-    # the configurations the plan picks: WIDE_CONFIG and DECODE_WIDE
-    cfg = (L.WIDE_CONFIG if tt == 64 else L.DECODE_WIDE[tt])._replace(epilogue=L.Epilogue.BF16_ROW_GS, fp8=fp8)
+    # (setmaxnreg, within the 96 per thread the launch gives); the K loop is the two-warpgroup one (the decode tiles'
+    # bf16 loop overlapped: a second fence and wait), no spills, no hazard; the configurations the plan picks:
+    # WIDE_CONFIG and DECODE_WIDE
+    base = L.WIDE_CONFIG if tt == 64 else L.DECODE_WIDE[tt]
+    cfg = base._replace(epilogue=L.Epilogue.BF16_ROW_GS, fp8=fp8, overlap=base.overlap and not fp8)
     assert S.GroupedGemmSm90.can_implement(cfg, 256, 4096, smem_limit=L.HOPPER_SMEM_PER_BLOCK) == (True, "")
     assert S.PRODUCER_REGS * 128 + S.CONSUMER_REGS_4 * 512 <= 96 * 640
     ptx = " ".join(S.kernel_artifact(cfg, "ptx").decode().split())
@@ -153,7 +191,7 @@ def test_four_consumer_warpgroups(tt, fp8):
     ops = S.sass_opcodes(body)
     assert "LDL" not in ops and "STL" not in ops, ops
     assert ops.get("QGMMA" if fp8 else "HGMMA") == (4 if fp8 else 8) and S.wgmma_hazards(body) == []
-    two = S.sass_opcodes(S.mainloop_sass(L.CONFIGS[64]._replace(fp8=fp8, epilogue=L.Epilogue.BF16_ROW_GS)))
+    two = S.sass_opcodes(S.mainloop_sass(L.CONFIGS[64]._replace(fp8=fp8, overlap=False, epilogue=L.Epilogue.BF16_ROW_GS)))
     assert abs(sum(ops.values()) - sum(two.values()) - (tt - 64) // 2 * fp8) <= 8, (ops, two)
 
 
@@ -174,7 +212,7 @@ def test_w4a8_table_loop(cfg, epi):
     # GemmConfig.table (gemm.w4a8.tile_weights_w4a8_table's slabs): per K tile and thread 8 code words, each one table
     # (a byte extract and two IMADs) and two PRMTs with their selector masks and sign merges: no F2FP and no HMUL2;
     # the same loads, four FP8 WGMMAs, one wait, no hazard, and fewer instructions than the F2FP loop (measured 62)
-    f2fp = cfg._replace(fp8=True, epilogue=getattr(L.Epilogue, epi))
+    f2fp = cfg._replace(fp8=True, overlap=False, epilogue=getattr(L.Epilogue, epi))
     body = S.mainloop_sass(f2fp._replace(table=True))
     ops = S.sass_opcodes(body)
     assert "F2FP" not in ops and "HMUL2" not in ops, ops
@@ -217,14 +255,14 @@ def test_epilogue_loads_run_ahead_of_their_stores(cfg):
     # here after a change elsewhere may be ptxas moving one of those, so look at the epilogue's SASS.)
     for epi, row_map, fp8 in [("BF16", False, False), ("BF16_ROW_GS", False, False), ("BF16_ROW_GS", True, False),
                               ("BF16_ROW_GS", False, True)]:
-        c = cfg._replace(epilogue=getattr(L.Epilogue, epi), row_map=row_map, fp8=fp8)
+        c = cfg._replace(epilogue=getattr(L.Epilogue, epi), row_map=row_map, fp8=fp8, overlap=cfg.overlap and not fp8)
         if not S.GroupedGemmSm90.can_implement(c, 8)[0]: continue
         seq = _global_order(c)
         assert "S" in seq and "SL" not in seq, (epi, row_map, fp8, seq)
     nq = cfg.tok_tile // 4                                    # tokens per thread
     chunks = -(-nq // min(nq, S.SCALE_CHUNK))
     for epi, fp8 in [("SWIGLU_BF16", False), ("SWIGLU_BF16", True)]:
-        c = cfg._replace(epilogue=getattr(L.Epilogue, epi), fp8=fp8)
+        c = cfg._replace(epilogue=getattr(L.Epilogue, epi), fp8=fp8, overlap=cfg.overlap and not fp8)
         if not S.GroupedGemmSm90.can_implement(c, 8)[0]: continue
         seq = _global_order(c)
         assert "S" in seq and seq.count("SL") <= chunks - 1, (epi, fp8, chunks, seq)
@@ -247,7 +285,8 @@ def test_gather_variant_loads_one_row_per_copy(cfg):
         assert "LDL" not in ops and "STL" not in ops, (c, ops)
         plain = c._replace(gather=False)
         mine, theirs = S.sass_opcodes(S.mainloop_sass(c)), S.sass_opcodes(S.mainloop_sass(plain))
-        assert all(mine.get(o) == theirs.get(o) for o in ("HGMMA", "HMUL2", "SHF", "LOP3", "LDS")), (c, mine, theirs)
+        assert all(mine.get(o) == theirs.get(o) for o in ("HGMMA", "HMUL2", "SHF", "LDS")), (c, mine, theirs)
+        assert abs(mine.get("LOP3", 0) - theirs.get("LOP3", 0)) <= 2, (c, mine, theirs)   # (a ring-index LOP3 may go uniform)
         assert abs(sum(mine.values()) - sum(theirs.values())) <= 4 and sum(mine.values()) <= S.MAINLOOP_SASS_BUDGET, (c, mine, theirs)
         assert not S.wgmma_hazards(S.mainloop_sass(c)), c
     ptx = S.kernel_artifact(cfg, "ptx").decode()                # one loop over the unit's rows: lane i's map entry
@@ -291,7 +330,8 @@ def test_pdl_variant_waits_after_the_first_weights(cfg):
     ops = S.sass_opcodes(S.kernel_sass(cfg))
     assert "LDL" not in ops and "STL" not in ops, (cfg, ops)
     mine, theirs = S.sass_opcodes(S.mainloop_sass(cfg)), S.sass_opcodes(S.mainloop_sass(plain))
-    assert all(mine.get(o) == theirs.get(o) for o in ("HGMMA", "HMUL2", "SHF", "LOP3", "LDS")), (cfg, mine, theirs)
+    assert all(mine.get(o) == theirs.get(o) for o in ("HGMMA", "HMUL2", "SHF", "LDS")), (cfg, mine, theirs)
+    assert abs(mine.get("LOP3", 0) - theirs.get("LOP3", 0)) <= 2, (cfg, mine, theirs)   # (a ring-index LOP3 may go uniform)
     assert abs(sum(mine.values()) - sum(theirs.values())) <= 4 and sum(mine.values()) <= S.MAINLOOP_SASS_BUDGET, (cfg, mine, theirs)
 
 
@@ -302,6 +342,6 @@ def test_pdl_limits():
     assert S.GroupedGemmSm90.can_implement(base, 16, 1024)[0]
     for bad in (base._replace(epilogue=L.Epilogue.BF16_ROW_GS), base._replace(epilogue=L.Epilogue.SWIGLU_BF16),
                 base._replace(gather=True), base._replace(row_map=True),
-                base._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS)):
+                base._replace(fp8=True, overlap=False, epilogue=L.Epilogue.BF16_ROW_GS)):
         ok, why = S.GroupedGemmSm90.can_implement(bad, 16, 1024)
         assert not ok and "pdl" in why, (bad, why)

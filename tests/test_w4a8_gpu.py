@@ -58,7 +58,7 @@ def test_w4a8_gemm_against_float64(tt):
     offs = counts.cumsum(0).to(torch.int32)
     R = int(offs[-1])
     a = W.ref_quantize_fp8_act(torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R).view(R, 1))
-    cfg = S90.CONFIGS[tt]._replace(fp8=True, epilogue=S90.Epilogue.BF16_ROW_GS)
+    cfg = S90.CONFIGS[tt]._replace(fp8=True, overlap=False, epilogue=S90.Epilogue.BF16_ROW_GS)
     out = torch.full((R, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), a.scale.cuda(),
                   sf_c=W.w4a8_row_scales(c2).cuda())
@@ -111,7 +111,7 @@ def test_w4a8_fused_l1_swiglu_against_float64(tt):
     R = rt.perm.numel()
     a = W.ref_quantize_fp8_act(torch.randn(T, H, generator=g)[rt.token] * 0.05)
     p = torch.rand(R, generator=g) + 0.5
-    cfg = S90.CONFIGS[tt]._replace(fp8=True, epilogue=S90.Epilogue.SWIGLU_BF16)
+    cfg = S90.CONFIGS[tt]._replace(fp8=True, overlap=False, epilogue=S90.Epilogue.SWIGLU_BF16)
     out = torch.full((R, I), float("nan"), dtype=torch.bfloat16, device="cuda")
     S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, rt.expert_offsets.cuda(), w13.global_scale.cuda(),
                   torch.stack([a.scale[:, 0], p], 1).cuda(), sf_c=W.w4a8_row_scales(c2).cuda())
@@ -209,12 +209,12 @@ def test_four_warpgroups_are_the_same_bits(tt):
     a = W.ref_quantize_fp8_act(x)
     p = torch.rand(R, generator=g) + 0.5
     four = S90.WIDE_CONFIG if tt == 64 else S90.DECODE_WIDE[tt]        # the configurations the plan picks
-    assert S90K.GroupedGemmSm90.can_implement(four._replace(fp8=True, epilogue=S90.Epilogue.BF16_ROW_GS), E, K)[0]
+    assert S90K.GroupedGemmSm90.can_implement(four._replace(fp8=True, overlap=False, epilogue=S90.Epilogue.BF16_ROW_GS), E, K)[0]
     assert not S90K.GroupedGemmSm90.can_implement(S90.GemmConfig(128, 4, 4), E, K)[0]
     outs = {}
     for cfg in (S90.CONFIGS[tt], four):
         for epi, fp8 in [(S90.Epilogue.BF16_ROW_GS, True), (S90.Epilogue.SWIGLU_BF16, True), (S90.Epilogue.BF16_ROW_GS, False)]:
-            cf = cfg._replace(fp8=fp8, epilogue=epi)
+            cf = cfg._replace(fp8=fp8, overlap=cfg.overlap and not fp8, epilogue=epi)
             n = N // 2 if epi.swiglu else N
             out = torch.full((R, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             if fp8:
@@ -261,7 +261,7 @@ def test_w4a8_table_path_is_the_same_bits(tt):
     for epi in (S90.Epilogue.BF16_ROW_GS, S90.Epilogue.SWIGLU_BF16):
         outs = []
         for table, tiled in ((True, tiled_t), (False, tiled_f)):
-            cfg = S90.CONFIGS[tt]._replace(fp8=True, table=table, epilogue=epi)
+            cfg = S90.CONFIGS[tt]._replace(fp8=True, overlap=False, table=table, epilogue=epi)
             out = torch.full((R, N // 2 if epi.swiglu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
             sc = torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale
             r = -rows if table else rows                              # a table kernel runs the table loop for -2^c rows
@@ -312,7 +312,7 @@ def test_w4a8_mixed_experts_are_the_same_bits(cfg):
     for epi in (S90.Epilogue.BF16_ROW_GS, S90.Epilogue.SWIGLU_BF16):
         outs = []
         for mixed in (True, False):
-            c = cfg._replace(fp8=True, table=mixed, epilogue=epi)
+            c = cfg._replace(fp8=True, overlap=False, table=mixed, epilogue=epi)
             out = torch.full((R, N // 2 if epi.swiglu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
             sc = torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale
             rows = W.w4a8_row_scales(cm, table=table if mixed else None).cuda()

@@ -199,7 +199,7 @@ def test_kernel_refuses_table_without_fp8():
     from dsv4_nvfp4.gemm import sm90_kernel as S90K
     ok, why = S90K.GroupedGemmSm90.can_implement(S90.CONFIGS[64]._replace(table=True), 8, smem_limit=S90.HOPPER_SMEM_PER_BLOCK)
     assert not ok and "fp8=True" in why
-    assert S90K.GroupedGemmSm90.can_implement(S90.CONFIGS[64]._replace(table=True, fp8=True, epilogue=S90.Epilogue.BF16_ROW_GS),
+    assert S90K.GroupedGemmSm90.can_implement(S90.CONFIGS[64]._replace(table=True, fp8=True, overlap=False, epilogue=S90.Epilogue.BF16_ROW_GS),
                                               8, smem_limit=S90.HOPPER_SMEM_PER_BLOCK) == (True, "")
 
 

@@ -227,13 +227,20 @@ class GemmConfig(NamedTuple):
                                        # dependent of the kernel before it in the stream; the producer loads the weights of the
                                        # first ring of K tiles, then waits for that kernel, then loads A. The offsets are read
                                        # before the wait: they must have been written before that kernel started
+    overlap: bool = False              # bf16 loop only: tile k + 1 decoded into a second A fragment while tile k's WGMMAs
+                                       # run (mainloop_ov); the token tiles 8-32 and 128 take it (CONFIGS, DECODE_WIDE)
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
 # tokens). Stages: as deep as shared memory allows at 2-3 CTAs per SM. tok_tile 8 (WGMMA n8) halves the activation
 # box per stage for decode batches; against 16 on an H100: Pro EP48 K=7168 T=1 78.3 -> 73.0 us, Flash L2 T=1
-# 25.2 -> 23.0, Flash L1 T=1, 8, 32 0.4-0.8% faster (measured with the overlapped K loop, since deleted: notebook 04b).
-CONFIGS = {8: GemmConfig(8, 1, 8), 16: GemmConfig(16, 1, 8), 32: GemmConfig(32, 1, 8), 64: GemmConfig(64, 2, 5), 128: GemmConfig(128, 2, 4)}
+# 25.2 -> 23.0, Flash L1 T=1, 8, 32 0.4-0.8% faster (measured with an earlier overlapped K loop, notebook 04b).
+# overlap (the bf16 loop decodes the next K tile while this one's WGMMAs run): one H200, the same bits, against the
+# same configuration without it (measured/ab_overlap_s37_h200.json): tok_tile 8 one warpgroup 1.01-1.06x at T = 1,
+# four warpgroups (DECODE_WIDE) 1.03-1.04x at T = 8-32 and 0.97-1.04x at T = 128, tok_tile 128 1.03-1.04x at T = 8192;
+# tok_tile 64 is left without it (four warpgroups 0.89-1.06x, two 0.76-0.89x the plan's four).
+CONFIGS = {8: GemmConfig(8, 1, 8, overlap=True), 16: GemmConfig(16, 1, 8, overlap=True), 32: GemmConfig(32, 1, 8, overlap=True),
+           64: GemmConfig(64, 2, 5), 128: GemmConfig(128, 2, 4, overlap=True)}
 
 def smem_bytes(cfg: GemmConfig) -> int:
     """Shared memory of one CTA: the ring (weight slabs + the bf16 activation tile per stage), the SwiGLU-NVFP4 amax
@@ -265,7 +272,7 @@ class Sm90Weights(ExpertWeights):
 
 WIDE_CONFIG = GemmConfig(64, 4, 6)   # tok_tile 64 with four consumer warpgroups (256-row units: N padded to 256)
 TT64_MAX_ROWS = 256                  # rule 4: tok_tile 64, not 128, up to this many rows per expert
-DECODE_WIDE = {tt: GemmConfig(tt, 4, 6) for tt in (8, 16, 32)}   # rule 6: the decode tiles with four consumer warpgroups
+DECODE_WIDE = {tt: GemmConfig(tt, 4, 6, overlap=True) for tt in (8, 16, 32)}   # rule 6: the decode tiles with four consumer warpgroups
 WIDE_MIN_WAVES = 4                   # rule 6: ... once their 256-row units number this many per SM
 
 def wide_ok(n: int | None) -> bool:

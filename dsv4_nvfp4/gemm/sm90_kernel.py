@@ -332,7 +332,7 @@ class _Consumer:
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
         # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage: no fragment
-        # register is written while a WGMMA may still read it (`wgmma_hazards`; why the loop does not overlap: above)
+        # register is written while a WGMMA may still read it (`wgmma_hazards`). The overlapped form is `mainloop_ov`
         # The B descriptors of the stage's 8 K blocks: one 64-bit add each to the stage's first (offsets in 16-byte
         # units, static, from the view's layout); CuTeDSL's own slicing re-packs {lo, hi} per WGMMA, 3 uniform ops each
         nk = 4 if self.fp8 else 8                                   # WGMMAs per K tile: k32 (FP8) or k16 (bf16)
@@ -366,6 +366,63 @@ class _Consumer:
             cs.advance()
         return cs
 
+    def _half_issue(self, tiled_mma, acc_frag, a_frag, tCrB, d0, h: int):
+        """The 4 WGMMAs of half h (K blocks 4h .. 4h + 3) of a K tile, one commit group (traced inline); d0: the B
+        descriptor of the tile's stage (64 bits), each K block's a static offset from it."""
+        koff = [cute.crd2idx((0, 0, kb, 0), tCrB.layout) for kb in range(8)]
+        warpgroup.fence()
+        for kb in range(4 * h, 4 * h + 4):
+            b_kb = cute.make_tensor(int_to_smem_descriptor(d0 + cutlass.Int64(koff[kb])), tCrB[None, None, kb, 0].layout)
+            cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], b_kb, acc_frag)
+        warpgroup.commit_group()
+
+    def _decode_half(self, words, sc, a_u32, h: int):
+        "K blocks 4h .. 4h + 3 of the A fragment (its registers 16h .. 16h + 15) from their 4 code words and the scale words."
+        for kb in range(4 * h, 4 * h + 4):
+            w_ = words[kb - 4 * h]
+            s2 = _asm(_SCL[kb % 2], sc[kb // 2])
+            rot = [w_] + [_asm(_ROT[sh], w_) for sh in _ROTS]
+            for j in range(4):
+                a_u32[j + 4 * kb] = _asm(_DEC[(len(_RIDX[j]), j % 2)], *[rot[i] for i in _RIDX[j]], s2)
+
+    @cute.jit
+    def mainloop_ov(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT):
+        """The overlapped K loop (`GemmConfig.overlap`, the bf16 loop only), pipelined by half tiles: half 1 of a tile
+        (K blocks 4-7, fragment registers 16-31) is decoded while half 0's 4 WGMMAs run, and half 0 of the next tile
+        while half 1's run; `wait_group(1)` before each decode retires the group that last read those registers. The
+        decode sits before the WGMMAs that need it, so ptxas cannot move it behind a wait, and the fragment is the plain
+        loop's 32 registers (a second fragment for a whole-tile pipeline made ptxas serialize the WGMMAs of every
+        configuration but one warpgroup's, and there it cost occupancy). A stage is released once both halves of its
+        tile are retired. acc_frag starts at zero and every WGMMA accumulates (`tiled_mma` comes with ACCUMULATE set):
+        the plain loop's sums bit for bit where they are not zero (a sum of signed zeros is +0)."""
+        acc_frag.fill(0.0)
+        a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)
+        pipe.consumer_wait(cs)
+        c0, c1, sc = self.load_codes(sW, cw, cs.index, t)
+        d0 = smem_descriptor_to_int(tCrB[None, None, 0, cs.index].iterator)
+        self._decode_half(c0, sc, a_u32, 0)
+        self._half_issue(tiled_mma, acc_frag, a_frag, tCrB, d0, 0)
+        self._decode_half(c1, sc, a_u32, 1)
+        self._half_issue(tiled_mma, acc_frag, a_frag, tCrB, d0, 1)
+        warpgroup.wait_group(1)                                   # half 0 retired: its registers are free
+        pv = cs.clone()                                           # the stage of the tile whose half 1 is in flight
+        cs.advance()
+        for k in cutlass.range(KT - 1, unroll=1):
+            pipe.consumer_wait(cs)
+            c0, c1, sc = self.load_codes(sW, cw, cs.index, t)
+            d0 = smem_descriptor_to_int(tCrB[None, None, 0, cs.index].iterator)
+            self._decode_half(c0, sc, a_u32, 0)
+            self._half_issue(tiled_mma, acc_frag, a_frag, tCrB, d0, 0)
+            warpgroup.wait_group(1)                               # the previous tile's half 1 retired: release its stage
+            pipe.consumer_release(pv)
+            pv.advance()
+            self._decode_half(c1, sc, a_u32, 1)
+            self._half_issue(tiled_mma, acc_frag, a_frag, tCrB, d0, 1)
+            warpgroup.wait_group(1)                               # this tile's half 0 retired
+            cs.advance()
+        warpgroup.wait_group(0)
+        pipe.consumer_release(pv)
+        return cs
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #b4246b2d
 SCALE_CHUNK = 8   # SWIGLU_BF16's epilogue loads this many tokens' scales at once, ahead of their stores (2 registers each, 3 under W4A8)
@@ -582,6 +639,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.row_map = cfg.row_map                  # the plain epilogues: each row stored at its place in C (mGr's slot)
         self.gather = cfg.gather                    # the activation rows read through a map (mGr's slot), one TMA per row
         self.pdl = cfg.pdl                          # a programmatic dependent launch: the first ring's weights before the wait
+        self.overlap = cfg.overlap                  # the bf16 K loop decodes each half tile under the WGMMAs of the one before
         self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
@@ -616,6 +674,9 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             return False, ("pdl waits for the kernel before it in the producer only: the plain BF16 epilogue (scalar gs_a, "
                            f"bf16 activations, no row_map, no gather), got {cfg.epilogue.name}" + (", fp8" if cfg.fp8 else "")
                            + (", row_map" if cfg.row_map else "") + (", gather" if cfg.gather else ""))
+        if cfg.overlap and cfg.fp8:
+            return False, ("overlap is the bf16 loop's (W4A16): an overlapped FP8 loop measured 0.99x its plain form at "
+                           "two warpgroups and 0.48-0.66x at four (spills), and was removed")
         if cfg.fp8 and cfg.epilogue not in (Epilogue.BF16_ROW_GS, Epilogue.SWIGLU_BF16):
             return False, ("W4A8 (fp8) runs with the BF16_ROW_GS and SWIGLU_BF16 epilogues (one activation scale per row), "
                            f"got {cfg.epilogue.name}")
@@ -761,6 +822,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             if cutlass.const_expr(self.fp8):
                 tile_frag = thr_mma.make_fragment_C(thr_mma.partition_shape_C((self.m_tile, tt)))
             a_frag = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
+            if cutlass.const_expr(self.overlap):             # mainloop_ov: every WGMMA accumulates (from a zeroed sum)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             tCsB = thr_mma.partition_B(sB)
             tCrB = tiled_mma.make_fragment_B(tCsB)
             cC = cute.make_identity_tensor((self.m_tile, tt))
@@ -777,7 +840,9 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                     cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: +-2^c (E, Np)
                     cg8 = ((_f32_bits(mSfC[e, ng + 8]) >> 23) & 0xFF).to(cutlass.Int32) - 127
                     add = (((6 - cg) << 10) | ((6 - cg8) << 26)).to(cutlass.Uint32)
-                if cutlass.const_expr(self.table):                 # W4A8 table kernel: this expert's loop, from its row
+                if cutlass.const_expr(self.overlap):
+                    cs = self.mainloop_ov(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT)
+                elif cutlass.const_expr(self.table):               # W4A8 table kernel: this expert's loop, from its row
                     if (_f32_bits(mSfC[e, 0]) >> 31) != 0:          # table's sign (negative: table slabs), one uniform
                                                                     # branch per unit, outside the K loop
                         cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, 1)
@@ -898,8 +963,9 @@ def run_sm90(cfg: GemmConfig,
     _COMPILED_PY[key](*args)
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #a7bde6a6
-MAINLOOP_SASS_BUDGET = 165   # SASS instructions per K tile per consumer thread (64 weights): 2.6 per weight (the
-                             # loop of every configuration measures 156-161)
+MAINLOOP_SASS_BUDGET = 168   # SASS instructions per K tile per consumer thread (64 weights): 2.6 per weight (the
+                             # plain loop of every configuration measures 155-161, the overlapped one 160-166: a second
+                             # fence and wait per tile)
 
 def _nvdisasm() -> str:
     "Path of nvdisasm: on PATH, or from the `nvidia-cuda-nvdisasm` wheel (in the [dev] extra)."

@@ -543,7 +543,7 @@ class Sm90W4A8Backend(Sm90Backend):
     def variant(self, cfg: GemmConfig, p: Problem) -> GemmConfig:
         "The W4A8 variant of `cfg`: the FP8 loop and its epilogue kind (`Sm90Backend.plan` does the rest)."
         swiglu = p.epilogue == "swiglu_bf16"
-        return cfg._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]], row_map=False, gather=False,
+        return cfg._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]], row_map=False, gather=False, overlap=False,
                             **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
     def run(self, plan: Sm90Plan, a, w: Sm90W4A8Weights, offsets, out, epi: EpilogueArgs, workspace=None):
         from dsv4_nvfp4.gemm.sm90_kernel import run_sm90
