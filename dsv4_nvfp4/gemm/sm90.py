@@ -235,10 +235,11 @@ class GemmConfig(NamedTuple):
 # tokens). Stages: as deep as shared memory allows at 2-3 CTAs per SM. tok_tile 8 (WGMMA n8) halves the activation
 # box per stage for decode batches; against 16 on an H100: Pro EP48 K=7168 T=1 78.3 -> 73.0 us, Flash L2 T=1
 # 25.2 -> 23.0, Flash L1 T=1, 8, 32 0.4-0.8% faster (measured with an earlier overlapped K loop, notebook 04b).
-# overlap (the bf16 loop decodes the next K tile while this one's WGMMAs run): one H200, the same bits, against the
-# same configuration without it (measured/ab_overlap_s37_h200.json): tok_tile 8 one warpgroup 1.01-1.06x at T = 1,
-# four warpgroups (DECODE_WIDE) 1.03-1.04x at T = 8-32 and 0.97-1.04x at T = 128, tok_tile 128 1.03-1.04x at T = 8192;
-# tok_tile 64 is left without it (four warpgroups 0.89-1.06x, two 0.76-0.89x the plan's four).
+# overlap (the bf16 loop decodes each half K tile while the half before it runs, notebook 04b): one H200, the same
+# bits, against the same configuration without it in one process (measured/ab_overlap_s37_h200.json, run2 mode 2):
+# tok_tile 8 one warpgroup 1.015-1.025x at T = 1, the four-warpgroup decode tiles (DECODE_WIDE) 1.02-1.05x at T = 8-128
+# (1.01x on Pro EP48's tile 32 at T = 128), tok_tile 128 1.02-1.06x at T = 8192; tok_tile 64 is left without it
+# (0.95-1.04x, where its own two plain timings differed by 1-6%).
 CONFIGS = {8: GemmConfig(8, 1, 8, overlap=True), 16: GemmConfig(16, 1, 8, overlap=True), 32: GemmConfig(32, 1, 8, overlap=True),
            64: GemmConfig(64, 2, 5), 128: GemmConfig(128, 2, 4, overlap=True)}
 
