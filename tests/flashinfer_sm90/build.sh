@@ -19,7 +19,7 @@ V=$FI_ROOT/venv
 "$V/bin/pip" install -q nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88 \
   nvidia-cuda-crt==13.0.88 nvidia-cuda-nvrtc==13.0.88 ninja apache-tvm-ffi==0.1.15.post2
 "$V/bin/pip" install -q --no-deps nvidia-cublas==13.0.0.19 nvidia-curand==10.4.0.35     # headers the sources include
-export CUDA_HOME=$("$V/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')
+export CUDA_HOME=$(ls -d "$V"/lib/python3*/site-packages/nvidia/cu13 | head -1)   # the venv's 13.0 wheels, not the system's
 # the wheels' layout as a toolkit: lib64, unversioned sonames, a libcuda stub to link against (the driver's at run time)
 [ -e "$CUDA_HOME/lib64" ] || ln -s lib "$CUDA_HOME/lib64"
 for l in cudart nvrtc; do [ -e "$CUDA_HOME/lib/lib$l.so" ] || ln -s "lib$l.so.13" "$CUDA_HOME/lib/lib$l.so"; done

@@ -4,7 +4,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); root=$(git -C "$here" rev-parse --show-toplevel)
 export FI_ROOT=${FI_ROOT:-$root/.peer3}; V=$FI_ROOT/venv
-export CUDA_HOME=${CUDA_HOME:-$("$V/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')}
+export CUDA_HOME=${CUDA_HOME:-$(ls -d "$V"/lib/python3*/site-packages/nvidia/cu13 | head -1)}
 B=$FI_ROOT/ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/fused_moe_90
 OUT=$FI_ROOT/out; mkdir -p "$OUT/tmp"
 objs=()
