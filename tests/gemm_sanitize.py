@@ -24,12 +24,11 @@ for K in (128, 384):
     a = torch.randn(R_, K, generator=g).to(torch.bfloat16).to(dev)
     rs = torch.stack([torch.ones(R_), torch.rand(R_, generator=g)], 1).to(dev)
     a2 = torch.full((E,), 2e-3, device=dev)
+    run = lambda cf, free: (GC.grouped_gemm_nvfp4(a, pw, offs, config=cf, sms_free=free),
+                            SW.grouped_gemm_swiglu_nvfp4(a, pw, offs, swiglu_limit=7.0, row_scales=rs, scales_given=True,
+                                                         config=cf, out_dtype="nvfp4", out_scale=a2, sms_free=free))
     for c in cfgs:
         for free in (0, 10_000):
-            for cf in (c, c._replace(overlap=False)):
-                y = GC.grouped_gemm_nvfp4(a, pw, offs, config=cf, sms_free=free)
-                q = SW.grouped_gemm_swiglu_nvfp4(a, pw, offs, swiglu_limit=7.0, row_scales=rs, scales_given=True, config=cf,
-                                                 out_dtype="nvfp4", out_scale=a2, sms_free=free)
-                if cf is c: y1, q1 = y, q
-            assert torch.equal(y1, y) and torch.equal(q1.data, q.data), (c, K, free)
+            (y, q), (y0, q0) = run(c, free), run(c._replace(overlap=False), free)
+            assert torch.equal(y, y0) and torch.equal(q.data, q0.data), (c, K, free)
 torch.cuda.synchronize(); print("gemm_san: done", len(cfgs), "configurations")

@@ -227,19 +227,15 @@ class GemmConfig(NamedTuple):
                                        # dependent of the kernel before it in the stream; the producer loads the weights of the
                                        # first ring of K tiles, then waits for that kernel, then loads A. The offsets are read
                                        # before the wait: they must have been written before that kernel started
-    overlap: bool = False              # bf16 loop only: tile k + 1 decoded into a second A fragment while tile k's WGMMAs
-                                       # run (mainloop_ov); the token tiles 8-32 and 128 take it (CONFIGS, DECODE_WIDE)
+    overlap: bool = False              # bf16 loop only: each half K tile decoded while the half before it is on the tensor
+                                       # cores (mainloop_ov); the token tiles 8-32 and 128 take it (CONFIGS, DECODE_WIDE)
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
 # tokens). Stages: as deep as shared memory allows at 2-3 CTAs per SM. tok_tile 8 (WGMMA n8) halves the activation
 # box per stage for decode batches; against 16 on an H100: Pro EP48 K=7168 T=1 78.3 -> 73.0 us, Flash L2 T=1
 # 25.2 -> 23.0, Flash L1 T=1, 8, 32 0.4-0.8% faster (measured with an earlier overlapped K loop, notebook 04b).
-# overlap (the bf16 loop decodes each half K tile while the half before it runs, notebook 04b): one H200, the same
-# bits, against the same configuration without it in one process (measured/ab_overlap_s37_h200.json, run2 mode 2):
-# tok_tile 8 one warpgroup 1.015-1.025x at T = 1, the four-warpgroup decode tiles (DECODE_WIDE) 1.02-1.05x at T = 8-128
-# (1.01x on Pro EP48's tile 32 at T = 128), tok_tile 128 1.02-1.06x at T = 8192; tok_tile 64 is left without it
-# (0.95-1.04x, where its own two plain timings differed by 1-6%).
+# overlap: on where it measured faster than the plain loop, off at tok_tile 64 where it did not (notebook 04b).
 CONFIGS = {8: GemmConfig(8, 1, 8, overlap=True), 16: GemmConfig(16, 1, 8, overlap=True), 32: GemmConfig(32, 1, 8, overlap=True),
            64: GemmConfig(64, 2, 5), 128: GemmConfig(128, 2, 4, overlap=True)}
 

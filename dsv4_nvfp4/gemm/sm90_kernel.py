@@ -332,11 +332,9 @@ class _Consumer:
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
         # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage: no fragment
-        # register is written while a WGMMA may still read it (`wgmma_hazards`). The overlapped form is `mainloop_ov`
-        # The B descriptors of the stage's 8 K blocks: one 64-bit add each to the stage's first (offsets in 16-byte
-        # units, static, from the view's layout); CuTeDSL's own slicing re-packs {lo, hi} per WGMMA, 3 uniform ops each
+        # register is written while a WGMMA may still read it (`wgmma_hazards`). The overlapped form is `mainloop_ov`;
+        # the B descriptors of the stage's K blocks are `_b_kb`'s
         nk = 4 if self.fp8 else 8                                   # WGMMAs per K tile: k32 (FP8) or k16 (bf16)
-        koff = [cute.crd2idx((0, 0, kb, 0), tCrB.layout) for kb in range(nk)]
         # W4A8: FP8 WGMMA does not keep a full fp32 sum over long K (its accumulator holds about 14 significant bits, as
         # DeepSeek-V3's report measured), so each K tile's 4 WGMMAs (128 K) sum into tile_frag from zero and the loop adds
         # that into acc_frag in fp32 after the wait, the promotion interval DeepSeek-V3 and DeepGEMM use
@@ -350,7 +348,7 @@ class _Consumer:
             self.decode_tile(c0, c1, sc, a_u32, add, table)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(nk):
-                b_kb = cute.make_tensor(int_to_smem_descriptor(d0 + cutlass.Int64(koff[kb])), tCrB[None, None, kb, 0].layout)
+                b_kb = self._b_kb(tCrB, d0, kb)
                 if cutlass.const_expr(self.fp8):
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
                     cute.gemm(tiled_mma, tile_frag, a_frag[None, None, kb], b_kb, tile_frag)
@@ -366,43 +364,43 @@ class _Consumer:
             cs.advance()
         return cs
 
+    def _b_kb(self, tCrB, d0, kb: int):
+        """K block kb's B operand (the tokens) in the stage whose first descriptor is d0 (64 bits): one 64-bit add of the
+        block's static offset (read off the view's layout), where CuTeDSL's slicing would re-pack {lo, hi} per WGMMA."""
+        return cute.make_tensor(int_to_smem_descriptor(d0 + cutlass.Int64(cute.crd2idx((0, 0, kb, 0), tCrB.layout))),
+                                tCrB[None, None, kb, 0].layout)
+
     def _half_issue(self, tiled_mma, acc_frag, a_frag, tCrB, d0, h: int):
-        """The 4 WGMMAs of half h (K blocks 4h .. 4h + 3) of a K tile, one commit group (traced inline); d0: the B
-        descriptor of the tile's stage (64 bits), each K block's a static offset from it."""
-        koff = [cute.crd2idx((0, 0, kb, 0), tCrB.layout) for kb in range(8)]
+        "The 4 WGMMAs of half h (K blocks 4h .. 4h + 3) of the K tile in the stage of descriptor d0, one commit group."
         warpgroup.fence()
         for kb in range(4 * h, 4 * h + 4):
-            b_kb = cute.make_tensor(int_to_smem_descriptor(d0 + cutlass.Int64(koff[kb])), tCrB[None, None, kb, 0].layout)
-            cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], b_kb, acc_frag)
+            cute.gemm(tiled_mma, acc_frag, a_frag[None, None, kb], self._b_kb(tCrB, d0, kb), acc_frag)
         warpgroup.commit_group()
 
-    def _decode_half(self, words, sc, a_u32, h: int):
-        "K blocks 4h .. 4h + 3 of the A fragment (its registers 16h .. 16h + 15) from their 4 code words and the scale words."
+    def _decode_half(self, c0, c1, sc, a_u32, h: int):
+        "K blocks 4h .. 4h + 3 of the A fragment (its words 16h .. 16h + 15), by `decode_kb`."
         for kb in range(4 * h, 4 * h + 4):
-            w_ = words[kb - 4 * h]
-            s2 = _asm(_SCL[kb % 2], sc[kb // 2])
-            rot = [w_] + [_asm(_ROT[sh], w_) for sh in _ROTS]
+            d = self.decode_kb(c0, c1, sc, kb)
             for j in range(4):
-                a_u32[j + 4 * kb] = _asm(_DEC[(len(_RIDX[j]), j % 2)], *[rot[i] for i in _RIDX[j]], s2)
+                a_u32[j + 4 * kb] = d[j]
 
     @cute.jit
     def mainloop_ov(self, pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT):
         """The overlapped K loop (`GemmConfig.overlap`, the bf16 loop only), pipelined by half tiles: half 1 of a tile
-        (K blocks 4-7, fragment registers 16-31) is decoded while half 0's 4 WGMMAs run, and half 0 of the next tile
-        while half 1's run; `wait_group(1)` before each decode retires the group that last read those registers. The
-        decode sits before the WGMMAs that need it, so ptxas cannot move it behind a wait, and the fragment is the plain
-        loop's 32 registers (a second fragment for a whole-tile pipeline made ptxas serialize the WGMMAs of every
-        configuration but one warpgroup's, and there it cost occupancy). A stage is released once both halves of its
-        tile are retired. acc_frag starts at zero and every WGMMA accumulates (`tiled_mma` comes with ACCUMULATE set):
-        the plain loop's sums bit for bit where they are not zero (a sum of signed zeros is +0)."""
+        (K blocks 4-7, fragment words 16-31) is decoded while half 0's 4 WGMMAs run, and half 0 of the next tile while
+        half 1's run; the `wait_group(1)` before each decode retires the group that last read those registers. Each
+        decode comes before the WGMMAs that read it, so ptxas cannot move it behind a wait, and the loop keeps the
+        plain loop's one fragment. It holds two ring stages at once and releases a stage when both halves of its tile
+        are retired. acc_frag starts at zero and every WGMMA accumulates (`tiled_mma` comes with ACCUMULATE set): the
+        plain loop's sums bit for bit, except that a sum of zeros is +0."""
         acc_frag.fill(0.0)
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)
         pipe.consumer_wait(cs)
         c0, c1, sc = self.load_codes(sW, cw, cs.index, t)
         d0 = smem_descriptor_to_int(tCrB[None, None, 0, cs.index].iterator)
-        self._decode_half(c0, sc, a_u32, 0)
+        self._decode_half(c0, c1, sc, a_u32, 0)
         self._half_issue(tiled_mma, acc_frag, a_frag, tCrB, d0, 0)
-        self._decode_half(c1, sc, a_u32, 1)
+        self._decode_half(c0, c1, sc, a_u32, 1)
         self._half_issue(tiled_mma, acc_frag, a_frag, tCrB, d0, 1)
         warpgroup.wait_group(1)                                   # half 0 retired: its registers are free
         pv = cs.clone()                                           # the stage of the tile whose half 1 is in flight
@@ -411,12 +409,12 @@ class _Consumer:
             pipe.consumer_wait(cs)
             c0, c1, sc = self.load_codes(sW, cw, cs.index, t)
             d0 = smem_descriptor_to_int(tCrB[None, None, 0, cs.index].iterator)
-            self._decode_half(c0, sc, a_u32, 0)
+            self._decode_half(c0, c1, sc, a_u32, 0)
             self._half_issue(tiled_mma, acc_frag, a_frag, tCrB, d0, 0)
             warpgroup.wait_group(1)                               # the previous tile's half 1 retired: release its stage
             pipe.consumer_release(pv)
             pv.advance()
-            self._decode_half(c1, sc, a_u32, 1)
+            self._decode_half(c0, c1, sc, a_u32, 1)
             self._half_issue(tiled_mma, acc_frag, a_frag, tCrB, d0, 1)
             warpgroup.wait_group(1)                               # this tile's half 0 retired
             cs.advance()
@@ -675,8 +673,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                            f"bf16 activations, no row_map, no gather), got {cfg.epilogue.name}" + (", fp8" if cfg.fp8 else "")
                            + (", row_map" if cfg.row_map else "") + (", gather" if cfg.gather else ""))
         if cfg.overlap and cfg.fp8:
-            return False, ("overlap is the bf16 loop's (W4A16): an overlapped FP8 loop measured 0.99x its plain form at "
-                           "two warpgroups and 0.48-0.66x at four (spills), and was removed")
+            return False, "overlap is the bf16 loop's (W4A16): the FP8 loop (W4A8) has no overlapped form"
         if cfg.fp8 and cfg.epilogue not in (Epilogue.BF16_ROW_GS, Epilogue.SWIGLU_BF16):
             return False, ("W4A8 (fp8) runs with the BF16_ROW_GS and SWIGLU_BF16 epilogues (one activation scale per row), "
                            f"got {cfg.epilogue.name}")

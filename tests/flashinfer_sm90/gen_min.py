@@ -13,7 +13,6 @@ pkg = types.ModuleType("flashinfer"); pkg.__path__ = [f"{ROOT}/src/flashinfer"];
 import flashinfer.jit.gemm.cutlass.generate_kernels as gk
 from flashinfer.jit.gemm.cutlass.cutlass_library import DataType
 
-KEEP_OUT_F16 = os.environ.get("KEEP_OUT_F16", "0") == "1"
 _orig90 = gk.generate_sm90_mixed_type_grouped_gemm_operations
 def want(op):
     if op.weight_type != gk.e2m1:
@@ -21,7 +20,7 @@ def want(op):
     if op.act_type == DataType.bf16:
         return True
     if op.act_type == DataType.e4m3:
-        return op.output_type == DataType.bf16 or KEEP_OUT_F16
+        return op.output_type == DataType.bf16
     return False
 def coop_supported(m, n, k):
     # mirrors sm90_supports_coop() in cutlass_heuristic.cpp
@@ -39,9 +38,8 @@ def used_by_tactic_list(op):
     m, n, k = op.cta_shape
     want_sched = gk.KernelScheduleType.TmaWarpSpecializedCooperative if coop_supported(m, n, k) else gk.KernelScheduleType.TmaWarpSpecializedPingpong
     return op.mainloop_schedule == want_sched
-ONLY_USED = os.environ.get("ONLY_USED_SCHEDULES", "1") == "1"
 def sm90_ops(is_arch_enabled):
-    ops = [op for op in _orig90(is_arch_enabled) if want(op) and (not ONLY_USED or used_by_tactic_list(op))]
+    ops = [op for op in _orig90(is_arch_enabled) if want(op) and used_by_tactic_list(op)]
     # cluster 1x1x1 first so that the first generated files hold only 1x1x1 kernels (build priority)
     ops.sort(key=lambda op: tuple(op.cga_shape) != (1, 1, 1))
     return ops
@@ -58,9 +56,7 @@ DROP = {"moe_gemm_kernels_fp8_uint4.cu", "moe_gemm_kernels_fp8_fp8.cu", "moe_gem
         "moe_gemm_kernels_fp16_fp16.cu", "moe_gemm_kernels_bf16_uint8.cu", "moe_gemm_kernels_bf16_uint4.cu",
         "moe_gemm_kernels_bf16_fp8.cu", "moe_gemm_kernels_bf16_bf16.cu", "moe_gemm_kernels_fp16_fp4.cu",
         "fp8_blockscale_gemm.cu"}
-if os.environ.get("KEEP_ALL_HANDWRITTEN") != "1":
-    spec.sources = [s for s in spec.sources if s.name not in DROP]
-# put generated TUs first? keep hand-written first (the binding is needed for any link test)
+spec.sources = [s for s in spec.sources if s.name not in DROP]
 spec.write_ninja()
 gen = [s for s in spec.sources if s.name.endswith(".generated.cu")]
 print("name", spec.name, "ninja", spec.ninja_path)

@@ -1,7 +1,7 @@
 """Find undefined symbols of a linked .so that no runtime library provides and emit
 an x86-64 assembly file defining each as a function that throws std::runtime_error.
 usage: make_stubs.py LIB.so OUT_DIR"""
-import subprocess, sys, os, glob
+import subprocess, sys, os
 lib, out = sys.argv[1], sys.argv[2]
 cuda = os.environ["CUDA_HOME"]                        # the nvidia-cuda-* wheels' cu13 folder (build.sh)
 import tvm_ffi
@@ -47,10 +47,6 @@ with open(f"{out}/missing_stubs_impl.cpp", "w") as f:
     f.write('#include <stdexcept>\n#include <string>\n'
             'extern "C" [[noreturn]] __attribute__((visibility("default"))) void fi_missing_symbol_stub(const char* name) {\n'
             '  throw std::runtime_error(std::string("fused_moe_90 (minimal MXFP4 W4A16/W4A8 build): kernel/runner not compiled into this library: ") + name);\n}\n')
-# a fake libcuda.so.1 exporting the driver symbols, for a CPU-side dlopen test only
-with open(f"{out}/fake_libcuda.c", "w") as f:
-    for s in driver:
-        f.write(f"int {s}(void) {{ return 999; }}\n")
 print("stubs:", len(fn_syms), "data-like (NOT stubbed):", data_like[:10])
 
 # demangled category summary of the stubs
