@@ -45,3 +45,5 @@ done
 echo "build.sh: $i objects to compile $(date)"
 ls "$FI_ROOT"/cmds/*.sh 2>/dev/null | xargs -r -P "${FI_JOBS:-2}" -I{} bash -c 'bash {} > {}.log 2>&1; echo "done rc=$? {} $(date +%T)"'
 bash "$here/link.sh"
+# the autotuner's own small module (its stream delay kernel): 5 sources, seconds
+ninja -C "$(dirname "$("$V/bin/python" "$here/gen_utils.py" | tail -1)")"

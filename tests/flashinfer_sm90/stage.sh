@@ -14,6 +14,8 @@ FI_ROOT=${FI_ROOT:-$root/.peer3}; C=$FI_ROOT/carry
 rm -rf "$C"; mkdir -p "$C/shim/flashinfer_jit_cache/jit_cache/fused_moe_90"
 cp "$here/shim/flashinfer_jit_cache/__init__.py" "$C/shim/flashinfer_jit_cache/"
 strip --strip-unneeded -o "$C/shim/flashinfer_jit_cache/jit_cache/fused_moe_90/fused_moe_90.so" "$FI_ROOT/out/fused_moe_90.so"
+mkdir -p "$C/shim/flashinfer_jit_cache/jit_cache/trtllm_utils"          # the autotuner's stream delay kernel
+cp "$FI_ROOT/ws/.cache/flashinfer/0.7.2.post1/90a/cached_ops/trtllm_utils/trtllm_utils.so" "$C/shim/flashinfer_jit_cache/jit_cache/trtllm_utils/"
 cp "$here/smoke.py" "$C/"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d "$C" apache-tvm-ffi==0.1.15.post2
