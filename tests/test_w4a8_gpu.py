@@ -330,17 +330,20 @@ def test_w4a8_mixed_experts_are_the_same_bits(cfg):
                       f"sm90_w4a8 mixed weights, {R} rows", 2e-3)
 
 
+@pytest.mark.parametrize("K", [2048, 7168])
 @pytest.mark.parametrize("tt", [64, 128])
-def test_overlapped_w4a8_loop_against_float64(tt):
+def test_overlapped_w4a8_loop_against_float64(tt, K):
     """The overlapped W4A8 loop (GemmConfig.overlap with fp8, two consumer warpgroups): the tile accumulator sums 4 K
     tiles (512 K) on the tensor core before its fp32 add, where the plain loop adds every 128, so its outputs are not
     the plain loop's bits; each must lie within w4a8_error_bound of the float64 reference (04e's model of the tensor
     core's truncating sum: worst 0.39-0.57 of the bound at 512 K, as at 128) and the Frobenius error within 2e-3; on
     MXFP4-carried experts (the table loop) around a general NVFP4 one (the F2FP loop), ragged rows with an empty expert,
-    K = 2048 (4 promotions), both epilogues, the same bits twice; a K that is not a multiple of 512 is refused."""
+    K = 2048 and 7168 (4 and 14 promotions), both epilogues, the same bits twice, and the same bits from a grid of two
+    CTAs (sms_free: every CTA runs many units, so the ring state passes from unit to unit); a K that is not a multiple
+    of 512 is refused."""
     from dsv4_nvfp4.gemm import sm90_kernel as S90K
-    g = torch.Generator().manual_seed(130 + tt)
-    E, N, K = 4, 256, 2048
+    g = torch.Generator().manual_seed(130 + tt + K)
+    E, N = 4, 256
     w = torch.randn(E, N, K, generator=g) * torch.logspace(-1, 1, N).view(1, N, 1)
     mx, _ = Q.mxfp4_experts_to_nvfp4([Q.ref_quantize_mxfp4(w[e]) for e in range(E)])
     nv = Q.quantize_experts(w[2:3])
@@ -350,22 +353,24 @@ def test_overlapped_w4a8_loop_against_float64(tt):
     assert table.tolist() == [True, True, False, True]
     rows = W.w4a8_row_scales(cm, table=table).cuda()
     w8, c8, _ = W.w4a8_weights(ex)
-    offs = torch.tensor([tt + 5, 2 * tt + 3, 0, 3 * tt + 1]).cumsum(0).to(torch.int32)
+    offs = torch.tensor([tt + 5, 0, 2 * tt + 3, 3 * tt + 1]).cumsum(0).to(torch.int32)   # expert 2 (F2FP) has rows
     R = int(offs[-1])
     a = W.ref_quantize_fp8_act(torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R).view(R, 1))
     p = torch.rand(R, generator=g) + 0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg0 = S90.CONFIGS[tt]._replace(fp8=True, table=True, overlap=True)
     assert cfg0.wgs == 2
     for epi in (S90.Epilogue.BF16_ROW_GS, S90.Epilogue.SWIGLU_BF16):
         cfg = cfg0._replace(epilogue=epi)
         sc = (torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale).cuda()
         outs = []
-        for _ in range(2):
+        for free in (0, 0, sms - 1):                                   # twice on the whole grid, once on two CTAs
             out = torch.full((R, N // 2 if epi.swiglu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
-            S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), sc, sf_c=rows)
+            S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), sc, sf_c=rows,
+                          sms_free=free)
             torch.cuda.synchronize()
             outs.append(out.cpu())
-        assert torch.equal(outs[0], outs[1]), (tt, epi.name)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (tt, K, epi.name)
         if epi.swiglu:
             want, bound = l1_want_and_bound(a, w8, c8, ex.global_scale, offs, p)
         else:

@@ -332,8 +332,8 @@ class _Consumer:
         "acc_frag (fp32, this thread's part of the (64*wgs, tok_tile) tile) = sum over K of W_decoded x A; returns the ring state."
         a_u32 = cute.recast_tensor(a_frag, cutlass.Uint32)      # (32,) words: 4 bf16x2 per K block x 8 blocks
         # Decode the tile's 8 K blocks, 8 WGMMAs in one commit group, wait for them, release the stage: no fragment
-        # register is written while a WGMMA may still read it (`wgmma_hazards`). The overlapped form is `mainloop_ov`;
-        # the B descriptors of the stage's K blocks are `_b_kb`'s
+        # register is written while a WGMMA may still read it (`wgmma_hazards`). The overlapped forms: `mainloop_ov`
+        # (bf16) and `mainloop_fp8_ov` (W4A8); the B descriptors of the stage's K blocks are `_b_kb`'s
         nk = 4 if self.fp8 else 8                                   # WGMMAs per K tile: k32 (FP8) or k16 (bf16)
         # W4A8: FP8 WGMMA does not keep a full fp32 sum over long K (its accumulator holds about 14 significant bits, as
         # DeepSeek-V3's report measured), so each K tile's 4 WGMMAs (128 K) sum into tile_frag from zero and the loop adds
@@ -785,7 +785,11 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                 b_layout.inner, 0, cute.make_layout((1, r0.shape[0]), stride=(0, r0.stride[0]))), (1, kt_))
         self.kernel(tma_w, tW, tma_a, tA, tma_a1, tA1, mC, mOff, mGw, mGa, mSfC, mGc, mGr, mDump, self.tiled_mma,
                     b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
-                                                  use_pdl=self.pdl)
+                                                  use_pdl=self.pdl,
+                                                  # the overlapped W4A8 loop's setmaxnreg needs the launch to hold the
+                                                  # whole pool (384 x 168): without it ptxas gave tok_tile 64 129 registers
+                                                  # and dropped both setmaxnreg (C7508)
+                                                  **({"min_blocks_per_mp": 1} if self.fp8 and self.overlap else {}))
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,
