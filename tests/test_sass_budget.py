@@ -37,15 +37,17 @@ def test_mainloop_sass_budget(tt, row_map):
     assert sum(s.startswith("UIADD3.64") for s in body) == 7 and ops.get("UMOV", 0) <= (4 if cfg.overlap else 2), ops
 
 
-def _decoded_in_flight(body: list[str]) -> int:
-    "HMUL2s (the decode's multiplies) issued while some WGMMA commit group is in flight, per trip (two trips traced)."
+def _in_flight(body: list[str], opcode: str) -> tuple[int, int]:
+    "(instructions of `opcode` issued while some WGMMA commit group is in flight, all of them), per trip (two traced)."
     ops = [S._unpredicated(s).split() for s in body]
-    groups, n = 0, 0
+    groups, n, tot = 0, 0, 0
     for op in ops + ops:
-        if op[0].startswith("HGMMA") and op[-1] == "gsb0": groups += 1
+        if op[0].startswith(("HGMMA", "QGMMA")) and op[-1] == "gsb0": groups += 1
         elif op[0].startswith("WARPGROUP.DEPBAR"): groups = min(groups, int(op[-1], 16))
-        elif op[0].startswith("HMUL2") and groups: n += 1
-    return n // 2
+        elif op[0].startswith(opcode):
+            tot += 1
+            n += groups > 0
+    return n // 2, tot // 2
 
 
 _OVERLAPPED = [c for c in [*L.CONFIGS.values(), *L.DECODE_WIDE.values()] if c.overlap]
@@ -58,8 +60,8 @@ def test_overlapped_loop_decodes_under_the_wgmmas(cfg, epi):
     # 32 multiplies per tile; ptxas keeps the rest of the first half's after its wait). With one wait per whole tile
     # ptxas moved the whole decode behind the wait: nothing overlapped. The plain loop decodes nothing in flight
     c = cfg._replace(epilogue=getattr(L.Epilogue, epi.split("+")[0]), row_map=epi.endswith("row_map"))
-    assert _decoded_in_flight(S.mainloop_sass(c)) >= 16, c
-    assert _decoded_in_flight(S.mainloop_sass(c._replace(overlap=False))) == 0, c
+    assert _in_flight(S.mainloop_sass(c), "HMUL2")[0] >= 16, c
+    assert _in_flight(S.mainloop_sass(c._replace(overlap=False)), "HMUL2")[0] == 0, c
 
 
 def test_fp8_overlap_is_in_no_plan():
@@ -349,19 +351,6 @@ def test_pdl_limits():
                 base._replace(fp8=True, overlap=False, epilogue=L.Epilogue.BF16_ROW_GS)):
         ok, why = S.GroupedGemmSm90.can_implement(bad, 16, 1024)
         assert not ok and "pdl" in why, (bad, why)
-
-
-def _in_flight(body: list[str], opcode: str) -> tuple[int, int]:
-    "(instructions of `opcode` issued while some WGMMA commit group is in flight, all of them), per trip (two traced)."
-    ops = [S._unpredicated(s).split() for s in body]
-    groups, n, tot = 0, 0, 0
-    for op in ops + ops:
-        if op[0].startswith(("HGMMA", "QGMMA")) and op[-1] == "gsb0": groups += 1
-        elif op[0].startswith("WARPGROUP.DEPBAR"): groups = min(groups, int(op[-1], 16))
-        elif op[0].startswith(opcode):
-            tot += 1
-            n += groups > 0
-    return n // 2, tot // 2
 
 
 @pytest.mark.parametrize("epi", ["BF16_ROW_GS", "SWIGLU_BF16"])

@@ -422,6 +422,12 @@ class _Consumer:
         pipe.consumer_release(pv)
         return cs
 
+    def _k_loop(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add, table: int):
+        "A unit's K loop but the bf16 overlapped one: `mainloop_fp8_ov` for `overlap` with `fp8`, else `mainloop`."
+        if self.fp8 and self.overlap:
+            return self.mainloop_fp8_ov(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add, table)
+        return self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, table)
+
     @cute.jit
     def mainloop_fp8_ov(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add,
                         table: cutlass.Constexpr):
@@ -889,27 +895,17 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                     cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: +-2^c (E, Np)
                     cg8 = ((_f32_bits(mSfC[e, ng + 8]) >> 23) & 0xFF).to(cutlass.Int32) - 127
                     add = (((6 - cg) << 10) | ((6 - cg8) << 26)).to(cutlass.Uint32)
-                if cutlass.const_expr(self.overlap and self.fp8):
-                    if cutlass.const_expr(self.table):
-                        if (_f32_bits(mSfC[e, 0]) >> 31) != 0:
-                            cs = self.mainloop_fp8_ov(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw,
-                                                      KT, add, 1)
-                        else:
-                            cs = self.mainloop_fp8_ov(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw,
-                                                      KT, add, 0)
-                    else:
-                        cs = self.mainloop_fp8_ov(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw,
-                                                  KT, add, 0)
-                elif cutlass.const_expr(self.overlap):
+                kargs = (pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add)
+                if cutlass.const_expr(self.overlap and not self.fp8):
                     cs = self.mainloop_ov(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT)
                 elif cutlass.const_expr(self.table):               # W4A8 table kernel: this expert's loop, from its row
                     if (_f32_bits(mSfC[e, 0]) >> 31) != 0:          # table's sign (negative: table slabs), one uniform
                                                                     # branch per unit, outside the K loop
-                        cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, 1)
+                        cs = self._k_loop(*kargs, 1)
                     else:
-                        cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, 0)
+                        cs = self._k_loop(*kargs, 0)
                 else:
-                    cs = self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, 0)
+                    cs = self._k_loop(*kargs, 0)
                 self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump)
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
