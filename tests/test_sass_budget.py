@@ -64,16 +64,25 @@ def test_overlapped_loop_decodes_under_the_wgmmas(cfg, epi):
     assert _in_flight(S.mainloop_sass(c._replace(overlap=False)), "HMUL2")[0] == 0, c
 
 
-def test_fp8_overlap_is_in_no_plan():
-    # overlap with fp8 is the overlapped W4A8 loop (test_overlapped_w4a8_loop), which no plan picks until a GPU run has
-    # measured it: the W4A8 backend's variant of every configuration turns overlap off (an earlier overlapped FP8 loop,
-    # promoting every tile, lost: 0.99x at two consumer warpgroups, 0.48-0.66x at four with spills)
+def test_fp8_overlap_only_in_the_prefill_plan():
+    # overlap with fp8 is the overlapped W4A8 loop (test_overlapped_w4a8_loop): the W4A8 variant of every configuration
+    # turns the bf16 loop's overlap off, and the W4A8 plan takes W4A8_OV_CONFIG from W4A8_OV_MIN_ROWS expected rows per
+    # expert with K % 512 == 0 (it lost at 64 rows per expert: 0.55-0.91x the plan at T = 512, measured/w4a8_ov_s39_h200.json)
     from dsv4_nvfp4.gemm import Problem
-    from dsv4_nvfp4.gemm.w4a8 import Sm90W4A8Backend
+    from dsv4_nvfp4.gemm.w4a8 import W4A8_OV_CONFIG, W4A8_OV_MIN_ROWS, Sm90W4A8Backend
+    b = Sm90W4A8Backend()
     p = Problem(rows=4096, experts=8, n=256, k=4096, act="fp8", epilogue="bf16")
     for c in (*L.CONFIGS.values(), L.WIDE_CONFIG, *L.DECODE_WIDE.values()):
-        assert not Sm90W4A8Backend().variant(c, p).overlap
+        assert not b.variant(c, p).overlap
     assert L.CONFIGS[128].overlap and not any(c.overlap for c in (L.CONFIGS[64], L.WIDE_CONFIG))
+    for epi in ("bf16", "swiglu_bf16"):
+        for E, n, k in ((256, 4096, 4096), (256, 4096, 2048), (48, 7168, 3072), (48, 6144, 7168)):   # the peer shapes
+            at = b.plan(Problem(rows=E * W4A8_OV_MIN_ROWS, experts=E, n=n, k=k, act="fp8", epilogue=epi)).cfg
+            assert at.overlap and at.fp8 and at[:3] == W4A8_OV_CONFIG[:3] and at.epilogue.swiglu == (epi != "bf16")
+            assert not b.plan(Problem(rows=E * W4A8_OV_MIN_ROWS - E, experts=E, n=n, k=k, act="fp8", epilogue=epi)).cfg.overlap
+            assert not b.plan(Problem(rows=E * 1024, experts=E, n=n, k=k + 128, act="fp8", epilogue=epi)).cfg.overlap
+        given = L.CONFIGS[64]
+        assert not b.plan(Problem(rows=1 << 16, experts=8, n=256, k=4096, act="fp8", epilogue=epi), given).cfg.overlap
 
 
 def test_mainloop_sass_finds_the_loop():
@@ -361,7 +370,9 @@ def test_overlapped_w4a8_loop(tt, epi):
     # but the group's last, which drains (wait 0) and promotes the tile accumulator: one FADD per element per 4
     # tiles; the consumers take CONSUMER_REGS_2 (setmaxnreg), no spills, no hazard. Both loops of the table kernel
     # (the table decode and the F2FP one), each with fewer instructions per K tile than the plain loop's
-    plain = L.GemmConfig(tt, 2, 5 if tt == 64 else 4, getattr(L.Epilogue, epi), fp8=True, table=True)
+    from dsv4_nvfp4.gemm.w4a8 import W4A8_OV_CONFIG
+    plain = L.GemmConfig(tt, 2, 5 if tt == 64 else W4A8_OV_CONFIG.stages, getattr(L.Epilogue, epi), fp8=True, table=True)
+    if tt == 128: assert plain._replace(overlap=True)[:3] == W4A8_OV_CONFIG[:3]     # the configuration the plan runs
     cfg = plain._replace(overlap=True)
     assert S.GroupedGemmSm90.can_implement(cfg, 256, 4096, smem_limit=L.HOPPER_SMEM_PER_BLOCK) == (True, "")
     assert S.PRODUCER_REGS * 128 + S.CONSUMER_REGS_2 * 256 <= 168 * 384        # the pool the launch gives 384 threads
