@@ -67,7 +67,7 @@ def test_overlapped_loop_decodes_under_the_wgmmas(cfg, epi):
 def test_fp8_overlap_only_in_the_prefill_plan():
     # overlap with fp8 is the overlapped W4A8 loop (test_overlapped_w4a8_loop): the W4A8 variant of every configuration
     # turns the bf16 loop's overlap off, and the W4A8 plan takes W4A8_OV_CONFIG from W4A8_OV_MIN_ROWS expected rows per
-    # expert with K % 512 == 0 (it lost at 64 rows per expert: 0.55-0.91x the plan at T = 512, measured/w4a8_ov_s39_h200.json)
+    # expert with K % 512 == 0 (it lost at 12-64 rows per expert: 0.54-0.91x the plan at T = 512, measured/w4a8_ov_s39_h200.json)
     from dsv4_nvfp4.gemm import Problem
     from dsv4_nvfp4.gemm.w4a8 import W4A8_OV_CONFIG, W4A8_OV_MIN_ROWS, Sm90W4A8Backend
     b = Sm90W4A8Backend()
