@@ -12,7 +12,8 @@
 * gemm: DeepGEMM's FP8 grouped GEMM (`deep_gemm.m_grouped_fp8_gemm_nt_contiguous`: E4M3 weights with 128x128 fp32
   scales, E4M3 activations with 1x128 scales, each expert's rows padded to its M alignment, as its contiguous layout
   asks), the FP8-weight anchor, on the four peer shapes, against our sm90 kernel's W4A16 loop and both W4A8 loops (the
-  F2FP loop on E4M3 block scales, the table loop on power-of-two ones) on the same rows per expert; each of ours also
+  F2FP loop on E4M3 block scales, the table loop on power-of-two ones), each in its backend's planned configuration (the
+  W4A8 one the overlapped loop at prefill), on the same rows per expert; each of ours also
   timed as kernel time alone from the profiler, the way FlashInfer's are read (below).
 * fi_gemm: FlashInfer's two grouped GEMMs, W4A16 and W4A8, read as kernel durations from its fused MoE's timeline
   (torch.profiler): FC1 and FC2 of the DSV4-Flash and Pro EP48 layer shapes are the four peer shapes; the same rows per
@@ -212,6 +213,7 @@ def gemm_rows(Ts, timer, log=print) -> dict:
     """DeepGEMM's FP8 grouped GEMM (E4M3 weights, twice our weight bytes) against our W4A16 loop and both W4A8 loops
     (F2FP on E4M3 block scales, the table loop on MXFP4-carried ones), the four peer shapes, the same rows per expert."""
     from dsv4_nvfp4.gemm import sm90 as S90, sm90_kernel as K, w4a8 as W
+    from dsv4_nvfp4.gemm import Problem
     dev = torch.device("cuda")
     out = dict(rows=[], errors={})
     try:
@@ -252,12 +254,11 @@ def gemm_rows(Ts, timer, log=print) -> dict:
             a8 = W.ref_quantize_fp8_act(a16.float())
             o = torch.empty(R, N, dtype=torch.bfloat16, device=dev)
             cfg = S90.pick_config(R, E, Kd, N)._replace(epilogue=S90.Epilogue.BF16_ROW_GS)
-            row = dict(problem=name, T=T, rows=R, config=str(tuple(cfg[:3])))
+            cfg8 = W.Sm90W4A8Backend().plan(Problem(R, E, N, Kd, act="fp8", per_row=True)).cfg    # the W4A8 backend's plan
+            row = dict(problem=name, T=T, rows=R, config=str(tuple(cfg[:3])), config_w4a8=str((*cfg8[:3], "overlap") if cfg8.overlap else tuple(cfg8[:3])))
             calls = dict(w4a16=lambda: K.run_sm90(cfg, w16, a16, o, offs, gs, a8.scale),
-                         w4a8_f2fp=lambda: K.run_sm90(cfg._replace(fp8=True, overlap=False), w8f, a8.data, o, offs, gs, a8.scale,
-                                                      sf_c=rs_f),
-                         w4a8_table=lambda: K.run_sm90(cfg._replace(fp8=True, overlap=False, table=True), w8t, a8.data, o, offs,
-                                                       gs, a8.scale, sf_c=rs_t))
+                         w4a8_f2fp=lambda: K.run_sm90(cfg8, w8f, a8.data, o, offs, gs, a8.scale, sf_c=rs_f),
+                         w4a8_table=lambda: K.run_sm90(cfg8._replace(table=True), w8t, a8.data, o, offs, gs, a8.scale, sf_c=rs_t))
             for c, fn in calls.items():
                 gr, ea = timer(fn)
                 row[f"ours_{c}_us"] = round(gr or ea, 1)

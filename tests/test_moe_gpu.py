@@ -323,7 +323,7 @@ def test_expert_rows_copy_and_view():
     assert not torch.equal(v, y) and torch.equal(y, layer.expert_rows(xr, rs, offs, bufs))
 
 
-@pytest.mark.parametrize("T", [7, 64])
+@pytest.mark.parametrize("T", [7, 64, 512])
 def test_w4a8_layer_on_mxfp4_weights(T, monkeypatch):
     """The W4A8 layer in DeepSeek-V4's weight form (MXFP4-carried routed experts on the table loop, the NVFP4 shared
     expert on the F2FP loop, in the same launches): its output is the all-F2FP layer's bit for bit, and each stage
@@ -331,7 +331,8 @@ def test_w4a8_layer_on_mxfp4_weights(T, monkeypatch):
     output within 5e-3 of the L2's reference on the kernel's own h. Why the stages and not the end-to-end 5e-3: the L2
     input's FP8 scale is amax / 448 per row, so a row whose bf16 amax the kernel rounds one ulp away from the
     reference's gets a different scale and every value of the row re-rounds (seed 7, T = 7: one row 2.3% off, the
-    layer 1.07e-2 end to end, with the L2 on the kernel's own h at 1.7e-3; notebook 04e)."""
+    layer 1.07e-2 end to end, with the L2 on the kernel's own h at 1.7e-3; notebook 04e). T = 512 is prefill: 211 rows
+    per expert, so both GEMMs run the overlapped W4A8 loop (the plan's W4A8_OV_CONFIG)."""
     from dsv4_nvfp4.gemm import w4a8 as W
     from dsv4_nvfp4.gemm.reference import grouped_rows
     from dsv4_nvfp4.swiglu import expert_mlp_nvfp4, mlp_workspace, ref_expert_mlp, ref_swiglu_out
@@ -346,7 +347,11 @@ def test_w4a8_layer_on_mxfp4_weights(T, monkeypatch):
     lf = M.DSV4MoE(CFG, lc.w13, lc.w2, lc.gate_weight, lc.gate_bias, act="w4a8")
     layer = lc.to(DEV)
     assert all(w.table for w in layer.prepared(DEV))
+    import dsv4_nvfp4.gemm as G
+    monkeypatch.setattr(G, "_PLANS", {})                 # the plans this layer makes, from an empty cache
     y = layer(x.to(DEV))
+    w4a8_plans = [v.cfg for k, v in G._PLANS.items() if k[0] == "sm90_w4a8"]
+    assert len(w4a8_plans) == 2 and all(c.overlap == (T == 512) for c in w4a8_plans), w4a8_plans
     monkeypatch.setattr(W, "w4a8_table_experts", lambda ex: torch.zeros(ex.shape[0], dtype=torch.bool, device=ex.data.device))
     lf = lf.to(DEV)
     assert not any(w.table for w in lf.prepared(DEV))

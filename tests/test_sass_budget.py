@@ -37,15 +37,17 @@ def test_mainloop_sass_budget(tt, row_map):
     assert sum(s.startswith("UIADD3.64") for s in body) == 7 and ops.get("UMOV", 0) <= (4 if cfg.overlap else 2), ops
 
 
-def _decoded_in_flight(body: list[str]) -> int:
-    "HMUL2s (the decode's multiplies) issued while some WGMMA commit group is in flight, per trip (two trips traced)."
+def _in_flight(body: list[str], opcode: str) -> tuple[int, int]:
+    "(instructions of `opcode` issued while some WGMMA commit group is in flight, all of them), per trip (two traced)."
     ops = [S._unpredicated(s).split() for s in body]
-    groups, n = 0, 0
+    groups, n, tot = 0, 0, 0
     for op in ops + ops:
-        if op[0].startswith("HGMMA") and op[-1] == "gsb0": groups += 1
+        if op[0].startswith(("HGMMA", "QGMMA")) and op[-1] == "gsb0": groups += 1
         elif op[0].startswith("WARPGROUP.DEPBAR"): groups = min(groups, int(op[-1], 16))
-        elif op[0].startswith("HMUL2") and groups: n += 1
-    return n // 2
+        elif op[0].startswith(opcode):
+            tot += 1
+            n += groups > 0
+    return n // 2, tot // 2
 
 
 _OVERLAPPED = [c for c in [*L.CONFIGS.values(), *L.DECODE_WIDE.values()] if c.overlap]
@@ -58,16 +60,29 @@ def test_overlapped_loop_decodes_under_the_wgmmas(cfg, epi):
     # 32 multiplies per tile; ptxas keeps the rest of the first half's after its wait). With one wait per whole tile
     # ptxas moved the whole decode behind the wait: nothing overlapped. The plain loop decodes nothing in flight
     c = cfg._replace(epilogue=getattr(L.Epilogue, epi.split("+")[0]), row_map=epi.endswith("row_map"))
-    assert _decoded_in_flight(S.mainloop_sass(c)) >= 16, c
-    assert _decoded_in_flight(S.mainloop_sass(c._replace(overlap=False))) == 0, c
+    assert _in_flight(S.mainloop_sass(c), "HMUL2")[0] >= 16, c
+    assert _in_flight(S.mainloop_sass(c._replace(overlap=False)), "HMUL2")[0] == 0, c
 
 
-def test_overlap_is_the_bf16_loops():
-    # an overlapped FP8 loop lost (0.99x at two consumer warpgroups, 0.48-0.66x at four with spills) and was removed
-    ok, why = S.GroupedGemmSm90.can_implement(L.CONFIGS[128]._replace(fp8=True, epilogue=L.Epilogue.BF16_ROW_GS), 8,
-                                              smem_limit=L.HOPPER_SMEM_PER_BLOCK)
-    assert L.CONFIGS[128].overlap and not ok and "overlap is the bf16 loop's" in why
-    assert not any(c.overlap for c in (L.CONFIGS[64], L.WIDE_CONFIG))
+def test_fp8_overlap_only_in_the_prefill_plan():
+    # overlap with fp8 is the overlapped W4A8 loop (test_overlapped_w4a8_loop): the W4A8 variant of every configuration
+    # turns the bf16 loop's overlap off, and the W4A8 plan takes W4A8_OV_CONFIG from W4A8_OV_MIN_ROWS expected rows per
+    # expert with K % 512 == 0 (it lost at 12-64 rows per expert: 0.54-0.91x the plan at T = 512, measured/w4a8_ov_s39_h200.json)
+    from dsv4_nvfp4.gemm import Problem
+    from dsv4_nvfp4.gemm.w4a8 import W4A8_OV_CONFIG, W4A8_OV_MIN_ROWS, Sm90W4A8Backend
+    b = Sm90W4A8Backend()
+    p = Problem(rows=4096, experts=8, n=256, k=4096, act="fp8", epilogue="bf16")
+    for c in (*L.CONFIGS.values(), L.WIDE_CONFIG, *L.DECODE_WIDE.values()):
+        assert not b.variant(c, p).overlap
+    assert L.CONFIGS[128].overlap and not any(c.overlap for c in (L.CONFIGS[64], L.WIDE_CONFIG))
+    for epi in ("bf16", "swiglu_bf16"):
+        for E, n, k in ((256, 4096, 4096), (256, 4096, 2048), (48, 7168, 3072), (48, 6144, 7168)):   # the peer shapes
+            at = b.plan(Problem(rows=E * W4A8_OV_MIN_ROWS, experts=E, n=n, k=k, act="fp8", epilogue=epi)).cfg
+            assert at.overlap and at.fp8 and at[:3] == W4A8_OV_CONFIG[:3] and at.epilogue.swiglu == (epi != "bf16")
+            assert not b.plan(Problem(rows=E * W4A8_OV_MIN_ROWS - E, experts=E, n=n, k=k, act="fp8", epilogue=epi)).cfg.overlap
+            assert not b.plan(Problem(rows=E * 1024, experts=E, n=n, k=k + 128, act="fp8", epilogue=epi)).cfg.overlap
+        given = L.CONFIGS[64]
+        assert not b.plan(Problem(rows=1 << 16, experts=8, n=256, k=4096, act="fp8", epilogue=epi), given).cfg.overlap
 
 
 def test_mainloop_sass_finds_the_loop():
@@ -345,3 +360,51 @@ def test_pdl_limits():
                 base._replace(fp8=True, overlap=False, epilogue=L.Epilogue.BF16_ROW_GS)):
         ok, why = S.GroupedGemmSm90.can_implement(bad, 16, 1024)
         assert not ok and "pdl" in why, (bad, why)
+
+
+@pytest.mark.parametrize("epi", ["BF16_ROW_GS", "SWIGLU_BF16"])
+@pytest.mark.parametrize("tt", [64, 128])
+def test_overlapped_w4a8_loop(tt, epi):
+    # overlap with fp8 (mainloop_fp8_ov, two consumer warpgroups): 4 K tiles per trip, each decoded into one of two A
+    # fragments while the tile before it is on the tensor cores; a wait leaving one group in flight after each tile
+    # but the group's last, which drains (wait 0) and promotes the tile accumulator: one FADD per element per 4
+    # tiles; the consumers take CONSUMER_REGS_2 (setmaxnreg), no spills, no hazard. Both loops of the table kernel
+    # (the table decode and the F2FP one), each with fewer instructions per K tile than the plain loop's
+    from dsv4_nvfp4.gemm.w4a8 import W4A8_OV_CONFIG
+    plain = L.GemmConfig(tt, 2, 5 if tt == 64 else W4A8_OV_CONFIG.stages, getattr(L.Epilogue, epi), fp8=True, table=True)
+    if tt == 128: assert plain._replace(overlap=True)[:3] == W4A8_OV_CONFIG[:3]     # the configuration the plan runs
+    cfg = plain._replace(overlap=True)
+    assert S.GroupedGemmSm90.can_implement(cfg, 256, 4096, smem_limit=L.HOPPER_SMEM_PER_BLOCK) == (True, "")
+    assert S.PRODUCER_REGS * 128 + S.CONSUMER_REGS_2 * 256 <= 168 * 384        # the pool the launch gives 384 threads
+    ptx = " ".join(S.kernel_artifact(cfg, "ptx").decode().split())
+    assert f"setmaxnreg.dec.sync.aligned.u32 {S.PRODUCER_REGS};" in ptx and f"setmaxnreg.inc.sync.aligned.u32 {S.CONSUMER_REGS_2};" in ptx
+    body = S.kernel_sass(cfg)
+    assert not any(s.split()[0].startswith(("LDL", "STL")) for s in body)
+    # and in the SASS: ptxas drops setmaxnreg (C7508) unless the launch holds the whole pool (min_blocks_per_mp=1)
+    alloc = [s for s in body if s.startswith("USETMAXREG")]
+    assert any("TRY_ALLOC" in s and hex(S.CONSUMER_REGS_2) in s for s in alloc), alloc
+    assert any("DEALLOC" in s and hex(S.PRODUCER_REGS) in s for s in alloc), alloc
+    loops = [l for l in S.mainloop_sass(cfg, every=True) if S.sass_opcodes(l).get("QGMMA") == 4 * S.W4A8_PROMOTE]
+    base = [l for l in S.mainloop_sass(plain, every=True) if S.sass_opcodes(l).get("QGMMA") == 4]
+    assert len(loops) >= 2 and len(base) >= 2, ([len(l) for l in loops], [len(l) for l in base])
+    for name, body_, ref in (("table", loops[0], base[0]), ("F2FP", loops[1], base[1])):
+        ops = S.sass_opcodes(body_)
+        waits = [s for s in body_ if s.startswith("WARPGROUP.DEPBAR")]
+        assert [w.split()[-1] for w in waits] == ["0x1"] * (S.W4A8_PROMOTE - 1) + ["0x0"], (name, waits)
+        assert ops.get("FADD") == tt // 2 and ops.get("LDS") == 3 * S.W4A8_PROMOTE, (name, ops)
+        assert all(f"QGMMA.64x{tt}x32.F32.E4M3.E4M3" in s for s in body_ if "GMMA" in s)
+        assert S.wgmma_hazards(body_) == [], name
+        per_tile, plain_tile = len(body_) / S.W4A8_PROMOTE, len(ref)
+        assert per_tile <= plain_tile - 20, (name, per_tile, plain_tile)        # measured 114-186 against 149-249
+        dec = "PRMT" if name == "table" else "F2FP"
+        n, tot = _in_flight(body_, dec)
+        assert tot > 0 and n >= 0.7 * tot, (name, n, tot)                     # the decode runs under the WGMMAs (measured 75%)
+
+
+def test_overlapped_w4a8_loop_limits():
+    E = L.Epilogue.BF16_ROW_GS
+    ok, why = S.GroupedGemmSm90.can_implement(L.GemmConfig(64, 4, 6, E, fp8=True, overlap=True), 8, 4096, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
+    assert not ok and "2 consumer warpgroups" in why
+    ok, why = S.GroupedGemmSm90.can_implement(L.GemmConfig(64, 2, 5, E, fp8=True, overlap=True), 8, 4096 + 128, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
+    assert not ok and "multiple of 512" in why
+    assert S.GroupedGemmSm90.can_implement(L.GemmConfig(64, 2, 5, E, fp8=True, overlap=True), 8, 1536, smem_limit=L.HOPPER_SMEM_PER_BLOCK)[0]

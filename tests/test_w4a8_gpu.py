@@ -328,3 +328,84 @@ def test_w4a8_mixed_experts_are_the_same_bits(cfg):
     want = W.ref_grouped_gemm_w4a8(a, w8, c8, ex.global_scale, offs)
     assert_w4a8_close(out.cpu().double(), want, W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c8, ex.global_scale, offs)),
                       f"sm90_w4a8 mixed weights, {R} rows", 2e-3)
+
+
+@pytest.mark.parametrize("K", [2048, 7168])
+@pytest.mark.parametrize("tt", [64, 128])
+def test_overlapped_w4a8_loop_against_float64(tt, K):
+    """The overlapped W4A8 loop (GemmConfig.overlap with fp8, two consumer warpgroups): the tile accumulator sums 4 K
+    tiles (512 K) on the tensor core before its fp32 add, where the plain loop adds every 128, so its outputs are not
+    the plain loop's bits; each must lie within w4a8_error_bound of the float64 reference (04e's model of the tensor
+    core's truncating sum: worst 0.39-0.57 of the bound at 512 K, as at 128) and the Frobenius error within 2e-3; on
+    MXFP4-carried experts (the table loop) around a general NVFP4 one (the F2FP loop), ragged rows with an empty expert,
+    K = 2048 and 7168 (4 and 14 promotions), both epilogues, the same bits twice, and the same bits from a grid of two
+    CTAs (sms_free: every CTA runs many units, so the ring state passes from unit to unit); a K that is not a multiple
+    of 512 is refused."""
+    from dsv4_nvfp4.gemm import sm90_kernel as S90K
+    g = torch.Generator().manual_seed(130 + tt + K)
+    E, N = 4, 256
+    w = torch.randn(E, N, K, generator=g) * torch.logspace(-1, 1, N).view(1, N, 1)
+    mx, _ = Q.mxfp4_experts_to_nvfp4([Q.ref_quantize_mxfp4(w[e]) for e in range(E)])
+    nv = Q.quantize_experts(w[2:3])
+    ex = Q.NVFP4Experts(mx.data.clone(), mx.scale.clone(), mx.global_scale.clone(), mx.shape)
+    ex.data[2], ex.scale[2], ex.global_scale[2] = nv.data[0], nv.scale[0], nv.global_scale[0]
+    tiled, cm, table = W.tile_weights_w4a8_mixed(ex)
+    assert table.tolist() == [True, True, False, True]
+    rows = W.w4a8_row_scales(cm, table=table).cuda()
+    w8, c8, _ = W.w4a8_weights(ex)
+    offs = torch.tensor([tt + 5, 0, 2 * tt + 3, 3 * tt + 1]).cumsum(0).to(torch.int32)   # expert 2 (F2FP) has rows
+    R = int(offs[-1])
+    a = W.ref_quantize_fp8_act(torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R).view(R, 1))
+    p = torch.rand(R, generator=g) + 0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg0 = S90.CONFIGS[tt]._replace(fp8=True, table=True, overlap=True)
+    assert cfg0.wgs == 2
+    for epi in (S90.Epilogue.BF16_ROW_GS, S90.Epilogue.SWIGLU_BF16):
+        cfg = cfg0._replace(epilogue=epi)
+        sc = (torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale).cuda()
+        outs = []
+        for free in (0, 0, sms - 1):                                   # twice on the whole grid, once on two CTAs
+            out = torch.full((R, N // 2 if epi.swiglu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), sc, sf_c=rows,
+                          sms_free=free)
+            torch.cuda.synchronize()
+            outs.append(out.cpu())
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (tt, K, epi.name)
+        if epi.swiglu:
+            want, bound = l1_want_and_bound(a, w8, c8, ex.global_scale, offs, p)
+        else:
+            want = W.ref_grouped_gemm_w4a8(a, w8, c8, ex.global_scale, offs)
+            bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c8, ex.global_scale, offs))
+        assert_w4a8_close(outs[0].double(), want, bound, f"overlapped W4A8 loop tok_tile {tt} {epi.name}",
+                          3e-3 if epi.swiglu else 2e-3)                 # (the fused L1's criterion, as above)
+    with pytest.raises(ValueError, match="multiple of 512|K % 512"):
+        a2 = torch.zeros(R, K - 128, dtype=torch.float8_e4m3fn, device="cuda")
+        S90K.run_sm90(cfg0._replace(epilogue=S90.Epilogue.BF16_ROW_GS), tiled.cuda(), a2, torch.empty(R, N, dtype=torch.bfloat16, device="cuda"),
+                      offs.cuda(), ex.global_scale.cuda(), a.scale.cuda(), sf_c=rows)
+
+
+def test_w4a8_prefill_plan_takes_the_overlapped_loop():
+    """From W4A8_OV_MIN_ROWS expected rows per expert and K % 512 == 0 the sm90_w4a8 plan is the overlapped W4A8 loop
+    (W4A8_OV_CONFIG); through prepare_weights and grouped_gemm_nvfp4 on MXFP4-carried experts (the table slabs) its
+    outputs lie within w4a8_error_bound of float64 and within 2e-3 Frobenius, with an empty expert; one row fewer per
+    expert keeps the plain loop's plan."""
+    from dsv4_nvfp4.gemm import Problem, get_backend, grouped_gemm_nvfp4, plan_for, prepare_weights
+    g = torch.Generator().manual_seed(192)
+    E, N, K = 3, 256, 1024
+    w = torch.randn(E, N, K, generator=g) * torch.logspace(-1, 1, N).view(1, N, 1)
+    mx, _ = Q.mxfp4_experts_to_nvfp4([Q.ref_quantize_mxfp4(w[e]) for e in range(E)])
+    pw = prepare_weights(mx, device="cuda", backend="sm90_w4a8")
+    assert pw.table
+    R = E * W.W4A8_OV_MIN_ROWS
+    b = get_backend("sm90_w4a8")
+    assert plan_for(b, Problem(R, E, N, K, act="fp8")).cfg.overlap
+    assert not plan_for(b, Problem(R - E, E, N, K, act="fp8")).cfg.overlap
+    assert not plan_for(b, Problem(R, E, N, K - 128, act="fp8")).cfg.overlap
+    offs = torch.tensor([R // 3, R // 3, R], dtype=torch.int32)             # expert 1 empty
+    a = W.ref_quantize_fp8_act(torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R).view(R, 1))
+    out = grouped_gemm_nvfp4(Q.FP8Activations(a.data.cuda(), a.scale.cuda()), pw, offs.cuda(), check=True)
+    torch.cuda.synchronize()
+    w8, c, _ = W.w4a8_weights(mx)
+    want = W.ref_grouped_gemm_w4a8(a, w8, c, mx.global_scale, offs)
+    bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c, mx.global_scale, offs))
+    assert_w4a8_close(out.cpu().double(), want, bound, "sm90_w4a8 prefill plan (overlapped loop)", 2e-3)

@@ -227,8 +227,10 @@ class GemmConfig(NamedTuple):
                                        # dependent of the kernel before it in the stream; the producer loads the weights of the
                                        # first ring of K tiles, then waits for that kernel, then loads A. The offsets are read
                                        # before the wait: they must have been written before that kernel started
-    overlap: bool = False              # bf16 loop only: each half K tile decoded while the half before it is on the tensor
-                                       # cores (mainloop_ov); the token tiles 8-32 and 128 take it (CONFIGS, DECODE_WIDE)
+    overlap: bool = False              # bf16 loop: each half K tile decoded while the half before it is on the tensor
+                                       # cores (mainloop_ov); the token tiles 8-32 and 128 take it (CONFIGS, DECODE_WIDE).
+                                       # With fp8: the overlapped W4A8 loop (mainloop_fp8_ov, two warpgroups),
+                                       # W4A8's plan at prefill (w4a8.W4A8_OV_CONFIG)
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more

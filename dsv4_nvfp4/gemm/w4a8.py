@@ -11,22 +11,23 @@ from typing import ClassVar
 import torch
 
 from .. import runtime as rt
-from ..formats import E4M3_MAX, check_float, e2m1_decode
+from ..formats import E4M3_MAX, cdiv, check_float, e2m1_decode
 from . import EpilogueArgs, ExpertWeights, Problem
 from .sm90 import (CONFIGS, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, W4A8_TABLE, W4A8_TABLE_BIAS,
                                   W4A8_TABLE_K, W4A8_TABLE_STEP, Epilogue, GemmConfig, Sm90Backend, Sm90Plan,
-                                  decode_words, encode_words, pad_experts)
+                                  check_config_n, decode_words, encode_words, pad_experts)
 from .reference import PerExpert, grouped_rows, one_expert, unscaled
 from ..quant import FP8Activations, NVFP4Experts
 
 FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_act (one scale per row)
 
 # %% auto #0
-__all__ = ['FP8_CU', 'W4A8_ACC_BITS', 'e2m1_as_e4m3', 'ref_quantize_fp8_act', 'quantize_fp8_act_cuda', 'quantize_fp8_act',
-           'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8', 'w4a8_row_scales', 'w4a8_table_ok',
-           'tile_weights_w4a8_table', 'emulate_decode_w4a8_table', 'w4a8_table_experts', 'tile_weights_w4a8_mixed',
-           'ref_grouped_gemm_w4a8', 'w4a8_experts_matrices', 'ref_w4a8_magnitude', 'w4a8_error_bound',
-           'fp8_wgmma_model', 'Sm90W4A8Weights', 'Sm90W4A8Backend']
+__all__ = ['FP8_CU', 'W4A8_ACC_BITS', 'W4A8_OV_CONFIG', 'W4A8_OV_MIN_ROWS', 'e2m1_as_e4m3', 'ref_quantize_fp8_act',
+           'quantize_fp8_act_cuda', 'quantize_fp8_act', 'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8',
+           'w4a8_row_scales', 'w4a8_table_ok', 'tile_weights_w4a8_table', 'emulate_decode_w4a8_table',
+           'w4a8_table_experts', 'tile_weights_w4a8_mixed', 'ref_grouped_gemm_w4a8', 'w4a8_experts_matrices',
+           'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model', 'Sm90W4A8Weights', 'w4a8_overlap_wanted',
+           'Sm90W4A8Backend']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -516,6 +517,16 @@ class Sm90W4A8Weights(ExpertWeights):
 
 _W4A8_KIND = {"bf16": "BF16_ROW_GS", "swiglu_bf16": "SWIGLU_BF16"}
 
+# the overlapped W4A8 loop's plan (measured/w4a8_ov_s39_h200.json): tok_tile 128, two consumer warpgroups, an 8-deep ring,
+# promoting every 4 K tiles; picked from W4A8_OV_MIN_ROWS expected rows per expert, where it beat the plain loop's plan
+W4A8_OV_CONFIG = GemmConfig(128, 2, 8, overlap=True)
+W4A8_OV_MIN_ROWS = 192
+
+def w4a8_overlap_wanted(p: Problem) -> bool:
+    "Whether the W4A8 plan takes the overlapped loop for `p`: >= W4A8_OV_MIN_ROWS expected rows per expert, K % 512 == 0."
+    per = cdiv(max(p.rows, 1), max(1, min(p.experts, p.rows)))
+    return per >= W4A8_OV_MIN_ROWS and p.k % 512 == 0
+
 class Sm90W4A8Backend(Sm90Backend):
     """Hopper (sm_90a) W4A8: the weights decoded in registers to E4M3 and multiplied with E4M3 rows on the FP8 tensor
     cores (`GroupedGemmSm90` with `GemmConfig.fp8`), each 128-K tile promoted into fp32; the plain (per-row scale) and
@@ -541,10 +552,21 @@ class Sm90W4A8Backend(Sm90Backend):
         return GroupedGemmSm90.can_implement(self.variant(CONFIGS[16], p), p.experts, p.k)
     def gathers(self, p: Problem, config=None) -> bool: return False   # FP8 rows: the op gathers bf16 activations only
     def variant(self, cfg: GemmConfig, p: Problem) -> GemmConfig:
-        "The W4A8 variant of `cfg`: the FP8 loop and its epilogue kind (`Sm90Backend.plan` does the rest)."
+        """The W4A8 variant of `cfg`: the FP8 loop and its epilogue kind (`Sm90Backend.plan` does the rest). The bf16
+        loop's `overlap` is turned off: with `fp8` the flag names the overlapped W4A8 loop, which `plan` picks itself."""
         swiglu = p.epilogue == "swiglu_bf16"
         return cfg._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]], row_map=False, gather=False, overlap=False,
                             **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
+    def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
+        """`Sm90Backend.plan`'s configuration in its W4A8 variant, except for prefill: with at least `W4A8_OV_MIN_ROWS`
+        expected rows per expert and K a multiple of 512, the overlapped W4A8 loop (`W4A8_OV_CONFIG`) where this device
+        can run it. A `config` given is taken as it is (its variant)."""
+        base = super().plan(p, config)
+        if config is not None or not w4a8_overlap_wanted(p): return base
+        from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
+        check_config_n(W4A8_OV_CONFIG, p.n)
+        cfg = self.variant(W4A8_OV_CONFIG, p)._replace(overlap=True)
+        return Sm90Plan(cfg, p.sms_free) if GroupedGemmSm90.can_implement(cfg, p.experts, p.k)[0] else base
     def run(self, plan: Sm90Plan, a, w: Sm90W4A8Weights, offsets, out, epi: EpilogueArgs, workspace=None):
         from dsv4_nvfp4.gemm.sm90_kernel import run_sm90
         cfg, free = plan
