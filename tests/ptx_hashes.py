@@ -52,7 +52,7 @@ def build_name(file: str, defines: dict) -> str:
 
 
 def gemm_configs():
-    "Every configuration the library can launch: the pick_config candidates (and WIDE_CONFIG, DECODE_WIDE) x every epilogue kind (+ dump, no clamp, the plain kinds' row map, the plain bf16 kind as a programmatic dependent), and W4A8's two, each with the F2FP loop alone and with both loops (`table`)."
+    "Every configuration the library can launch: the pick_config candidates (and WIDE_CONFIG, DECODE_WIDE) x every epilogue kind (+ dump, no clamp, the plain kinds' row map, the plain bf16 kind as a programmatic dependent), and W4A8's two, each with the F2FP loop alone and with both loops (`table`), and W4A8's prefill plan (`W4A8_OV_CONFIG`) likewise."
     import math
     from dsv4_nvfp4.gemm import sm90 as L
     out = []
@@ -67,6 +67,10 @@ def gemm_configs():
         for epi in (L.Epilogue.BF16_ROW_GS, L.Epilogue.SWIGLU_BF16):     # W4A8 (the sm90_w4a8 backend)
             out.append((f"{name}_w4a8_{epi.value}", cfg._replace(epilogue=epi, fp8=True, overlap=False)))
             out.append((f"{name}_w4a8_table_{epi.value}", cfg._replace(epilogue=epi, fp8=True, overlap=False, table=True)))
+    from dsv4_nvfp4.gemm.w4a8 import W4A8_OV_CONFIG                     # W4A8's prefill plan: the overlapped W4A8 loop
+    for epi in (L.Epilogue.BF16_ROW_GS, L.Epilogue.SWIGLU_BF16):
+        out.append((f"w4a8_ov_{epi.value}", W4A8_OV_CONFIG._replace(epilogue=epi)))
+        out.append((f"w4a8_ov_table_{epi.value}", W4A8_OV_CONFIG._replace(epilogue=epi, table=True)))
     return out
 
 

@@ -65,9 +65,10 @@ def test_overlapped_loop_decodes_under_the_wgmmas(cfg, epi):
 
 
 def test_fp8_overlap_only_in_the_prefill_plan():
-    # overlap with fp8 is the overlapped W4A8 loop (test_overlapped_w4a8_loop): the W4A8 variant of every configuration
-    # turns the bf16 loop's overlap off, and the W4A8 plan takes W4A8_OV_CONFIG from W4A8_OV_MIN_ROWS expected rows per
-    # expert with K % 512 == 0 (it lost at 12-64 rows per expert: 0.54-0.91x the plan at T = 512, measured/w4a8_ov_s39_h200.json)
+    # overlap with fp8 is the overlapped W4A8 loop (test_overlapped_w4a8_loop): the W4A8 variant of every bf16
+    # configuration turns the bf16 loop's overlap off, and the W4A8 plan takes W4A8_OV_CONFIG from W4A8_OV_MIN_ROWS
+    # expected rows per expert with K % 512 == 0 (measured/w4a8_ov_s39_h200.json: 1.02-1.21x the plain loop's plan at
+    # 192-1024 rows per expert; 0.54-0.91x at 12-64 (T = 512), 0.65-0.67x at 48 (Flash, T = 2048))
     from dsv4_nvfp4.gemm import Problem
     from dsv4_nvfp4.gemm.w4a8 import W4A8_OV_CONFIG, W4A8_OV_MIN_ROWS, Sm90W4A8Backend
     b = Sm90W4A8Backend()
@@ -75,14 +76,25 @@ def test_fp8_overlap_only_in_the_prefill_plan():
     for c in (*L.CONFIGS.values(), L.WIDE_CONFIG, *L.DECODE_WIDE.values()):
         assert not b.variant(c, p).overlap
     assert L.CONFIGS[128].overlap and not any(c.overlap for c in (L.CONFIGS[64], L.WIDE_CONFIG))
+    # the record's rows, literally: Flash at T = 8192 (192 per expert) and Pro at 2048 (256) take it; Flash at 2048 (48)
+    # and Pro at 512 (64) do not
+    for rows, E, n, k, want in ((49152, 256, 4096, 4096, True), (12288, 48, 6144, 7168, True), (12288, 256, 4096, 4096, False),
+                                (3072, 48, 7168, 3072, False)):
+        for per_row in (False, True):
+            assert b.plan(Problem(rows, E, n, k, act="fp8", per_row=per_row)).cfg.overlap == want, (rows, E, per_row)
     for epi in ("bf16", "swiglu_bf16"):
         for E, n, k in ((256, 4096, 4096), (256, 4096, 2048), (48, 7168, 3072), (48, 6144, 7168)):   # the peer shapes
-            at = b.plan(Problem(rows=E * W4A8_OV_MIN_ROWS, experts=E, n=n, k=k, act="fp8", epilogue=epi)).cfg
-            assert at.overlap and at.fp8 and at[:3] == W4A8_OV_CONFIG[:3] and at.epilogue.swiglu == (epi != "bf16")
+            at = b.plan(Problem(rows=E * W4A8_OV_MIN_ROWS, experts=E, n=n, k=k, act="fp8", epilogue=epi, sms_free=7))
+            assert at.cfg.overlap and at.cfg.fp8 and at.cfg[:3] == W4A8_OV_CONFIG[:3] and at.sms_free == 7
+            assert at.cfg.epilogue.swiglu == (epi != "bf16")
             assert not b.plan(Problem(rows=E * W4A8_OV_MIN_ROWS - E, experts=E, n=n, k=k, act="fp8", epilogue=epi)).cfg.overlap
             assert not b.plan(Problem(rows=E * 1024, experts=E, n=n, k=k + 128, act="fp8", epilogue=epi)).cfg.overlap
-        given = L.CONFIGS[64]
-        assert not b.plan(Problem(rows=1 << 16, experts=8, n=256, k=4096, act="fp8", epilogue=epi), given).cfg.overlap
+        big = Problem(rows=1 << 16, experts=8, n=256, k=4096, act="fp8", epilogue=epi)
+        assert not b.plan(big, L.CONFIGS[64]).cfg.overlap and not b.plan(big, L.CONFIGS[128]).cfg.overlap   # given: taken
+        small = Problem(rows=16, experts=8, n=256, k=4096, act="fp8", epilogue=epi)
+        assert b.plan(small, W4A8_OV_CONFIG).cfg.overlap                                  # given, at any row count
+        with pytest.raises(ValueError, match="multiple of 512"):
+            b.plan(small._replace(k=4096 + 128), W4A8_OV_CONFIG)
 
 
 def test_mainloop_sass_finds_the_loop():

@@ -518,8 +518,9 @@ class Sm90W4A8Weights(ExpertWeights):
 _W4A8_KIND = {"bf16": "BF16_ROW_GS", "swiglu_bf16": "SWIGLU_BF16"}
 
 # the overlapped W4A8 loop's plan (measured/w4a8_ov_s39_h200.json): tok_tile 128, two consumer warpgroups, an 8-deep ring,
-# promoting every 4 K tiles; picked from W4A8_OV_MIN_ROWS expected rows per expert, where it beat the plain loop's plan
-W4A8_OV_CONFIG = GemmConfig(128, 2, 8, overlap=True)
+# promoting every 4 K tiles; picked from W4A8_OV_MIN_ROWS expected rows per expert (the fewest measured where it beat the
+# plain loop's plan; at 64 and fewer it lost)
+W4A8_OV_CONFIG = GemmConfig(128, 2, 8, fp8=True, overlap=True)
 W4A8_OV_MIN_ROWS = 192
 
 def w4a8_overlap_wanted(p: Problem) -> bool:
@@ -529,7 +530,8 @@ def w4a8_overlap_wanted(p: Problem) -> bool:
 
 class Sm90W4A8Backend(Sm90Backend):
     """Hopper (sm_90a) W4A8: the weights decoded in registers to E4M3 and multiplied with E4M3 rows on the FP8 tensor
-    cores (`GroupedGemmSm90` with `GemmConfig.fp8`), each 128-K tile promoted into fp32; the plain (per-row scale) and
+    cores (`GroupedGemmSm90` with `GemmConfig.fp8`), each 128-K tile's sum promoted into fp32 (every 512 K in the
+    overlapped loop the plan takes at prefill, `W4A8_OV_CONFIG`); the plain (per-row scale) and
     fused SwiGLU bf16 epilogues. The same devices and padding as `Sm90Backend`; its own slabs, plan and launch. Experts
     with power-of-two block scales (`w4a8_table_experts`: MXFP4 carried to NVFP4) get the table decode's slabs, the
     others the F2FP loop's, and a launch holding any table expert runs with `GemmConfig.table` (both loops, chosen per
@@ -552,20 +554,23 @@ class Sm90W4A8Backend(Sm90Backend):
         return GroupedGemmSm90.can_implement(self.variant(CONFIGS[16], p), p.experts, p.k)
     def gathers(self, p: Problem, config=None) -> bool: return False   # FP8 rows: the op gathers bf16 activations only
     def variant(self, cfg: GemmConfig, p: Problem) -> GemmConfig:
-        """The W4A8 variant of `cfg`: the FP8 loop and its epilogue kind (`Sm90Backend.plan` does the rest). The bf16
-        loop's `overlap` is turned off: with `fp8` the flag names the overlapped W4A8 loop, which `plan` picks itself."""
+        """The W4A8 variant of `cfg`: the FP8 loop and its epilogue kind (`Sm90Backend.plan` does the rest). `overlap` is
+        kept only on a configuration that is already W4A8 (`fp8`, e.g. `W4A8_OV_CONFIG`): on a bf16 one it names the bf16
+        loop's overlap (`CONFIGS`), not the overlapped W4A8 loop."""
         swiglu = p.epilogue == "swiglu_bf16"
-        return cfg._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]], row_map=False, gather=False, overlap=False,
+        return cfg._replace(fp8=True, epilogue=Epilogue[_W4A8_KIND[p.epilogue]], row_map=False, gather=False,
+                            overlap=cfg.overlap and cfg.fp8,
                             **(dict(swiglu_limit=p.swiglu_limit) if swiglu else {}))
     def plan(self, p: Problem, config: GemmConfig | None = None) -> Sm90Plan:
         """`Sm90Backend.plan`'s configuration in its W4A8 variant, except for prefill: with at least `W4A8_OV_MIN_ROWS`
         expected rows per expert and K a multiple of 512, the overlapped W4A8 loop (`W4A8_OV_CONFIG`) where this device
-        can run it. A `config` given is taken as it is (its variant)."""
+        can run it. A `config` given is taken as it is (its `variant`: `W4A8_OV_CONFIG` given runs the overlapped loop
+        at any row count)."""
         base = super().plan(p, config)
         if config is not None or not w4a8_overlap_wanted(p): return base
         from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
         check_config_n(W4A8_OV_CONFIG, p.n)
-        cfg = self.variant(W4A8_OV_CONFIG, p)._replace(overlap=True)
+        cfg = self.variant(W4A8_OV_CONFIG, p)
         return Sm90Plan(cfg, p.sms_free) if GroupedGemmSm90.can_implement(cfg, p.experts, p.k)[0] else base
     def run(self, plan: Sm90Plan, a, w: Sm90W4A8Weights, offsets, out, epi: EpilogueArgs, workspace=None):
         from dsv4_nvfp4.gemm.sm90_kernel import run_sm90
