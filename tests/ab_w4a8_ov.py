@@ -3,10 +3,11 @@ every 4 K tiles, a wait that leaves one tile in flight) against the plain W4A8 l
 W4A8 plan below W4A8_OV_MIN_ROWS rows per expert), in one process (session 39: measured/w4a8_ov_s39_h200.json): the four peer shapes at T = 512, 2048 and 8192 (top 6 of E, one draw per T, as tests/bench_peers_w4a8.py's
 gemm rows), MXFP4-carried experts (the table loop, DeepSeek-V4's weights), graph-replayed, L2 flushed, median us, each
 timed twice in alternation; the overlapped outputs' relative Frobenius distance to the plain loop's is printed too (not
-the same bits: the promotion interval differs; tests/test_w4a8_gpu.py bounds both against float64).
+the same bits: the promotion interval differs; tests/test_w4a8_gpu.py bounds both against float64), and a digest of
+each output, so that runs of two checkouts (an A/B of a change that must keep the bits) compare bit for bit.
 
     python tests/ab_w4a8_ov.py OUT.json [T ...]"""
-import json, sys
+import hashlib, json, sys
 
 import torch
 
@@ -46,6 +47,8 @@ def main():
                     gr, ea = timer(lambda: call(k))
                     row.setdefault(f"{k}_us", []).append(round(gr or ea, 1))
             torch.cuda.synchronize()
+            for k in cfgs:                                     # output digests: two checkouts' runs compare bit for bit
+                row[f"{k}_sha"] = hashlib.sha256(o[k].view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:16]
             for k in [k for k in cfgs if k != "plain"]:
                 row[f"{k}_vs_plain_fro"] = float(((o[k].float() - o["plain"].float()).norm() / o["plain"].float().norm()).item())
                 row[f"plain_over_{k}"] = round(min(row["plain_us"]) / min(row[f"{k}_us"]), 3)
