@@ -1,6 +1,6 @@
 """GPU A/B of the overlapped W4A8 loop (GemmConfig.overlap with fp8: two A fragments, the tile accumulator promoted
 every 4 K tiles, a wait that leaves one tile in flight) against the plain W4A8 loop in pick_config's configuration (the
-W4A8 plan below W4A8_OV_MIN_ROWS rows per expert), in one process (session 39: measured/w4a8_ov_s39_h200.json): the four peer shapes at T = 512, 2048 and 8192 (top 6 of E, one draw per T, as tests/bench_peers_w4a8.py's
+W4A8 plan below W4A8_OV_MIN_ROWS rows per expert), in one process (record: measured/w4a8_ov_s39_h200.json): the four peer shapes at T = 512, 2048 and 8192 (top 6 of E, one draw per T, as tests/bench_peers_w4a8.py's
 gemm rows), MXFP4-carried experts (the table loop, DeepSeek-V4's weights), graph-replayed, L2 flushed, median us, each
 timed twice in alternation; the overlapped outputs' relative Frobenius distance to the plain loop's is printed too (not
 the same bits: the promotion interval differs; tests/test_w4a8_gpu.py bounds both against float64), and a digest of

@@ -33,14 +33,11 @@ for K in (128, 384):
         for free in (0, 10_000):
             (y, q), (y0, q0) = run(c, free), run(c._replace(overlap=False), free)
             assert torch.equal(y, y0) and torch.equal(q.data, q0.data), (c, K, free)
-from dsv4_nvfp4 import quant as Q
 from dsv4_nvfp4.gemm import sm90_kernel as S90K, w4a8 as W
+from _gpu_helpers import mixed_w4a8_experts                 # (tests/ is the script's directory: on the path)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for K in (512, 1024):
-    w = torch.randn(E, 256, K, generator=g)
-    mx, _ = Q.mxfp4_experts_to_nvfp4([Q.ref_quantize_mxfp4(w[e]) for e in range(E)])
-    nv = Q.quantize_experts(w[2:3])
-    mx.data[2], mx.scale[2], mx.global_scale[2] = nv.data[0], nv.scale[0], nv.global_scale[0]
+    mx = mixed_w4a8_experts(E, 256, K, g)
     tiled, cm, table = W.tile_weights_w4a8_mixed(mx)
     rows = W.w4a8_row_scales(cm, table=table).to(dev)
     offs = torch.tensor([5, 0, 200, 61]).cumsum(0).to(torch.int32).to(dev)

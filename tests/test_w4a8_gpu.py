@@ -11,7 +11,7 @@ import torch
 from dsv4_nvfp4 import quant as Q
 from dsv4_nvfp4.gemm import sm90 as S90
 from dsv4_nvfp4.gemm import w4a8 as W
-from _gpu_helpers import hopper
+from _gpu_helpers import hopper, mixed_w4a8_experts
 
 pytestmark = pytest.mark.gpu
 if torch.cuda.is_available() and not hopper():
@@ -295,11 +295,7 @@ def test_w4a8_mixed_experts_are_the_same_bits(cfg):
     from dsv4_nvfp4.gemm import sm90_kernel as S90K
     g = torch.Generator().manual_seed(90 + cfg.tok_tile + cfg.wgs)
     E, N, K = 4, 256, 512
-    w = torch.randn(E, N, K, generator=g) * torch.logspace(-1, 1, N).view(1, N, 1)
-    mx, _ = Q.mxfp4_experts_to_nvfp4([Q.ref_quantize_mxfp4(w[e]) for e in range(E)])
-    nv = Q.quantize_experts(w[2:3])
-    ex = Q.NVFP4Experts(mx.data.clone(), mx.scale.clone(), mx.global_scale.clone(), mx.shape)
-    ex.data[2], ex.scale[2], ex.global_scale[2] = nv.data[0], nv.scale[0], nv.global_scale[0]
+    ex = mixed_w4a8_experts(E, N, K, g)
     tiled_m, cm, table = W.tile_weights_w4a8_mixed(ex)
     assert table.tolist() == [True, True, False, True]
     tiled_f, cf = W.tile_weights_w4a8(ex)
@@ -336,8 +332,7 @@ def test_overlapped_w4a8_loop_against_float64(tt, K):
     """The overlapped W4A8 loop (GemmConfig.overlap with fp8, two consumer warpgroups): the tile accumulator sums 4 K
     tiles (512 K) on the tensor core before its fp32 add, where the plain loop adds every 128, so its outputs are not
     the plain loop's bits; each must lie within w4a8_error_bound of the float64 reference (04e's model of the tensor
-    core's truncating sum: worst 0.39-0.57 of the bound at 512 K, as at 128, on its operands; one H200 measured 0.20-0.65
-    on these) and the Frobenius error within 2e-3 (3e-3 for the fused L1, as its own test); on
+    core's truncating sum: worst 0.39-0.57 of the bound at 512 K, as at 128, on its operands) and the Frobenius error within 2e-3 (3e-3 for the fused L1, as its own test); on
     MXFP4-carried experts (the table loop) around a general NVFP4 one (the F2FP loop), ragged rows with an empty expert,
     K = 2048 and 7168 (4 and 14 promotions), both epilogues, the same bits twice, and the same bits from a grid of two
     CTAs (sms_free: every CTA runs many units, so the ring state passes from unit to unit); a K that is not a multiple
@@ -345,11 +340,7 @@ def test_overlapped_w4a8_loop_against_float64(tt, K):
     from dsv4_nvfp4.gemm import sm90_kernel as S90K
     g = torch.Generator().manual_seed(130 + tt + K)
     E, N = 4, 256
-    w = torch.randn(E, N, K, generator=g) * torch.logspace(-1, 1, N).view(1, N, 1)
-    mx, _ = Q.mxfp4_experts_to_nvfp4([Q.ref_quantize_mxfp4(w[e]) for e in range(E)])
-    nv = Q.quantize_experts(w[2:3])
-    ex = Q.NVFP4Experts(mx.data.clone(), mx.scale.clone(), mx.global_scale.clone(), mx.shape)
-    ex.data[2], ex.scale[2], ex.global_scale[2] = nv.data[0], nv.scale[0], nv.global_scale[0]
+    ex = mixed_w4a8_experts(E, N, K, g)
     tiled, cm, table = W.tile_weights_w4a8_mixed(ex)
     assert table.tolist() == [True, True, False, True]
     rows = W.w4a8_row_scales(cm, table=table).cuda()

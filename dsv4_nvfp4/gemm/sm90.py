@@ -26,7 +26,8 @@ __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYT
            'W4A8_TABLE', 'W4A8_TABLE_STEP', 'W4A8_TABLE_K', 'W4A8_TABLE_BIAS', 'CONFIGS', 'WIDE_CONFIG',
            'TT64_MAX_ROWS', 'DECODE_WIDE', 'WIDE_MIN_WAVES', 'encode_words', 'decode_words', 'scale_codes',
            'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'smem_bytes', 'device_smem',
-           'Sm90Weights', 'wide_ok', 'pick_config', 'check_config_n', 'Sm90Plan', 'pad_experts', 'Sm90Backend']
+           'Sm90Weights', 'wide_ok', 'rows_per_expert', 'pick_config', 'check_config_n', 'Sm90Plan', 'pad_experts',
+           'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -278,6 +279,10 @@ def wide_ok(n: int | None) -> bool:
     "Whether a weight matrix of N rows (padded to `N_PAD`) splits into the four-warpgroup configuration's 256-row units."
     return n is not None and round_up(n, N_PAD) % (WG_ROWS * WIDE_CONFIG.wgs) == 0
 
+def rows_per_expert(rows: int, num_experts: int) -> int:
+    "The expected rows per active expert, known without the offsets: `rows` over at most min(E, rows) experts, rounded up."
+    return cdiv(max(rows, 1), max(1, min(num_experts, rows)))
+
 def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_a)
                 num_experts: int,      # E
                 k: int | None = None,  # K, checked by can_implement when given
@@ -290,7 +295,7 @@ def pick_config(rows: int,             # routed rows R (T * top_k; T * G for wo_
     if not cands:
         raise ValueError(f"pick_config: no configuration fits: {GroupedGemmSm90.can_implement(CONFIGS[16], num_experts, k)[1]}")
     # rule 2: the expected rows per active expert, known without the offsets: R rows over at most min(E, R) experts
-    per = cdiv(max(rows, 1), max(1, min(num_experts, rows)))
+    per = rows_per_expert(rows, num_experts)
     # rule 3: the smallest token tile that holds them. A larger tile pads WGMMA's N with rows that do not exist; a
     # smaller one decodes every weight tile again for each further token tile. The small tiles (8, 16, 32) are also
     # the one-warpgroup configurations: 64-row work units, twice as many as the two-warpgroup ones, which spreads

@@ -11,11 +11,11 @@ from typing import ClassVar
 import torch
 
 from .. import runtime as rt
-from ..formats import E4M3_MAX, cdiv, check_float, e2m1_decode
+from ..formats import E4M3_MAX, check_float, e2m1_decode
 from . import EpilogueArgs, ExpertWeights, Problem
 from .sm90 import (CONFIGS, SLAB_BYTES, W4A8_CODE_MASK, W4A8_DECODE_ROTATIONS, W4A8_TABLE, W4A8_TABLE_BIAS,
                                   W4A8_TABLE_K, W4A8_TABLE_STEP, Epilogue, GemmConfig, Sm90Backend, Sm90Plan,
-                                  check_config_n, decode_words, encode_words, pad_experts)
+                                  check_config_n, decode_words, encode_words, pad_experts, rows_per_expert)
 from .reference import PerExpert, grouped_rows, one_expert, unscaled
 from ..quant import FP8Activations, NVFP4Experts
 
@@ -525,8 +525,7 @@ W4A8_OV_MIN_ROWS = 192
 
 def w4a8_overlap_wanted(p: Problem) -> bool:
     "Whether the W4A8 plan takes the overlapped loop for `p`: >= W4A8_OV_MIN_ROWS expected rows per expert, K % 512 == 0."
-    per = cdiv(max(p.rows, 1), max(1, min(p.experts, p.rows)))
-    return per >= W4A8_OV_MIN_ROWS and p.k % 512 == 0
+    return rows_per_expert(p.rows, p.experts) >= W4A8_OV_MIN_ROWS and p.k % 512 == 0
 
 class Sm90W4A8Backend(Sm90Backend):
     """Hopper (sm_90a) W4A8: the weights decoded in registers to E4M3 and multiplied with E4M3 rows on the FP8 tensor
@@ -566,12 +565,13 @@ class Sm90W4A8Backend(Sm90Backend):
         expected rows per expert and K a multiple of 512, the overlapped W4A8 loop (`W4A8_OV_CONFIG`) where this device
         can run it. A `config` given is taken as it is (its `variant`: `W4A8_OV_CONFIG` given runs the overlapped loop
         at any row count)."""
-        base = super().plan(p, config)
-        if config is not None or not w4a8_overlap_wanted(p): return base
-        from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
-        check_config_n(W4A8_OV_CONFIG, p.n)
-        cfg = self.variant(W4A8_OV_CONFIG, p)
-        return Sm90Plan(cfg, p.sms_free) if GroupedGemmSm90.can_implement(cfg, p.experts, p.k)[0] else base
+        if config is None and w4a8_overlap_wanted(p):
+            from dsv4_nvfp4.gemm.sm90_kernel import GroupedGemmSm90
+            cfg = self.variant(W4A8_OV_CONFIG, p)
+            if GroupedGemmSm90.can_implement(cfg, p.experts, p.k)[0]:
+                check_config_n(cfg, p.n)
+                return Sm90Plan(cfg, p.sms_free)
+        return super().plan(p, config)
     def run(self, plan: Sm90Plan, a, w: Sm90W4A8Weights, offsets, out, epi: EpilogueArgs, workspace=None):
         from dsv4_nvfp4.gemm.sm90_kernel import run_sm90
         cfg, free = plan
