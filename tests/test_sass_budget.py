@@ -413,6 +413,29 @@ def test_overlapped_w4a8_loop(tt, epi):
         assert tot > 0 and n >= 0.7 * tot, (name, n, tot)                     # the decode runs under the WGMMAs (measured 75%)
 
 
+@pytest.mark.parametrize("tt", [64, 128])
+def test_staged_w4a8_epilogue(tt):
+    # the overlapped W4A8 loop's BF16_ROW_GS (the plan's prefill GEMM) stores through shared memory: per thread tt / 16
+    # stmatrix.x4.trans (4 8x8 bf16 blocks each: its tt / 2 values), two named barriers of its warpgroup, tt / 16 16-byte
+    # reads and as many 16-byte global stores, and not one 2-byte store; the SwiGLU kind and the plain loop keep the
+    # per-element epilogue; the block (64 rows x tt bf16 per warpgroup) is in smem_bytes
+    E = L.Epilogue
+    cfg = L.GemmConfig(tt, 2, 4, E.BF16_ROW_GS, fp8=True, table=True, overlap=True)
+    assert L.staged_store(cfg) and not L.staged_store(cfg._replace(epilogue=E.SWIGLU_BF16))
+    assert not L.staged_store(cfg._replace(overlap=False)) and not L.staged_store(L.CONFIGS[128]._replace(epilogue=E.BF16_ROW_GS))
+    assert L.smem_bytes(cfg) - L.smem_bytes(cfg._replace(epilogue=E.SWIGLU_BF16)) == 2 * L.WG_ROWS * tt * 2
+    body = S.kernel_sass(cfg)
+    assert not any(s.split()[0].startswith(("LDL", "STL")) for s in body)
+    ops = [s.split()[1] if s.startswith("@") else s.split()[0] for s in body]
+    assert ops.count("STSM.16.MT88.4") == tt // 16, [o for o in ops if o.startswith("STSM")]
+    stg = [o for o in ops if o.startswith("STG")]
+    assert stg == ["STG.E.128"] * (tt // 16), stg
+    swi = S.kernel_sass(cfg._replace(epilogue=E.SWIGLU_BF16))
+    assert not any("STSM" in s for s in swi) and any("STG.E.U16" in s for s in swi)
+    bars = lambda b: sum("BAR.SYNC" in s for s in b)
+    assert bars(body) == bars(swi) + 2, (bars(body), bars(swi))
+
+
 def test_overlapped_w4a8_loop_limits():
     E = L.Epilogue.BF16_ROW_GS
     ok, why = S.GroupedGemmSm90.can_implement(L.GemmConfig(64, 4, 6, E, fp8=True, overlap=True), 8, 4096, smem_limit=L.HOPPER_SMEM_PER_BLOCK)

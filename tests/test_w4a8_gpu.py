@@ -334,12 +334,15 @@ def test_overlapped_w4a8_loop_against_float64(tt, K):
     the plain loop's bits; each must lie within w4a8_error_bound of the float64 reference (04e's model of the tensor
     core's truncating sum: worst 0.39-0.57 of the bound at 512 K, as at 128, on its operands) and the Frobenius error within 2e-3 (3e-3 for the fused L1, as its own test); on
     MXFP4-carried experts (the table loop) around a general NVFP4 one (the F2FP loop), ragged rows with an empty expert,
-    K = 2048 and 7168 (4 and 14 promotions), both epilogues, the same bits twice, and the same bits from a grid of two
-    CTAs (sms_free: every CTA runs many units, so the ring state passes from unit to unit); a K that is not a multiple
-    of 512 is refused."""
+    K = 2048 and 7168 (4 and 14 promotions), both epilogues (BF16_ROW_GS the staged one, `staged_store`: at K = 2048
+    its C has 192 of the slabs' 256 rows, so the second warpgroup of the last m tile is outside N), the same bits twice, and
+    the same bits from a grid of two CTAs (sms_free: every CTA runs many units, so the ring state passes from unit to
+    unit); a K that is not a multiple of 512 is refused, and so is an output the staged epilogue cannot store 16 bytes
+    at a time."""
     from dsv4_nvfp4.gemm import sm90_kernel as S90K
     g = torch.Generator().manual_seed(130 + tt + K)
     E, N = 4, 256
+    Nc = 192 if K == 2048 else N                                        # BF16_ROW_GS's columns of C
     ex = mixed_w4a8_experts(E, N, K, g)
     tiled, cm, table = W.tile_weights_w4a8_mixed(ex)
     assert table.tolist() == [True, True, False, True]
@@ -357,7 +360,7 @@ def test_overlapped_w4a8_loop_against_float64(tt, K):
         sc = (torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale).cuda()
         outs = []
         for free in (0, 0, sms - 1):                                   # twice on the whole grid, once on two CTAs
-            out = torch.full((R, N // 2 if epi.swiglu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            out = torch.full((R, N // 2 if epi.swiglu else Nc), float("nan"), dtype=torch.bfloat16, device="cuda")
             S90K.run_sm90(cfg, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), sc, sf_c=rows,
                           sms_free=free)
             torch.cuda.synchronize()
@@ -366,14 +369,19 @@ def test_overlapped_w4a8_loop_against_float64(tt, K):
         if epi.swiglu:
             want, bound = l1_want_and_bound(a, w8, c8, ex.global_scale, offs, p)
         else:
-            want = W.ref_grouped_gemm_w4a8(a, w8, c8, ex.global_scale, offs)
-            bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c8, ex.global_scale, offs))
+            want = W.ref_grouped_gemm_w4a8(a, w8, c8, ex.global_scale, offs)[:, :Nc]
+            bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c8, ex.global_scale, offs)[:, :Nc])
         assert_w4a8_close(outs[0].double(), want, bound, f"overlapped W4A8 loop tok_tile {tt} {epi.name}",
                           3e-3 if epi.swiglu else 2e-3)                 # (the fused L1's criterion, as above)
     with pytest.raises(ValueError, match="multiple of 512|K % 512"):
         a2 = torch.zeros(R, K - 128, dtype=torch.float8_e4m3fn, device="cuda")
         S90K.run_sm90(cfg0._replace(epilogue=S90.Epilogue.BF16_ROW_GS), tiled.cuda(), a2, torch.empty(R, N, dtype=torch.bfloat16, device="cuda"),
                       offs.cuda(), ex.global_scale.cuda(), a.scale.cuda(), sf_c=rows)
+    assert S90.staged_store(cfg0._replace(epilogue=S90.Epilogue.BF16_ROW_GS))
+    with pytest.raises(ValueError, match="16 bytes"):
+        wide = torch.empty(R, N + 4, dtype=torch.bfloat16, device="cuda")[:, :N]     # row stride N + 4: not a multiple of 8
+        S90K.run_sm90(cfg0._replace(epilogue=S90.Epilogue.BF16_ROW_GS), tiled.cuda(), a.data.cuda(), wide, offs.cuda(),
+                      ex.global_scale.cuda(), a.scale.cuda(), sf_c=rows)
 
 
 def test_w4a8_prefill_plan_takes_the_overlapped_loop():

@@ -115,6 +115,20 @@ _E2M1 = ("{ .reg .f32 v, a; .reg .b32 k, d, sg; mov.b32 v, $1; mov.b32 a, $2; mu
          "set.gt.u32.f32 d, a, 0f40A00000; add.u32 k, k, d; neg.s32 k, k; "
          "mov.b32 sg, v; shr.b32 sg, sg, 28; and.b32 sg, sg, 8; or.b32 $0, k, sg; }")
 
+# --- the staged epilogue (sm90.staged_store) ---------------------------------------------------------------------------
+_PACK_BF16 = "{ .reg .f32 a, b; mov.b32 a, $1; mov.b32 b, $2; cvt.rn.bf16x2.f32 $0, b, a; }"   # bits of fp32 $1 (low), $2
+_STSM4T = "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};"   # 4 8x8 b16 matrices, transposed
+_STG128 = "st.global.v4.b32 [$0], {$1, $2, $3, $4};"
+
+@dsl_user_op
+def _asm_store(text: str, addr, *words, loc=None, ip=None):
+    "An inline PTX store with no result: addr (Int32 shared or Int64 global address) and 32-bit words."
+    a = addr.ir_value(loc=loc, ip=ip)
+    vals = [cutlass.Uint32(x).ir_value(loc=loc, ip=ip) for x in words]
+    cons = ("l" if isinstance(addr, cutlass.Int64) else "r") + ",r" * len(words)
+    llvm.inline_asm(None, [a] + vals, text, cons, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
 _ABS_BITS = "and.b32 $0, $1, 0x7fffffff;"   # |x| as bits: unsigned order = order of |x|, every NaN above +Inf
 _UMAX = "max.u32 $0, $1, $2;"
 _ZERO_IF_NO_SCALE = ("{ .reg .pred p, q; setp.eq.u32 p, $2, 0; setp.eq.u32 q, $2, 127; or.pred p, p, q; "
@@ -316,16 +330,21 @@ class _Consumer:
     @cute.jit
     def load_codes(self, sW, cw, idx, t):
         "This thread's code words (K blocks 0-3, 4-7) and scale words of the slab in ring stage idx: three 16-byte LDS."
-        base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, idx].iterator, dtype=cutlass.Uint32),
-                                cute.make_layout(SLAB_BYTES // 4))                    # (1152,) words of this slab
-        v = cute.flat_divide(base, (4,))                                              # (4, 288): 16-byte chunks
         c0 = cute.make_rmem_tensor((4,), cutlass.Uint32)                              # codes, K blocks 0-3
         c1 = cute.make_rmem_tensor((4,), cutlass.Uint32)                              # codes, K blocks 4-7
         sc = cute.make_rmem_tensor((4,), cutlass.Uint32)                              # scale codes: word i = K blocks 2i, 2i+1
+        self.load_codes_into(sW, cw, idx, t, c0, c1, sc)
+        return c0, c1, sc
+
+    @cute.jit
+    def load_codes_into(self, sW, cw, idx, t, c0, c1, sc):
+        "`load_codes` into given registers (the overlapped W4A8 loop reads a tile ahead into the ones it decodes from)."
+        base = cute.make_tensor(cute.recast_ptr(sW[None, None, cw, idx].iterator, dtype=cutlass.Uint32),
+                                cute.make_layout(SLAB_BYTES // 4))                    # (1152,) words of this slab
+        v = cute.flat_divide(base, (4,))                                              # (4, 288): 16-byte chunks
         cute.autovec_copy(v[None, t], c0)
         cute.autovec_copy(v[None, 128 + t], c1)
         cute.autovec_copy(v[None, 256 + t // 4], sc)
-        return c0, c1, sc
 
     @cute.jit
     def mainloop(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, table: cutlass.Constexpr):
@@ -435,15 +454,18 @@ class _Consumer:
         into a_frag, odd ones into a_frag2, so tile k + 1 is decoded while tile k's WGMMAs run; after each tile's commit,
         `wait_group(1)` retires the tile before it (its ring stage is released, its fragment is free for tile k + 2).
         The tile accumulator sums W4A8_PROMOTE tiles on the tensor core and is added into acc_frag in fp32 after a
-        `wait_group(0)`: one drain and one FADD per output per 512 K, where `mainloop` drains and adds every 128."""
+        `wait_group(0)`: one drain and one FADD per output per 512 K, where `mainloop` drains and adds every 128. The
+        code words of tile k + 1 are read from shared memory right after tile k's commit (its stage waited for there),
+        so their latency passes under the wait that retires tile k - 1 instead of in front of tile k + 1's decode."""
         acc_frag.fill(0.0)
         frags = (a_frag, a_frag2)
         words = (cute.recast_tensor(a_frag, cutlass.Uint32), cute.recast_tensor(a_frag2, cutlass.Uint32))
         pv = cs.clone()                                           # the stage of the oldest tile still in flight
-        for g in cutlass.range(KT // W4A8_PROMOTE, unroll=1):
+        G = KT // W4A8_PROMOTE
+        pipe.consumer_wait(cs)
+        c0, c1, sc = self.load_codes(sW, cw, cs.index, t)        # tile 0's code words
+        for g in cutlass.range(G, unroll=1):
             for j in cutlass.range_constexpr(W4A8_PROMOTE):
-                pipe.consumer_wait(cs)
-                c0, c1, sc = self.load_codes(sW, cw, cs.index, t)
                 d0 = smem_descriptor_to_int(tCrB[None, None, 0, cs.index].iterator)
                 self.decode_tile(c0, c1, sc, words[j % 2], add, table)
                 warpgroup.fence()
@@ -451,11 +473,18 @@ class _Consumer:
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, j > 0 or kb > 0)
                     cute.gemm(tiled_mma, tile_frag, frags[j % 2][None, None, kb], self._b_kb(tCrB, d0, kb), tile_frag)
                 warpgroup.commit_group()
+                cs.advance()
+                if cutlass.const_expr(j + 1 < W4A8_PROMOTE):      # the next tile's code words (the unit has it)
+                    pipe.consumer_wait(cs)
+                    self.load_codes_into(sW, cw, cs.index, t, c0, c1, sc)
+                else:
+                    if g + 1 < G:                                 # the next group's first tile, if the unit has one
+                        pipe.consumer_wait(cs)
+                        self.load_codes_into(sW, cw, cs.index, t, c0, c1, sc)
                 if cutlass.const_expr(j > 0):
                     warpgroup.wait_group(1)                       # tile j - 1 retired: its stage and fragment are free
                     pipe.consumer_release(pv)
                     pv.advance()
-                cs.advance()
             warpgroup.wait_group(0)                               # the group's last tile retired
             pipe.consumer_release(pv)
             pv.advance()
@@ -471,7 +500,7 @@ class _EpilogueStore:
     "Mixin of GroupedGemmSm90: the epilogue of one unit."
 
     @cute.jit
-    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump):
+    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf):
         "Scale the accumulator by 2^7 gs_w[e] gs_a and store it as bf16 into C (masked to the expert's rows and N)."
         g = mGw[e] * cutlass.Float32(DECODE_SCALE)          # DECODE_SCALE: a Python constant, an exact power of two
         if cutlass.const_expr(self.fp8):
@@ -483,6 +512,9 @@ class _EpilogueStore:
         n0 = mt * self.m_tile
         if cutlass.const_expr(self.fp4_out):
             self.store_swiglu_nvfp4(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, t, cw, xbuf, mSfC, mGc, mGr, mDump)
+            return
+        if cutlass.const_expr(self.staged):
+            self.store_staged(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, l, t, cw, mSfC, sbuf)
             return
         if cutlass.const_expr(self.swiglu):
             self.store_swiglu(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, mSfC)
@@ -525,6 +557,66 @@ class _EpilogueStore:
                         if cutlass.const_expr(self.fp8):
                             ga = ga * sn[d]
                         mC[o, n0 + m_, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
+
+    @cute.jit
+    def store_staged(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, l, t, cw, mSfC, sbuf):
+        """The staged BF16_ROW_GS epilogue (`staged_store`): the same values as the plain one, acc * g * (gs_a[row] *
+        2^c[n]) rounded to bf16, written by `stmatrix ... trans` into this warpgroup's (tok_tile x 64) bf16 block of
+        `sbuf` (token-major, 128 bytes a token, 16-byte chunk c of token n at chunk c ^ (n % 8): no bank conflict), then
+        read back 16 bytes a thread and stored 16 bytes a thread, a token's 64 columns by 8 neighbouring threads. A
+        named barrier of the warpgroup before the writes (the previous unit's reads are done) and one before the reads.
+        N % 64 == 0 (W4A8's weights), so a warpgroup's 64 columns are all inside N or all outside; C's row stride a
+        multiple of 8 elements and its base 16-byte aligned (`run_sm90` checks)."""
+        tt = self.tt
+        nq = cute.size(acc_frag) // 2                            # tokens per thread: q = 2 j + a
+        oga = cute.make_rmem_tensor((nq,), cutlass.Float32)      # the token's activation scale, all loaded first
+        for q in cutlass.range_constexpr(nq):
+            m_, c_ = tCc[(q // 2) * 4 + q % 2]
+            row = row0 + c_
+            ga = mGa[0, 0]
+            if row < rend:
+                ga = mGa[row, l]
+            oga[q] = ga
+        sn = cute.make_rmem_tensor((2,), cutlass.Float32)        # weight rows r and r + 8's 2^c
+        for d in cutlass.range_constexpr(2):
+            m_, c_ = tCc[2 * d]
+            sn[d] = cutlass.Float32(0.0)
+            if n0 + m_ < N:
+                sn[d] = mSfC[e, n0 + m_]
+        lane = t % 32
+        w = t // 32
+        blk = sbuf.iterator.toint() + cw * (tt * 2 * WG_ROWS)   # this warpgroup's block (shared address)
+        cute.arch.barrier(barrier_id=2 + cw, number_of_threads=WG_THREADS)   # the previous unit's reads are done
+        # matrix i of a stmatrix.x4: token block 2 jp + i // 2, rows 8 (i % 2) .. + 7 of the warp's 16; lane L gives
+        # the address of token row L % 8 of matrix L // 8 (transposed: a token's 8 rows, 16 bytes)
+        k = lane % 8
+        mi = lane // 8
+        for jp in cutlass.range_constexpr(tt // 16):
+            r = [None] * 4
+            for i in cutlass.range_constexpr(4):
+                j = 2 * jp + i // 2
+                h = i % 2
+                v0 = acc_frag[4 * j + 2 * h] * g * (oga[2 * j] * sn[h])
+                v1 = acc_frag[4 * j + 2 * h + 1] * g * (oga[2 * j + 1] * sn[h])
+                r[i] = _asm(_PACK_BF16, _f32_bits(v0), _f32_bits(v1))
+            n = 16 * jp + 8 * (mi // 2) + k
+            c = 2 * w + mi % 2
+            _asm_store(_STSM4T, blk + n * 128 + ((c ^ k) << 4), r[0], r[1], r[2], r[3])
+        cute.arch.barrier(barrier_id=2 + cw, number_of_threads=WG_THREADS)   # the block is written
+        if n0 + WG_ROWS * cw < N:
+            words = cute.make_tensor(cute.recast_ptr(sbuf.iterator, dtype=cutlass.Uint32),
+                                     cute.make_layout(self.wgs * tt * WG_ROWS // 2))
+            v = cute.flat_divide(words, (4,))                    # 16-byte chunks
+            ch = t % 8                                           # the thread's chunk: columns 8 ch .. 8 ch + 7
+            col = n0 + WG_ROWS * cw + 8 * ch
+            for p in cutlass.range_constexpr(tt // 16):
+                n = 16 * p + t // 8
+                x = cute.make_rmem_tensor((4,), cutlass.Uint32)
+                cute.autovec_copy(v[None, cw * (tt * 8) + n * 8 + (ch ^ (n % 8))], x)
+                row = row0 + n
+                if row < rend and row < mC.shape[0]:
+                    a = (mC.iterator + cute.crd2idx((row, col, l), mC.layout)).toint()
+                    _asm_store(_STG128, a, x[0], x[1], x[2], x[3])
 
     @cute.jit
     def swiglu_value(self, acc_frag, i, s, p, su):
@@ -683,6 +775,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.gather = cfg.gather                    # the activation rows read through a map (mGr's slot), one TMA per row
         self.pdl = cfg.pdl                          # a programmatic dependent launch: the first ring's weights before the wait
         self.overlap = cfg.overlap                  # the bf16 K loop decodes each half tile under the WGMMAs of the one before
+        self.staged = staged_store(cfg)             # the epilogue through shared memory (stmatrix, 16-byte stores)
         self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
@@ -773,6 +866,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             # configuration's shared-memory layout, and so its PTX, is the one all the recorded measurements ran.
             reserved: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 128], 1024]
             xb: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, x_words], 16]     # SWIGLU_NVFP4: amax exchange
+            if cutlass.const_expr(self.staged):                                          # the staged epilogue's blocks
+                sc: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, self.wgs * tt * WG_ROWS // 2], 1024]
         self.smem = Smem
         if cutlass.const_expr(mSfC is None):                                         # placeholders for unused operands
             mSfC = mC
@@ -843,6 +938,9 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                                                stride=(SLAB_WIDTH, 1, SLAB_BYTES, SLAB_BYTES * wgs)))
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)                          # (tt, 128, stages or 2)
         xbuf = st.xb.get_tensor(cute.make_layout(self.x_words))
+        sbuf = xbuf                                                                             # placeholder
+        if cutlass.const_expr(self.staged):
+            sbuf = st.sc.get_tensor(cute.make_layout(self.wgs * tt * WG_ROWS // 2))                # (words,)
         sOff = st.offs.get_tensor(cute.make_layout(MAX_EXPERTS))                                # (MAX_EXPERTS,)
         for i in cutlass.range(tidx, E, self.threads, unroll=1):
             if cutlass.const_expr(self.wo_a):
@@ -906,7 +1004,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                         cs = self._k_loop(*kargs, 0)
                 else:
                     cs = self._k_loop(*kargs, 0)
-                self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump)
+                self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf)
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
 
@@ -995,12 +1093,16 @@ def run_sm90(cfg: GemmConfig,
                                                       # of a3's rows: a zero row); a3 then has any number of rows; in gs_r's slot
             ):
     """Launch the kernel for `cfg` on the current torch stream (compiled on first use per config and device). No checks
-    but one (the overlapped W4A8 loop's K, which it would otherwise cut short): the rest is the launcher's job. With `sms_free = n` the persistent grid is n SMs' worth of CTAs smaller: its tiles are dealt
+    but two (the overlapped W4A8 loop's K, which it would otherwise cut short; the staged epilogue's 16-byte stores,
+    which need N % 8 == 0, C's row stride a multiple of 8 and its base 16-byte aligned): the rest is the launcher's job. With `sms_free = n` the persistent grid is n SMs' worth of CTAs smaller: its tiles are dealt
     round-robin over a fixed grid, so when another kernel holds SMs (NCCL's keep theirs until they finish) the CTAs
     waiting for them would delay the whole GEMM; with n SMs left free both run side by side. The bits do not change (a
     tile is computed alike by whichever CTA owns it)."""
     if cfg.fp8 and cfg.overlap and a3.shape[1] % (W4A8_PROMOTE * K_TILE):   # its loop runs whole groups of 4 K tiles
         raise ValueError(f"run_sm90: the overlapped W4A8 loop needs K % {W4A8_PROMOTE * K_TILE} == 0, got K = {a3.shape[1]}")
+    if staged_store(cfg) and (out3.shape[1] % 8 or out3.stride(0) % 8 or out3.data_ptr() % 16):
+        raise ValueError(f"run_sm90: the staged epilogue stores 16 bytes a thread: C needs N % 8 == 0, a row stride % 8 == 0 "
+                         f"and a 16-byte aligned base, got shape {tuple(out3.shape)}, strides {out3.stride()}")
     if cfg.row_map: gs_r = row_map
     if cfg.gather: gs_r = gather_map
     tvm = have_tvm_ffi()
