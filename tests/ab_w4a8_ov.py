@@ -6,7 +6,10 @@ timed twice in alternation; the overlapped outputs' relative Frobenius distance 
 the same bits: the promotion interval differs; tests/test_w4a8_gpu.py bounds both against float64), and a digest of
 each output, so that runs of two checkouts (an A/B of a change that must keep the bits) compare bit for bit.
 
-    python tests/ab_w4a8_ov.py OUT.json [T ...]"""
+    python tests/ab_w4a8_ov.py OUT.json [--swiglu] [T ...]
+
+--swiglu: the fused SwiGLU epilogue (SWIGLU_BF16, the W4A8 layer's L1: h of N / 2 columns, the routing weight 1) in
+place of BF16_ROW_GS, on the shapes that are an L1 (Flash L1, Pro EP48 K = 7168)."""
 import hashlib, json, sys
 
 import torch
@@ -17,11 +20,13 @@ from bench_peers_w4a8 import SHAPES, _experts
 
 
 def main():
-    out, Ts = sys.argv[1], [int(a) for a in sys.argv[2:]] or [512, 2048, 8192]
+    args = sys.argv[2:]
+    swiglu = "--swiglu" in args
+    out, Ts = sys.argv[1], [int(a) for a in args if a != "--swiglu"] or [512, 2048, 8192]
     dev, timer = torch.device("cuda"), Timer()
-    res = dict(info=gpu_info(), rows=[])
-    E_ = S90.Epilogue.BF16_ROW_GS
-    for name, E, N, Kd in SHAPES:
+    res = dict(info=gpu_info(), rows=[], epilogue="SWIGLU_BF16" if swiglu else "BF16_ROW_GS")
+    E_ = S90.Epilogue.SWIGLU_BF16 if swiglu else S90.Epilogue.BF16_ROW_GS
+    for name, E, N, Kd in [s for s in SHAPES if not swiglu or s[0].startswith(("Flash L1", "Pro EP48 K=7168"))]:
         g = torch.Generator(device=dev).manual_seed(0)
         ex = _experts(E, N, Kd, True, g, dev)
         w8t, c2, tab = W.tile_weights_w4a8_mixed(ex)
@@ -37,8 +42,9 @@ def main():
             # memory: the deep rings (s10, s8) also make the persistent grid one CTA per SM
             cfgs = dict(plain=plan, ov128=S90.GemmConfig(128, 2, 4, E_, fp8=True, table=True, overlap=True),
                         ov128s7=S90.GemmConfig(128, 2, 7, E_, fp8=True, table=True, overlap=True))
-            o = {k: torch.empty(R, N, dtype=torch.bfloat16, device=dev) for k in cfgs}
-            call = lambda k: K.run_sm90(cfgs[k], w8t, a8.data, o[k], offs, gs, a8.scale, sf_c=rs)
+            o = {k: torch.empty(R, N // 2 if swiglu else N, dtype=torch.bfloat16, device=dev) for k in cfgs}
+            sc = torch.cat([a8.scale, torch.ones_like(a8.scale)], 1) if swiglu else a8.scale   # SwiGLU: (gs_a, p) per row
+            call = lambda k: K.run_sm90(cfgs[k], w8t, a8.data, o[k], offs, gs, sc, sf_c=rs)
             row = dict(problem=name, T=T, rows=R, plan=str(tuple(plan[:3])))
             for rep in range(2):
                 for k in cfgs:
