@@ -39,7 +39,7 @@ def main():
             a8 = W.ref_quantize_fp8_act((torch.randn(R, Kd, generator=g, device=dev) * 0.5).float())
             plan = S90.pick_config(R, E, Kd, N)._replace(epilogue=E_, fp8=True, overlap=False, table=True)
             # two consumer warpgroups hold one CTA per SM by registers (384 x 168), so the ring may take the whole shared
-            # memory: the deep rings (s10, s8) also make the persistent grid one CTA per SM
+            # memory: the deep ring (s7, the plan's) also makes the persistent grid one CTA per SM
             cfgs = dict(plain=plan, ov128=S90.GemmConfig(128, 2, 4, E_, fp8=True, table=True, overlap=True),
                         ov128s7=S90.GemmConfig(128, 2, 7, E_, fp8=True, table=True, overlap=True))
             o = {k: torch.empty(R, N // 2 if swiglu else N, dtype=torch.bfloat16, device=dev) for k in cfgs}

@@ -456,7 +456,7 @@ class _Consumer:
         The tile accumulator sums W4A8_PROMOTE tiles on the tensor core and is added into acc_frag in fp32 after a
         `wait_group(0)`: one drain and one FADD per output per 512 K, where `mainloop` drains and adds every 128. The
         code words of tile k + 1 are read from shared memory right after tile k's commit (its stage waited for there),
-        so their latency passes under the wait that retires tile k - 1 instead of in front of tile k + 1's decode."""
+        so their latency passes under the wait that retires tile k - 1."""
         acc_frag.fill(0.0)
         frags = (a_frag, a_frag2)
         words = (cute.recast_tensor(a_frag, cutlass.Uint32), cute.recast_tensor(a_frag2, cutlass.Uint32))
@@ -541,11 +541,7 @@ class _EpilogueStore:
             oga[q] = ga
         sn = cute.make_rmem_tensor((2,), cutlass.Float32)        # W4A8: weight rows r and r + 8's 2^c
         if cutlass.const_expr(self.fp8):
-            for d in cutlass.range_constexpr(2):
-                m_, c_ = tCc[2 * d]
-                sn[d] = cutlass.Float32(0.0)
-                if n0 + m_ < N:
-                    sn[d] = mSfC[e, n0 + m_]
+            self.w4a8_row_scales(tCc, n0, N, e, mSfC, sn)
         for q in cutlass.range_constexpr(nq):                    # pass 2: the stores
             o = orow[q]
             if o >= 0 and o < mC.shape[0]:                       # (row map: outside C, not stored)
@@ -557,6 +553,15 @@ class _EpilogueStore:
                         if cutlass.const_expr(self.fp8):
                             ga = ga * sn[d]
                         mC[o, n0 + m_, l] = (acc_frag[i] * g * ga).to(cutlass.BFloat16)
+
+    @cute.jit
+    def w4a8_row_scales(self, tCc, n0, N, e, mSfC, sn):
+        "W4A8: the 2^c of this thread's two weight rows (r, r + 8) into sn (2,), from mSfC (E, Np); 0 for a row past N."
+        for d in cutlass.range_constexpr(2):
+            m_, c_ = tCc[2 * d]
+            sn[d] = cutlass.Float32(0.0)
+            if n0 + m_ < N:
+                sn[d] = mSfC[e, n0 + m_]
 
     @cute.jit
     def store_staged(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, l, t, cw, mSfC, sbuf):
@@ -578,14 +583,10 @@ class _EpilogueStore:
                 ga = mGa[row, l]
             oga[q] = ga
         sn = cute.make_rmem_tensor((2,), cutlass.Float32)        # weight rows r and r + 8's 2^c
-        for d in cutlass.range_constexpr(2):
-            m_, c_ = tCc[2 * d]
-            sn[d] = cutlass.Float32(0.0)
-            if n0 + m_ < N:
-                sn[d] = mSfC[e, n0 + m_]
+        self.w4a8_row_scales(tCc, n0, N, e, mSfC, sn)
         lane = t % 32
         w = t // 32
-        blk = sbuf.iterator.toint() + cw * (tt * 2 * WG_ROWS)   # this warpgroup's block (shared address)
+        blk = sbuf.iterator.toint() + cw * staged_bytes(self.cfg)   # this warpgroup's block (shared address)
         cute.arch.barrier(barrier_id=2 + cw, number_of_threads=WG_THREADS)   # the previous unit's reads are done
         # matrix i of a stmatrix.x4: token block 2 jp + i // 2, rows 8 (i % 2) .. + 7 of the warp's 16; lane L gives
         # the address of token row L % 8 of matrix L // 8 (transposed: a token's 8 rows, 16 bytes)
@@ -605,7 +606,7 @@ class _EpilogueStore:
         cute.arch.barrier(barrier_id=2 + cw, number_of_threads=WG_THREADS)   # the block is written
         if n0 + WG_ROWS * cw < N:
             words = cute.make_tensor(cute.recast_ptr(sbuf.iterator, dtype=cutlass.Uint32),
-                                     cute.make_layout(self.wgs * tt * WG_ROWS // 2))
+                                     cute.make_layout(self.wgs * staged_bytes(self.cfg) // 4))
             v = cute.flat_divide(words, (4,))                    # 16-byte chunks
             ch = t % 8                                           # the thread's chunk: columns 8 ch .. 8 ch + 7
             col = n0 + WG_ROWS * cw + 8 * ch
@@ -867,7 +868,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             reserved: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 128], 1024]
             xb: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, x_words], 16]     # SWIGLU_NVFP4: amax exchange
             if cutlass.const_expr(self.staged):                                          # the staged epilogue's blocks
-                sc: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, self.wgs * tt * WG_ROWS // 2], 1024]
+                sc: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, self.wgs * staged_bytes(self.cfg) // 4], 1024]
         self.smem = Smem
         if cutlass.const_expr(mSfC is None):                                         # placeholders for unused operands
             mSfC = mC
@@ -940,7 +941,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         xbuf = st.xb.get_tensor(cute.make_layout(self.x_words))
         sbuf = xbuf                                                                             # placeholder
         if cutlass.const_expr(self.staged):
-            sbuf = st.sc.get_tensor(cute.make_layout(self.wgs * tt * WG_ROWS // 2))                # (words,)
+            sbuf = st.sc.get_tensor(cute.make_layout(self.wgs * staged_bytes(self.cfg) // 4))      # (words,)
         sOff = st.offs.get_tensor(cute.make_layout(MAX_EXPERTS))                                # (MAX_EXPERTS,)
         for i in cutlass.range(tidx, E, self.threads, unroll=1):
             if cutlass.const_expr(self.wo_a):
