@@ -2,7 +2,7 @@
 every 4 K tiles, a wait that leaves one tile in flight) against the plain W4A8 loop in pick_config's configuration (the
 W4A8 plan below W4A8_OV_MIN_ROWS rows per expert), in one process (records: measured/w4a8_ov_s39_h200.json, w4a8_ov_s40_h200.json): the four peer shapes at T = 512, 2048 and 8192 (top 6 of E, one draw per T, as tests/bench_peers_w4a8.py's
 gemm rows), MXFP4-carried experts (the table loop, DeepSeek-V4's weights), graph-replayed, L2 flushed, median us, each
-timed twice in alternation (with `shared`, GemmConfig.shared_a's tok_tile 256, where the checkout has it); the overlapped outputs' relative Frobenius distance to the plain loop's is printed too (not
+timed twice in alternation; the overlapped outputs' relative Frobenius distance to the plain loop's is printed too (not
 the same bits: the promotion interval differs; tests/test_w4a8_gpu.py bounds both against float64), and a digest of
 each output, so that runs of two checkouts (an A/B of a change that must keep the bits) compare bit for bit.
 
@@ -42,8 +42,6 @@ def main():
             # memory: the deep ring (s7, the plan's) also makes the persistent grid one CTA per SM
             cfgs = dict(plain=plan, ov128=S90.GemmConfig(128, 2, 4, E_, fp8=True, table=True, overlap=True),
                         ov128s7=S90.GemmConfig(128, 2, 7, E_, fp8=True, table=True, overlap=True))
-            if "shared_a" in S90.GemmConfig._fields:           # a checkout with the shared decoded tile (tok_tile 256)
-                cfgs["shared"] = S90.GemmConfig(256, 2, 4, E_, fp8=True, table=True, overlap=True, shared_a=True)
             o = {k: torch.empty(R, N // 2 if swiglu else N, dtype=torch.bfloat16, device=dev) for k in cfgs}
             sc = torch.cat([a8.scale, torch.ones_like(a8.scale)], 1) if swiglu else a8.scale   # SwiGLU: (gs_a, p) per row
             call = lambda k: K.run_sm90(cfgs[k], w8t, a8.data, o[k], offs, gs, sc, sf_c=rs)
@@ -58,9 +56,6 @@ def main():
             for k in [k for k in cfgs if k != "plain"]:
                 row[f"{k}_vs_plain_fro"] = float(((o[k].float() - o["plain"].float()).norm() / o["plain"].float().norm()).item())
                 row[f"plain_over_{k}"] = round(min(row["plain_us"]) / min(row[f"{k}_us"]), 3)
-            if "shared" in cfgs:
-                row["shared_same_bits_as_ov128s7"] = row["shared_sha"] == row["ov128s7_sha"]
-                row["ov128s7_over_shared"] = round(min(row["ov128s7_us"]) / min(row["shared_us"]), 3)
             res["rows"].append(row); print(row, flush=True)
             json.dump(res, open(out, "w"), indent=1)
 

@@ -2,8 +2,7 @@
 that has it, one and several units per CTA, K of 1 and 3 tiles, the plain and the NVFP4 SwiGLU epilogues), each checked
 bit for bit against the plain loop; and the overlapped W4A8 loop (the W4A8 plan's prefill configuration: K of 1 and 2
 promotion groups, table and F2FP experts, ragged rows with an empty expert, both epilogues, one and many units per CTA),
-checked against the plain W4A8 loop within 1e-2 relative Frobenius (not the same bits: the promotion interval differs),
-and its `shared_a` form (tok_tile 256, the decoded tiles in shared memory) bit for bit against it. Run as `compute-sanitizer --tool memcheck --report-api-errors no python3
+checked against the plain W4A8 loop within 1e-2 relative Frobenius (not the same bits: the promotion interval differs). Run as `compute-sanitizer --tool memcheck --report-api-errors no python3
 tests/gemm_sanitize.py` (likewise racecheck, synccheck)."""
 import os
 import sys
@@ -41,20 +40,19 @@ for K in (512, 1024):
     mx = mixed_w4a8_experts(E, 256, K, g)
     tiled, cm, table = W.tile_weights_w4a8_mixed(mx)
     rows = W.w4a8_row_scales(cm, table=table).to(dev)
-    offs = torch.tensor([5, 0, 270, 61]).cumsum(0).to(torch.int32).to(dev)
+    offs = torch.tensor([5, 0, 200, 61]).cumsum(0).to(torch.int32).to(dev)
     R_ = int(offs[-1])
     a = W.ref_quantize_fp8_act(torch.randn(R_, K, generator=g))
     p = torch.rand(R_, generator=g) + 0.5
     for epi in (S90.Epilogue.BF16_ROW_GS, S90.Epilogue.SWIGLU_BF16):
         cfg = W.W4A8_OV_CONFIG._replace(fp8=True, table=True, overlap=True, epilogue=epi)
-        shared = S90.GemmConfig(256, 2, 4, epi, fp8=True, table=True, overlap=True, shared_a=True)
         sc = (torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale).to(dev)
         for free in (0, sms - 1):
             outs = []
-            for c in (cfg, S90.CONFIGS[64]._replace(fp8=True, table=True, overlap=False, epilogue=epi), shared):
+            for c in (cfg, S90.CONFIGS[64]._replace(fp8=True, table=True, overlap=False, epilogue=epi)):
                 out = torch.empty(R_, 128 if epi.swiglu else 256, dtype=torch.bfloat16, device=dev)
                 S90K.run_sm90(c, tiled.to(dev), a.data.to(dev), out, offs, mx.global_scale.to(dev), sc, sf_c=rows, sms_free=free)
                 outs.append(out.float())
             d = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
-            assert d < 1e-2 and torch.equal(outs[0], outs[2]), (K, epi.name, free, d)
-torch.cuda.synchronize(); print("gemm_san: done", len(cfgs), "configurations and the overlapped W4A8 loops (registers, shared_a)")
+            assert d < 1e-2, (K, epi.name, free, d)
+torch.cuda.synchronize(); print("gemm_san: done", len(cfgs), "configurations and the overlapped W4A8 loop")

@@ -5,7 +5,7 @@ T), so that `ncu --profile-from-start off` profiles exactly the timed call and n
     python tests/ncu_w4a8_peers.py MODE [SHAPE] [T]
 
 MODE: `ours` (the W4A8 backend's plan for the shape: the overlapped loop from W4A8_OV_MIN_ROWS rows per expert), `plain`
-(pick_config's configuration with the plain W4A8 loop), `shared` (GemmConfig.shared_a, tok_tile 256), `fi` (FlashInfer's SM90 fused MoE, W4A8 "Humming" path, on the
+(pick_config's configuration with the plain W4A8 loop), `fi` (FlashInfer's SM90 fused MoE, W4A8 "Humming" path, on the
 layer whose FC1 or FC2 is SHAPE; its two GEMMs are the `cutlass::device_kernel` launches of the bracket). SHAPE: an index
 into bench_peers_w4a8.SHAPES (default 0, Flash L1); T default 8192. Ours runs on MXFP4-carried experts (the table loop,
 FlashInfer's format). Run from tests/ with the staged peers on the path, e.g.
@@ -25,7 +25,7 @@ def main():
     shape = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     T = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
     if T > 8192: raise SystemExit("T <= 8192 (FlashInfer is tuned for up to 8192 tokens here)")
-    if mode not in ("ours", "plain", "fi", "shared"): raise SystemExit(f"MODE must be ours, plain, fi or shared, not {mode!r}")
+    if mode not in ("ours", "plain", "fi"): raise SystemExit(f"MODE must be ours, plain or fi, not {mode!r}")
     name, E, N, K = SHAPES[shape]
     dev = torch.device("cuda")
     ids = torch.rand(T, E, generator=torch.Generator().manual_seed(T)).topk(6, dim=1).indices   # bench_peers_w4a8's draw
@@ -54,7 +54,6 @@ def main():
         R = int(cnt.sum())
         a8 = W.ref_quantize_fp8_act((torch.randn(R, K, generator=g, device=dev) * 0.5).float())
         if mode == "ours": cfg = W.Sm90W4A8Backend().plan(Problem(R, E, N, K, act="fp8", per_row=True)).cfg
-        elif mode == "shared": cfg = S90.GemmConfig(256, 2, 4, S90.Epilogue.BF16_ROW_GS, fp8=True, overlap=True, shared_a=True)
         else: cfg = S90.pick_config(R, E, K, N)._replace(epilogue=S90.Epilogue.BF16_ROW_GS, fp8=True, overlap=False)
         cfg = cfg._replace(table=True)
         o = torch.empty(R, N, dtype=torch.bfloat16, device=dev)

@@ -384,51 +384,6 @@ def test_overlapped_w4a8_loop_against_float64(tt, K):
                       ex.global_scale.cuda(), a.scale.cuda(), sf_c=rows)
 
 
-@pytest.mark.parametrize("K", [2048, 7168])
-def test_shared_a_w4a8_loop_against_float64(K):
-    """GemmConfig.shared_a (tok_tile 256: both consumer warpgroups decode one 64-row tile into shared memory, each
-    multiplies it with its own 128 tokens, A from shared memory): the same decoded values and the same sums in the same
-    order as the overlapped register loop (W4A8_OV_CONFIG's promotion every 512 K), so the same bits as that loop on
-    both epilogues; and on its own terms within w4a8_error_bound of float64 (2e-3 / 3e-3 Frobenius as above), the same
-    bits twice and from a grid of two CTAs (so the decoded tiles' ring runs on across many units). MXFP4-carried experts
-    (the table loop) around a general NVFP4 one (the F2FP loop), ragged rows: an expert of 261 rows (a second, nearly
-    empty 256-token unit whose second warpgroup has no row), an empty one, and BF16_ROW_GS into a C of 192 of the
-    slabs' 256 rows at K = 2048 (the last m tile is outside N)."""
-    from dsv4_nvfp4.gemm import sm90_kernel as S90K
-    g = torch.Generator().manual_seed(260 + K)
-    E, N = 4, 256
-    Nc = 192 if K == 2048 else N
-    ex = mixed_w4a8_experts(E, N, K, g)
-    tiled, cm, table = W.tile_weights_w4a8_mixed(ex)
-    assert table.tolist() == [True, True, False, True]
-    rows = W.w4a8_row_scales(cm, table=table).cuda()
-    w8, c8, _ = W.w4a8_weights(ex)
-    offs = torch.tensor([261, 0, 300, 129]).cumsum(0).to(torch.int32)      # expert 2 (F2FP) has rows
-    R = int(offs[-1])
-    a = W.ref_quantize_fp8_act(torch.randn(R, K, generator=g) * torch.logspace(-2, 2, R).view(R, 1))
-    p = torch.rand(R, generator=g) + 0.5
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for epi in (S90.Epilogue.BF16_ROW_GS, S90.Epilogue.SWIGLU_BF16):
-        cfg = S90.GemmConfig(256, 2, 4, epi, fp8=True, table=True, overlap=True, shared_a=True)
-        ref_cfg = W.W4A8_OV_CONFIG._replace(epilogue=epi, table=True)
-        sc = (torch.stack([a.scale[:, 0], p], 1) if epi.swiglu else a.scale).cuda()
-        outs = []
-        for c_, free in ((cfg, 0), (cfg, 0), (cfg, sms - 1), (ref_cfg, 0)):   # twice, on two CTAs, the register loop
-            out = torch.full((R, N // 2 if epi.swiglu else Nc), float("nan"), dtype=torch.bfloat16, device="cuda")
-            S90K.run_sm90(c_, tiled.cuda(), a.data.cuda(), out, offs.cuda(), ex.global_scale.cuda(), sc, sf_c=rows,
-                          sms_free=free)
-            torch.cuda.synchronize()
-            outs.append(out.cpu())
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (K, epi.name)
-        assert torch.equal(outs[0], outs[3]), (K, epi.name, "not the register loop's bits")
-        if epi.swiglu:
-            want, bound = l1_want_and_bound(a, w8, c8, ex.global_scale, offs, p)
-        else:
-            want = W.ref_grouped_gemm_w4a8(a, w8, c8, ex.global_scale, offs)[:, :Nc]
-            bound = W.w4a8_error_bound(want, W.ref_w4a8_magnitude(a, w8, c8, ex.global_scale, offs)[:, :Nc])
-        assert_w4a8_close(outs[0].double(), want, bound, f"shared_a W4A8 loop K {K} {epi.name}", 3e-3 if epi.swiglu else 2e-3)
-
-
 def test_w4a8_prefill_plan_takes_the_overlapped_loop():
     """From W4A8_OV_MIN_ROWS expected rows per expert and K % 512 == 0 the sm90_w4a8 plan is the overlapped W4A8 loop
     (W4A8_OV_CONFIG); through prepare_weights and grouped_gemm_nvfp4 on MXFP4-carried experts (the table slabs) its

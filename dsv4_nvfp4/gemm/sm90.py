@@ -23,11 +23,11 @@ from ..quantize_cuda import dequantize_nvfp4_cuda
 __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYTES', 'SLAB_BYTES', 'SLAB_WIDTH', 'SLAB_ROWS',
            'N_PAD', 'DECODE_SCALE', 'MAX_EXPERTS', 'SMEM_RESERVED', 'MAX_CTAS_PER_SM', 'HOPPER_SMEM_PER_BLOCK',
            'HOPPER_SMEM_PER_SM', 'BF16_CODE_MASK', 'DECODE_ROTATIONS', 'W4A8_CODE_MASK', 'W4A8_DECODE_ROTATIONS',
-           'W4A8_TABLE', 'W4A8_TABLE_STEP', 'W4A8_TABLE_K', 'W4A8_TABLE_BIAS', 'CONFIGS', 'A_BUFFERS', 'WIDE_CONFIG',
+           'W4A8_TABLE', 'W4A8_TABLE_STEP', 'W4A8_TABLE_K', 'W4A8_TABLE_BIAS', 'CONFIGS', 'WIDE_CONFIG',
            'TT64_MAX_ROWS', 'DECODE_WIDE', 'WIDE_MIN_WAVES', 'encode_words', 'decode_words', 'scale_codes',
-           'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'staged_store', 'wg_tokens',
-           'unit_rows', 'staged_bytes', 'smem_bytes', 'device_smem', 'Sm90Weights', 'wide_ok', 'rows_per_expert',
-           'pick_config', 'check_config_n', 'Sm90Plan', 'pad_experts', 'Sm90Backend']
+           'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'staged_store', 'staged_bytes',
+           'smem_bytes', 'device_smem', 'Sm90Weights', 'wide_ok', 'rows_per_expert', 'pick_config', 'check_config_n',
+           'Sm90Plan', 'pad_experts', 'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -232,11 +232,6 @@ class GemmConfig(NamedTuple):
                                        # cores (mainloop_ov); the token tiles 8-32 and 128 take it (CONFIGS, DECODE_WIDE).
                                        # With fp8: the overlapped W4A8 loop (mainloop_fp8_ov, two warpgroups),
                                        # W4A8's plan at prefill (w4a8.W4A8_OV_CONFIG)
-    shared_a: bool = False             # the overlapped W4A8 loop with tok_tile 256 and two consumer warpgroups: both decode one
-                                       # 64-row weight tile into shared memory (half its K each, A_BUFFERS E4M3 tiles) and
-                                       # each multiplies it with its own 128 of the 256 tokens (A from shared memory): each
-                                       # decoded weight serves 256 tokens, with the accumulator and the promotion's tile sum
-                                       # in 128 registers (mainloop_fp8_shared)
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
@@ -252,31 +247,18 @@ def staged_store(cfg: GemmConfig) -> bool:
     GEMM), whose (64 rows x tok_tile) bf16 block per warpgroup is written by `stmatrix` and stored 16 bytes a thread."""
     return cfg.fp8 and cfg.overlap and cfg.epilogue is Epilogue.BF16_ROW_GS
 
-A_BUFFERS = 3   # shared_a: decoded E4M3 weight tiles in shared memory (a tile is rewritten 3 tiles later, after both
-                # warpgroups retired its WGMMAs, so one barrier per K tile suffices: mainloop_fp8_shared)
-
-def wg_tokens(cfg: GemmConfig) -> int:
-    "Tokens of a unit that one consumer warpgroup multiplies: its own half under `shared_a`, else the whole tok_tile."
-    return cfg.tok_tile // cfg.wgs if cfg.shared_a else cfg.tok_tile
-
-def unit_rows(cfg: GemmConfig) -> int:
-    "Weight rows of a unit (the m tile): 64 under `shared_a` (both warpgroups multiply the same rows), else 64 per warpgroup."
-    return WG_ROWS if cfg.shared_a else WG_ROWS * cfg.wgs
-
 def staged_bytes(cfg: GemmConfig) -> int:
-    "Bytes of one consumer warpgroup's block in the staged epilogue (`staged_store`): its tokens x 64 bf16 outputs."
-    return wg_tokens(cfg) * WG_ROWS * 2
+    "Bytes of one consumer warpgroup's block in the staged epilogue (`staged_store`): tok_tile tokens x 64 bf16 outputs."
+    return cfg.tok_tile * WG_ROWS * 2
 
 def smem_bytes(cfg: GemmConfig) -> int:
     """Shared memory of one CTA: the ring (weight slabs + the bf16 activation tile per stage), the SwiGLU-NVFP4 amax
-    exchange or the staged epilogue's bf16 block (`staged_store`), `shared_a`'s decoded weight tiles, the staged
-    offsets, barriers and alignment (`SMEM_RESERVED`)."""
+    exchange or the staged epilogue's bf16 block (`staged_store`), the staged offsets, barriers and alignment
+    (`SMEM_RESERVED`)."""
     tt = cfg.tok_tile
     xchg = 4 * cfg.wgs * 4 * tt if cfg.epilogue.fp4_out else 0
     if staged_store(cfg): xchg = cfg.wgs * staged_bytes(cfg)
-    if cfg.shared_a: xchg += A_BUFFERS * WG_ROWS * K_TILE                 # the decoded E4M3 weight tiles
-    slabs = unit_rows(cfg) // WG_ROWS
-    return cfg.stages * (SLAB_BYTES * slabs + tt * K_TILE * (1 if cfg.fp8 else 2)) + xchg + 4 * MAX_EXPERTS + SMEM_RESERVED
+    return cfg.stages * (SLAB_BYTES * cfg.wgs + tt * K_TILE * (1 if cfg.fp8 else 2)) + xchg + 4 * MAX_EXPERTS + SMEM_RESERVED
 
 _DEVICE_SMEM = {}
 

@@ -119,9 +119,6 @@ _E2M1 = ("{ .reg .f32 v, a; .reg .b32 k, d, sg; mov.b32 v, $1; mov.b32 a, $2; mu
 _PACK_BF16 = "{ .reg .f32 a, b; mov.b32 a, $1; mov.b32 b, $2; cvt.rn.bf16x2.f32 $0, b, a; }"   # bits of fp32 $1 (low), $2
 _STSM4T = "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};"   # 4 8x8 b16 matrices, transposed
 _STG128 = "st.global.v4.b32 [$0], {$1, $2, $3, $4};"
-# shared_a: one k32 block of a warp's 16 decoded weight rows (its 4 A registers, in WGMMA's fragment order) into the
-# 128-byte swizzled K-major tile that WGMMA reads from shared memory: matrix i = rows 8 (i % 2) .. + 7, K bytes 16 (i // 2) ..
-_STSM4 = "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};"
 
 @dsl_user_op
 def _asm_store(text: str, addr, *words, loc=None, ip=None):
@@ -197,9 +194,9 @@ class _Producer:
 
     @cute.jit
     def load_weights(self, tma_w, tW, sW, bar, e, mt, k, KT, MT64, idx):
-        "The TMA copies of K tile k of unit (e, mt)'s weight slabs (one per 64 rows of the m tile) into ring stage idx."
-        for w in cutlass.range_constexpr(self.slabs):
-            slab = ((e * MT64 + mt * self.slabs + w) * KT + k)
+        "The TMA copies of K tile k of unit (e, mt)'s weight slabs (one per consumer warpgroup) into ring stage idx."
+        for w in cutlass.range_constexpr(self.wgs):
+            slab = ((e * MT64 + mt * self.wgs + w) * KT + k)
             gW = cute.local_tile(tW, (SLAB_ROWS, SLAB_WIDTH), (slab, 0))                    # (18, 256) bytes
             tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1),
                                              cute.group_modes(sW[None, None, w, idx], 0, 2),
@@ -495,88 +492,6 @@ class _Consumer:
                 acc_frag[i] = acc_frag[i] + tile_frag[i]
         return cs
 
-    @cute.jit
-    def load_codes_half(self, sW, cw, idx, t, c, sc):
-        """`shared_a`: this thread's code words of k32 blocks 2 cw and 2 cw + 1 (c, 4 words: one 16-byte LDS) and their two
-        scale words (sc, 2 words) of the slab in ring stage idx: the half of `load_codes` that warpgroup cw decodes."""
-        base = cute.make_tensor(cute.recast_ptr(sW[None, None, 0, idx].iterator, dtype=cutlass.Uint32),
-                                cute.make_layout(SLAB_BYTES // 4))                    # (1152,) words of this slab
-        cute.autovec_copy(cute.flat_divide(base, (4,))[None, 128 * cw + t], c)
-        cute.autovec_copy(cute.flat_divide(base, (2,))[None, 2 * (256 + t // 4) + cw], sc)
-
-    @cute.jit
-    def decode_store_a(self, c, sc, add, a_addr, table: cutlass.Constexpr):
-        """`shared_a`: decode this thread's half K tile (k32 blocks 2 cw, 2 cw + 1 of its rows g, g + 8; `load_codes_half`)
-        exactly as the register loop does, and store it with two `stmatrix` into the decoded tile; a_addr[q]: this
-        lane's row address of block q's four 8x8 matrices."""
-        for q in cutlass.range_constexpr(2):
-            if cutlass.const_expr(table):
-                d = self.decode_q_fp8_table(c, c, sc, q)
-            else:
-                d = self.decode_q_fp8(c, c, sc, q, add)
-            _asm_store(_STSM4, a_addr[q], d[0], d[1], d[2], d[3])
-
-    @cute.jit
-    def mainloop_fp8_shared(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, tCrA, tCrB, t, cw, KT, add, ab, a_base,
-                            table: cutlass.Constexpr):
-        """The `shared_a` K loop (tok_tile 256, two consumer warpgroups, K a multiple of W4A8_PROMOTE K tiles). Per K tile
-        both warpgroups decode the unit's one 64-row weight tile into decoded tile ab (of A_BUFFERS, E4M3, the 128-byte
-        swizzled K-major layout), warpgroup cw the K half 64 cw .. 64 cw + 63 (`decode_store_a`), fence the writes to
-        the async proxy and meet at named barrier 4 (256 threads); then each issues its 4 WGMMAs, A from the decoded
-        tile, B its own 128 tokens of the stage. After the commit it reads the next tile's code words, and `wait_group(1)`
-        retires the tile before (its ring stage is released). The decoded tile written for tile n was last read by the
-        WGMMAs of tile n - 3, which both warpgroups retired before they reached tile n - 1's barrier, so one barrier a
-        tile suffices; ab runs on across units (returned). Promotion as in `mainloop_fp8_ov`: the tile accumulator sums
-        W4A8_PROMOTE tiles on the tensor core and is added into acc_frag in fp32 after a `wait_group(0)`."""
-        acc_frag.fill(0.0)
-        c = cute.make_rmem_tensor((4,), cutlass.Uint32)
-        sc = cute.make_rmem_tensor((2,), cutlass.Uint32)
-        lane = t % 32
-        mi = lane // 8                                            # the 8x8 matrix this lane addresses
-        r8 = lane % 8
-        row_off = (16 * (t // 32) + 8 * (mi % 2) + r8) * K_TILE    # its row: 128 bytes (K_TILE E4M3) a row
-        ch0 = 4 * cw + mi // 2                                    # its 16-byte chunk in block q = 0 (q = 1: + 2)
-        a_addr = [a_base + row_off + (((ch0 + 2 * q) ^ r8) << 4) for q in range(2)]
-        tile_bytes = WG_ROWS * K_TILE
-        pv = cs.clone()                                           # the stage of the oldest tile still in flight
-        G = KT // W4A8_PROMOTE
-        pipe.consumer_wait(cs)
-        self.load_codes_half(sW, cw, cs.index, t, c, sc)
-        for g in cutlass.range(G, unroll=1):
-            for j in cutlass.range_constexpr(W4A8_PROMOTE):
-                off = ab * tile_bytes
-                self.decode_store_a(c, sc, add, [a + off for a in a_addr], table)
-                cute.arch.fence_proxy("async.shared", space="cta")   # the decoded tile, visible to WGMMA
-                cute.arch.barrier(barrier_id=4, number_of_threads=2 * WG_THREADS)
-                d0 = smem_descriptor_to_int(tCrB[None, None, 0, cs.index].iterator)
-                da = smem_descriptor_to_int(tCrA[None, None, 0, ab].iterator)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(4):
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, j > 0 or kb > 0)
-                    cute.gemm(tiled_mma, tile_frag, self._b_kb(tCrA, da, kb), self._b_kb(tCrB, d0, kb), tile_frag)
-                warpgroup.commit_group()
-                cs.advance()
-                ab = ab + 1
-                if ab == A_BUFFERS:
-                    ab = cutlass.Int32(0)
-                if cutlass.const_expr(j + 1 < W4A8_PROMOTE):      # the next tile's code words (the unit has it)
-                    pipe.consumer_wait(cs)
-                    self.load_codes_half(sW, cw, cs.index, t, c, sc)
-                else:
-                    if g + 1 < G:                                 # the next group's first tile, if the unit has one
-                        pipe.consumer_wait(cs)
-                        self.load_codes_half(sW, cw, cs.index, t, c, sc)
-                if cutlass.const_expr(j > 0):
-                    warpgroup.wait_group(1)                       # tile j - 1 retired: its stage is free
-                    pipe.consumer_release(pv)
-                    pv.advance()
-            warpgroup.wait_group(0)                               # the group's last tile retired
-            pipe.consumer_release(pv)
-            pv.advance()
-            for i in cutlass.range_constexpr(cute.size(acc_frag)):
-                acc_frag[i] = acc_frag[i] + tile_frag[i]
-        return cs, ab
-
 # %% ../../nbs/04b_gemm_sm90.ipynb #b4246b2d
 SCALE_CHUNK = 8   # SWIGLU_BF16's epilogue loads this many tokens' scales at once, ahead of their stores (2 registers each, 3 under W4A8)
 assert SCALE_CHUNK > 0 and SCALE_CHUNK & (SCALE_CHUNK - 1) == 0, "SCALE_CHUNK must be a power of two: its chunks tile tok_tile / 4 tokens"
@@ -656,14 +571,8 @@ class _EpilogueStore:
         read back 16 bytes a thread and stored 16 bytes a thread, a token's 64 columns by 8 neighbouring threads. A
         named barrier of the warpgroup before the writes (the previous unit's reads are done) and one before the reads.
         N % 64 == 0 (W4A8's weights), so a warpgroup's 64 columns are all inside N or all outside; C's row stride a
-        multiple of 8 elements and its base 16-byte aligned (`run_sm90` checks). Under `shared_a` a warpgroup's block
-        holds its own 128 tokens (from row0 + 128 cw) of the unit's 64 columns."""
-        tt = self.wt                                             # this warpgroup's tokens
-        tok0 = row0                                              # its first token's row
-        col0 = n0 + WG_ROWS * cw                                 # its first column
-        if cutlass.const_expr(self.shared_a):
-            tok0 = row0 + tt * cw
-            col0 = n0
+        multiple of 8 elements and its base 16-byte aligned (`run_sm90` checks)."""
+        tt = self.tt
         nq = cute.size(acc_frag) // 2                            # tokens per thread: q = 2 j + a
         oga = cute.make_rmem_tensor((nq,), cutlass.Float32)      # the token's activation scale, all loaded first
         for q in cutlass.range_constexpr(nq):
@@ -695,17 +604,17 @@ class _EpilogueStore:
             c = 2 * w + mi % 2
             _asm_store(_STSM4T, blk + n * 128 + ((c ^ k) << 4), r[0], r[1], r[2], r[3])
         cute.arch.barrier(barrier_id=2 + cw, number_of_threads=WG_THREADS)   # the block is written
-        if col0 < N:
+        if n0 + WG_ROWS * cw < N:
             words = cute.make_tensor(cute.recast_ptr(sbuf.iterator, dtype=cutlass.Uint32),
                                      cute.make_layout(self.wgs * staged_bytes(self.cfg) // 4))
             v = cute.flat_divide(words, (4,))                    # 16-byte chunks
             ch = t % 8                                           # the thread's chunk: columns 8 ch .. 8 ch + 7
-            col = col0 + 8 * ch
+            col = n0 + WG_ROWS * cw + 8 * ch
             for p in cutlass.range_constexpr(tt // 16):
                 n = 16 * p + t // 8
                 x = cute.make_rmem_tensor((4,), cutlass.Uint32)
                 cute.autovec_copy(v[None, cw * (tt * 8) + n * 8 + (ch ^ (n % 8))], x)
-                row = tok0 + n
+                row = row0 + n
                 if row < rend and row < mC.shape[0]:
                     a = (mC.iterator + cute.crd2idx((row, col, l), mC.layout)).toint()
                     _asm_store(_STG128, a, x[0], x[1], x[2], x[3])
@@ -869,10 +778,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.overlap = cfg.overlap                  # the bf16 K loop decodes each half tile under the WGMMAs of the one before
         self.staged = staged_store(cfg)             # the epilogue through shared memory (stmatrix, 16-byte stores)
         self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
-        self.shared_a = cfg.shared_a                # tok_tile 256: one decoded 64-row tile in shared memory for both warpgroups
-        self.m_tile = unit_rows(cfg)                # weight rows per unit
-        self.slabs = self.m_tile // WG_ROWS         # 64-row weight slabs per unit and K tile
-        self.wt = wg_tokens(cfg)                    # tokens per consumer warpgroup
+        self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
 
     @staticmethod
@@ -882,11 +788,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                       smem_limit: int | None = None,  # opt-in shared memory per block (None: the current device's)
                      ) -> tuple[bool, str]:        # (ok, why not)
         "Whether this kernel can run `cfg` on E experts and K: every limit of the kernel is checked here."
-        if cfg.shared_a and not (cfg.fp8 and cfg.overlap and cfg.wgs == 2 and cfg.tok_tile == 256):
-            return False, (f"shared_a is the overlapped W4A8 loop with tok_tile 256 and 2 consumer warpgroups (fp8, overlap), got "
-                           f"tok_tile {cfg.tok_tile}, wgs {cfg.wgs}, fp8 {cfg.fp8}, overlap {cfg.overlap}")
-        if cfg.tok_tile not in (8, 16, 32, 64, 128) and not (cfg.shared_a and cfg.tok_tile == 256):
-            return False, f"tok_tile must be 8, 16, 32, 64 or 128 (256 with shared_a), got {cfg.tok_tile}"
+        if cfg.tok_tile not in (8, 16, 32, 64, 128): return False, f"tok_tile must be 8, 16, 32, 64 or 128, got {cfg.tok_tile}"
         if cfg.wgs not in (1, 2, 4): return False, f"wgs (consumer warpgroups) must be 1, 2 or 4, got {cfg.wgs}"
         if cfg.wgs == 4 and cfg.tok_tile > 64:
             return False, f"wgs 4 runs tok_tile <= 64 (registers: CONSUMER_REGS_4 each), got {cfg.tok_tile}"
@@ -924,12 +826,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         return True, ""
 
     def make_mma(self):
-        """The tiled WGMMA: bf16 x bf16 (or E4M3 x E4M3) -> fp32, A (decoded weights) from registers, B (tokens) from shared
-        memory, K-major; `shared_a`: A from shared memory too, the two warpgroups side by side on N (128 tokens each)."""
-        if cutlass.const_expr(self.shared_a):
-            return sm90_utils.make_trivial_tiled_mma(
-                self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-                cutlass.Float32, (1, self.wgs, 1), tiler_mn=(WG_ROWS, self.wt), a_source=warpgroup.OperandSource.SMEM)
+        "The tiled WGMMA: bf16 x bf16 (or E4M3 x E4M3) -> fp32, A (decoded weights) from registers, B (tokens) from shared memory, K-major."
         return sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (self.wgs, 1, 1), tiler_mn=(WG_ROWS, self.tt), a_source=warpgroup.OperandSource.RMEM)
@@ -952,11 +849,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         tma_w, tW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, w_layout, (SLAB_ROWS, SLAB_WIDTH))
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                 cute.slice_(b_layout, (None, None, 0)), (tt, kt_))
-        self.tx_bytes = SLAB_BYTES * self.slabs + tt * kt_ * self.ab_dtype.width // 8   # bytes per stage
+        self.tx_bytes = SLAB_BYTES * self.wgs + tt * kt_ * self.ab_dtype.width // 8   # bytes per stage
         if cutlass.const_expr(self.gather): self.tx_bytes = SLAB_BYTES * self.wgs   # + the unit's rows, expected per stage by the producer
-        self.a_layout = None
-        if cutlass.const_expr(self.shared_a):                                       # the decoded tiles: (64, 128, A_BUFFERS)
-            self.a_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), self.ab_dtype, A_BUFFERS)
         self.b_layout = b_layout
         x_words = 4
         if cutlass.const_expr(self.fp4_out):
@@ -967,7 +861,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         class Smem:
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]            # full/empty mbarrier per stage
             offs: cute.struct.MemRange[cutlass.Int32, MAX_EXPERTS]                # staged expert_offsets
-            sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SLAB_BYTES * self.slabs * self.stages], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, SLAB_BYTES * self.wgs * self.stages], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_layout)], 1024]
             # NOTE: 128 bytes no variant reads (the removed in-kernel activation decode's ring). Kept so that every
             # configuration's shared-memory layout, and so its PTX, is the one all the recorded measurements ran.
@@ -975,8 +869,6 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             xb: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, x_words], 16]     # SWIGLU_NVFP4: amax exchange
             if cutlass.const_expr(self.staged):                                          # the staged epilogue's blocks
                 sc: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, self.wgs * staged_bytes(self.cfg) // 4], 1024]
-            if cutlass.const_expr(self.shared_a):                                        # the decoded weight tiles
-                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_layout)], 1024]
         self.smem = Smem
         if cutlass.const_expr(mSfC is None):                                         # placeholders for unused operands
             mSfC = mC
@@ -993,11 +885,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             r0 = _row0_layout(b_layout)
             tma_a1, tA1 = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, cute.make_composed_layout(
                 b_layout.inner, 0, cute.make_layout((1, r0.shape[0]), stride=(0, r0.stride[0]))), (1, kt_))
-        a_layout = b_layout                         # placeholder (a static layout: no kernel parameter)
-        if cutlass.const_expr(self.shared_a):
-            a_layout = self.a_layout
         self.kernel(tma_w, tW, tma_a, tA, tma_a1, tA1, mC, mOff, mGw, mGa, mSfC, mGc, mGr, mDump, self.tiled_mma,
-                    b_layout, w_layout, a_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
+                    b_layout, w_layout).launch(grid=(n_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream,
                                                   use_pdl=self.pdl,
                                                   # the overlapped W4A8 loop's setmaxnreg needs the launch to hold the
                                                   # whole pool (384 x 168): without it ptxas gave tok_tile 64 129 registers
@@ -1008,7 +897,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,
                tma_a1: cute.CopyAtom, tA1: cute.Tensor, mC: cute.Tensor, mOff: cute.Tensor, mGw: cute.Tensor,
                mGa: cute.Tensor, mSfC: cute.Tensor, mGc: cute.Tensor, mGr: cute.Tensor, mDump: cute.Tensor,
-               tiled_mma: cute.TiledMma, b_layout: cute.ComposedLayout, w_layout: cute.Layout, a_layout: cute.ComposedLayout):
+               tiled_mma: cute.TiledMma, b_layout: cute.ComposedLayout, w_layout: cute.Layout):
         tt, kt_, wgs = self.tt, K_TILE, self.wgs
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -1037,7 +926,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         K = tA.shape[1]
         KT = (K + kt_ - 1) // kt_
         MT64 = tW.shape[0] // (SLAB_ROWS * KT * E)     # 64-row slabs per expert (N padded to 128)
-        MT = MT64 // self.slabs
+        MT = MT64 // wgs
 
         smem = SmemAllocator()
         st = smem.allocate(self.smem)
@@ -1046,8 +935,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.bars.data_ptr(), num_stages=self.stages, producer_group=prod,
             consumer_group=cons, tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-        sW = st.sW.get_tensor(cute.make_layout((SLAB_ROWS, SLAB_WIDTH, self.slabs, self.stages),   # (18, 256, slabs, stages)
-                                               stride=(SLAB_WIDTH, 1, SLAB_BYTES, SLAB_BYTES * self.slabs)))
+        sW = st.sW.get_tensor(cute.make_layout((SLAB_ROWS, SLAB_WIDTH, wgs, self.stages),      # (18, 256, wgs, stages)
+                                               stride=(SLAB_WIDTH, 1, SLAB_BYTES, SLAB_BYTES * wgs)))
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)                          # (tt, 128, stages or 2)
         xbuf = st.xb.get_tensor(cute.make_layout(self.x_words))
         sbuf = xbuf                                                                             # placeholder
@@ -1083,19 +972,10 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             tile_frag = acc_frag                  # W4A8: each K tile's WGMMA sum, promoted into acc_frag (mainloop)
             if cutlass.const_expr(self.fp8):
                 tile_frag = thr_mma.make_fragment_C(thr_mma.partition_shape_C((self.m_tile, tt)))
-            tCrA = None                           # shared_a: the decoded tiles' descriptors (A_BUFFERS)
-            a_base = cutlass.Int32(0)             # shared_a: the decoded tiles' shared address
-            if cutlass.const_expr(self.shared_a):
-                sA = st.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)      # (64, 128, A_BUFFERS) E4M3
-                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-                a_base = st.sA.data_ptr().toint()
-                a_frag = tile_frag                # no A registers
-                a_frag2 = tile_frag
-            else:
-                a_frag = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
-                a_frag2 = a_frag                  # the overlapped W4A8 loop: the second A fragment (odd K tiles)
-                if cutlass.const_expr(self.fp8 and self.overlap):
-                    a_frag2 = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
+            a_frag = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
+            a_frag2 = a_frag                      # the overlapped W4A8 loop: the second A fragment (odd K tiles)
+            if cutlass.const_expr(self.fp8 and self.overlap):
+                a_frag2 = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
             if cutlass.const_expr(self.overlap and not self.fp8):   # mainloop_ov: every WGMMA accumulates (from a zeroed sum)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             tCsB = thr_mma.partition_B(sB)
@@ -1105,29 +985,17 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             e0 = cutlass.Int32(0); acc = cutlass.Int32(0)
             u = bidx
-            ab = cutlass.Int32(0)                                  # shared_a: the decoded tile the next K tile writes
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
                 add = cutlass.Uint32(0)
                 if cutlass.const_expr(self.fp8):                   # W4A8: (6 - c) << 10 for this thread's rows g, g + 8
-                    ng = mt * self.m_tile + 16 * (t // 32) + (t % 32) // 4
-                    if cutlass.const_expr(not self.shared_a):      # (shared_a: both warpgroups decode the same rows)
-                        ng = ng + WG_ROWS * cw
+                    ng = mt * self.m_tile + WG_ROWS * cw + 16 * (t // 32) + (t % 32) // 4
                     cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: +-2^c (E, Np)
                     cg8 = ((_f32_bits(mSfC[e, ng + 8]) >> 23) & 0xFF).to(cutlass.Int32) - 127
                     add = (((6 - cg) << 10) | ((6 - cg8) << 26)).to(cutlass.Uint32)
                 kargs = (pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add)
-                sargs = (pipe, cs, sW, tiled_mma, acc_frag, tile_frag, tCrA, tCrB, t, cw, KT, add, ab, a_base)
-                if cutlass.const_expr(self.shared_a):
-                    if cutlass.const_expr(self.table):
-                        if (_f32_bits(mSfC[e, 0]) >> 31) != 0:      # as below: the expert's loop from its table's sign
-                            cs, ab = self.mainloop_fp8_shared(*sargs, 1)
-                        else:
-                            cs, ab = self.mainloop_fp8_shared(*sargs, 0)
-                    else:
-                        cs, ab = self.mainloop_fp8_shared(*sargs, 0)
-                elif cutlass.const_expr(self.overlap and not self.fp8):
+                if cutlass.const_expr(self.overlap and not self.fp8):
                     cs = self.mainloop_ov(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT)
                 elif cutlass.const_expr(self.table):               # W4A8 table kernel: this expert's loop, from its row
                     if (_f32_bits(mSfC[e, 0]) >> 31) != 0:          # table's sign (negative: table slabs), one uniform
