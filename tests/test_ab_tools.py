@@ -1,4 +1,7 @@
-"""CPU tests of the GPU A/B tools' host-side logic (tests/ab_trees.py's comparison of two checkouts' runs)."""
+"""CPU tests of the GPU tools' host-side logic (tests/ab_trees.py's comparison of two checkouts' runs) and of the kernels of
+tests/qgmma_ceiling.py (the FP8 tensor-pipe microbenchmark: compiled here for sm_90a, no GPU)."""
+import pytest
+
 from ab_trees import compare
 
 
@@ -24,3 +27,36 @@ def test_compare_skips_rows_b_did_not_run():
     a = [{"rows": _run([1.0], [1.0], "x")["rows"] + _run([2.0], [2.0], "y", T=2048)["rows"]}]
     b = [_run([1.0], [0.5], "x")]
     assert [(r["T"], r["ov_us"]["a_over_b"]) for r in compare(a, b)] == [(8192, 2.0)]
+
+
+@pytest.mark.parametrize("rs", [True, False])
+@pytest.mark.parametrize("N", [64, 128, 192, 256])
+def test_qgmma_ceiling_kernels_are_the_shapes_they_time(N, rs, tmp_path):
+    """tests/qgmma_ceiling.py (the tensor-pipe ceiling per FP8 WGMMA shape, measured/qgmma_ceiling_s41_h200.json): each
+    kernel compiles for sm_90a and its loop is what the record claims, 4 QGMMA.64xNx32 E4M3 per WARPGROUP.ARRIVE with A from
+    registers (RS) or a descriptor (SS), one wait leaving a group in flight, nothing ptxas serialized, no spill."""
+    pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
+    import re, subprocess
+    import qgmma_ceiling as Q
+    try:
+        from dsv4_nvfp4.gemm.sm90_kernel import _nvdisasm
+        dis = _nvdisasm()
+    except (ImportError, FileNotFoundError):
+        pytest.skip("nvdisasm or CuTeDSL is not installed (the [dev] and [gpu] extras have them)")
+    try:
+        mod = Q.compile_cubin(N, rs)
+    except Exception as e:                                    # NVRTC missing: CI installs it, so there this never skips
+        if "nvrtc" in str(e).lower(): pytest.skip(f"NVRTC not loadable: {e}")
+        raise
+    (cub := tmp_path / "q.cubin").write_bytes(bytes(mod.code))
+    sass = subprocess.run([dis, "-c", str(cub)], capture_output=True, text=True, check=True).stdout
+    ops = [l.split("*/", 1)[1].strip().rstrip(" ;") for l in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", l)]
+    assert not any(o.split()[0].startswith(("LDL", "STL")) for o in ops)
+    mma = [o for o in ops if "GMMA" in o]
+    assert mma and all(o.startswith(f"QGMMA.64x{N}x32.F32.E4M3.E4M3") for o in mma), mma[:2]
+    form = r"QGMMA\S+ R\d+, R\d+, gdesc\[UR\d+\]" if rs else r"QGMMA\S+ R\d+, gdesc\[UR\d+\]"
+    assert all(re.match(form, o) for o in mma), mma[:2]
+    arrive = [i for i, o in enumerate(ops) if o.startswith("WARPGROUP.ARRIVE")]
+    assert len(mma) == 4 * len(arrive)                        # (the trip loop may be unrolled: 4 per fence either way)
+    waits = {o.split()[-1] for o in ops if o.startswith("WARPGROUP.DEPBAR")}
+    assert waits == {"0x1", "0x0"}, waits

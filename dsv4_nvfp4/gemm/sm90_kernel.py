@@ -443,8 +443,6 @@ class _Consumer:
 
     def _k_loop(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add, table: int):
         "A unit's K loop but the bf16 overlapped one: `mainloop_fp8_ov` for `overlap` with `fp8`, else `mainloop`."
-        if self.fp8 and self.overlap and self.tt > 128:
-            return self.mainloop_fp8_ov_half(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add, table)
         if self.fp8 and self.overlap:
             return self.mainloop_fp8_ov(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add, table)
         return self.mainloop(pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, tCrB, t, cw, KT, add, table)
@@ -488,63 +486,6 @@ class _Consumer:
                     pipe.consumer_release(pv)
                     pv.advance()
             warpgroup.wait_group(0)                               # the group's last tile retired
-            pipe.consumer_release(pv)
-            pv.advance()
-            for i in cutlass.range_constexpr(cute.size(acc_frag)):
-                acc_frag[i] = acc_frag[i] + tile_frag[i]
-        return cs
-
-    @cute.jit
-    def decode_half_fp8(self, c0, c1, sc, a_u32, add, h: cutlass.Constexpr, table: cutlass.Constexpr):
-        "W4A8: k32 blocks 2h, 2h + 1 of a K tile into a half fragment (a_u32: 2 blocks x 4 E4M3x4 words)."
-        for i in cutlass.range_constexpr(2):
-            q = 2 * h + i
-            if cutlass.const_expr(table):
-                d = self.decode_q_fp8_table(c0, c1, sc, q)
-            else:
-                d = self.decode_q_fp8(c0, c1, sc, q, add)
-            for j in cutlass.range_constexpr(4):
-                a_u32[j + 4 * i] = d[j]
-
-    @cute.jit
-    def mainloop_fp8_ov_half(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add,
-                             table: cutlass.Constexpr):
-        """The overlapped W4A8 K loop pipelined by half K tiles (tok_tile > 128, where two whole-tile A fragments do not fit
-        beside the two accumulators): a_frag and a_frag2 hold 2 k32 blocks each; half h + 1 is decoded while half h's 2
-        WGMMAs run, `wait_group(1)` after each half's commit retires the half before (a K tile's ring stage is released
-        when its second half retires). Promotion as `mainloop_fp8_ov`: every W4A8_PROMOTE K tiles."""
-        acc_frag.fill(0.0)
-        frags = (a_frag, a_frag2)
-        words = (cute.recast_tensor(a_frag, cutlass.Uint32), cute.recast_tensor(a_frag2, cutlass.Uint32))
-        pv = cs.clone()                                           # the stage of the oldest tile still in flight
-        G = KT // W4A8_PROMOTE
-        pipe.consumer_wait(cs)
-        c0, c1, sc = self.load_codes(sW, cw, cs.index, t)        # tile 0's code words
-        for g in cutlass.range(G, unroll=1):
-            for j in cutlass.range_constexpr(W4A8_PROMOTE):
-                d0 = smem_descriptor_to_int(tCrB[None, None, 0, cs.index].iterator)
-                for h in cutlass.range_constexpr(2):
-                    self.decode_half_fp8(c0, c1, sc, words[h], add, h, table)
-                    warpgroup.fence()
-                    for i in cutlass.range_constexpr(2):
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, j > 0 or h > 0 or i > 0)
-                        cute.gemm(tiled_mma, tile_frag, frags[h][None, None, i], self._b_kb(tCrB, d0, 2 * h + i), tile_frag)
-                    warpgroup.commit_group()
-                    if cutlass.const_expr(h == 1):
-                        cs.advance()
-                        if cutlass.const_expr(j + 1 < W4A8_PROMOTE):
-                            pipe.consumer_wait(cs)
-                            self.load_codes_into(sW, cw, cs.index, t, c0, c1, sc)
-                        else:
-                            if g + 1 < G:
-                                pipe.consumer_wait(cs)
-                                self.load_codes_into(sW, cw, cs.index, t, c0, c1, sc)
-                    if cutlass.const_expr(j > 0 or h > 0):
-                        warpgroup.wait_group(1)                   # the half before retired: its fragment is free
-                        if cutlass.const_expr(h == 0):            # ... and it was the previous tile's second half
-                            pipe.consumer_release(pv)
-                            pv.advance()
-            warpgroup.wait_group(0)                               # the group's last half retired
             pipe.consumer_release(pv)
             pv.advance()
             for i in cutlass.range_constexpr(cute.size(acc_frag)):
@@ -847,7 +788,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                       smem_limit: int | None = None,  # opt-in shared memory per block (None: the current device's)
                      ) -> tuple[bool, str]:        # (ok, why not)
         "Whether this kernel can run `cfg` on E experts and K: every limit of the kernel is checked here."
-        if cfg.tok_tile not in (8, 16, 32, 64, 128, 192): return False, f"tok_tile must be 8, 16, 32, 64 or 128, got {cfg.tok_tile}"
+        if cfg.tok_tile not in (8, 16, 32, 64, 128): return False, f"tok_tile must be 8, 16, 32, 64 or 128, got {cfg.tok_tile}"
         if cfg.wgs not in (1, 2, 4): return False, f"wgs (consumer warpgroups) must be 1, 2 or 4, got {cfg.wgs}"
         if cfg.wgs == 4 and cfg.tok_tile > 64:
             return False, f"wgs 4 runs tok_tile <= 64 (registers: CONSUMER_REGS_4 each), got {cfg.tok_tile}"
@@ -1031,11 +972,10 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             tile_frag = acc_frag                  # W4A8: each K tile's WGMMA sum, promoted into acc_frag (mainloop)
             if cutlass.const_expr(self.fp8):
                 tile_frag = thr_mma.make_fragment_C(thr_mma.partition_shape_C((self.m_tile, tt)))
-            ka = kt_ // 2 if self.fp8 and self.overlap and tt > 128 else kt_    # mainloop_fp8_ov_half: half-tile fragments
-            a_frag = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, ka)))
+            a_frag = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
             a_frag2 = a_frag                      # the overlapped W4A8 loop: the second A fragment (odd K tiles)
             if cutlass.const_expr(self.fp8 and self.overlap):
-                a_frag2 = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, ka)))
+                a_frag2 = tiled_mma.make_fragment_A(thr_mma.partition_shape_A((self.m_tile, kt_)))
             if cutlass.const_expr(self.overlap and not self.fp8):   # mainloop_ov: every WGMMA accumulates (from a zeroed sum)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             tCsB = thr_mma.partition_B(sB)
