@@ -62,11 +62,12 @@ def test_qgmma_ceiling_kernels_are_the_shapes_they_time(N, rs, tmp_path):
     assert waits == {"0x1", "0x0"}, waits
 
 
-@pytest.mark.parametrize("variant", ["full", "no_decode", "no_epilogue", "neither"])
+@pytest.mark.parametrize("variant", ["full", "no_decode", "no_epilogue", "neither", "no_promote", "bare"])
 def test_w4a8_ablation_variants_take_out_what_they_claim(variant):
-    """tests/w4a8_ablation.py times the plan's prefill W4A8 kernel beside subclasses without the decode and/or the
-    epilogue: compiled here for sm_90a, each keeps both K loops' 16 WGMMAs, and the decode (F2FP, HMUL2 and the table's
-    PRMTs) and the staged epilogue (8 stmatrix, 8 16-byte stores) are there exactly where the variant keeps them."""
+    """tests/w4a8_ablation.py times the plan's prefill W4A8 kernel beside subclasses without the decode, the epilogue
+    and/or the promotion: compiled here for sm_90a, each keeps both K loops' WGMMAs (16 a loop of 4 tiles; 8 a loop of 2
+    tiles without the promotion), and the decode (F2FP, HMUL2 and the table's PRMTs), the staged epilogue (8 stmatrix, 8
+    16-byte stores) and the promotion (64 FADDs a loop, after a full wait) are there exactly where the variant keeps them."""
     pytest.importorskip("cutlass", reason="CuTeDSL is not installed (the [gpu] extra has it)")
     import collections
     import w4a8_ablation as A
@@ -77,8 +78,12 @@ def test_w4a8_ablation_variants_take_out_what_they_claim(variant):
         pytest.skip("nvdisasm is not installed (the [dev] extra has it)")
     cfg = W.W4A8_OV_CONFIG._replace(epilogue=S90.Epilogue.BF16_ROW_GS, table=True)
     ops = collections.Counter(K._unpredicated(s).split()[0] for s in A.variant_sass(variant, cfg))
-    assert ops["QGMMA.64x128x32.F32.E4M3.E4M3"] == 32 and not ops["LDL"] and not ops["STL"], ops
-    decode, epilogue = variant in ("full", "no_epilogue"), variant in ("full", "no_decode")
-    assert (ops["F2FP.F16.E4M3.UNPACK_B"] > 0 and ops["HMUL2"] > 0 and ops["PRMT"] >= 64) == decode, ops
+    decode = variant in ("full", "no_epilogue", "no_promote")
+    epilogue = variant in ("full", "no_decode", "no_promote")
+    promote = variant not in ("no_promote", "bare")
+    assert ops["QGMMA.64x128x32.F32.E4M3.E4M3"] == (32 if promote else 16) and not ops["LDL"] and not ops["STL"], ops
+    assert ops["FADD"] - (0 if epilogue else 64) == (128 if promote else 0), ops     # (no epilogue: one 64-term sum a thread)
+    # (PRMT: the table decode's 32 or more on top of the 28 the rest of the kernel has)
+    assert (ops["F2FP.F16.E4M3.UNPACK_B"] > 0 and ops["HMUL2"] > 0 and ops["PRMT"] >= 48) == decode, ops
     assert not decode or ops["LDS.128"] >= 24, ops                       # the code words: 3 loads a tile, 4 tiles, 2 loops
     assert (ops["STSM.16.MT88.4"], ops["STG.E.128"], ops["STG.E.U16"]) == ((8, 8, 0) if epilogue else (0, 0, 1)), ops

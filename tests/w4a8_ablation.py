@@ -5,11 +5,13 @@ same kernel class (no switch in the library; every variant but `full` computes w
 - `no_decode`: the A fragments get fixed E4M3 words and the code words are not read (the ring, the WGMMAs, the
   promotion and the epilogue stay);
 - `no_epilogue`: the unit's results are not stored (one predicated store a thread keeps the accumulators live);
-- `neither`: both out: the ring, the WGMMAs and the promotion alone.
+- `neither`: both out: the ring, the WGMMAs and the promotion alone;
+- `no_promote`: every K tile summed on the tensor core into the fp32 fragment (no drain every 4 tiles, no FADDs);
+- `bare`: the ring and the WGMMAs alone.
 
 The first rung of the ladder from tests/qgmma_ceiling.py's ceiling (1887-1929 TFLOP/s on an H200) to the loop (about
-52% of it): if `neither` is already far below the ceiling, the ring and the promotion hold it; if `no_decode` is near
-`neither`, the decode is hidden. One process, graph-replayed, L2 flushed, median, best of 2 alternating rounds.
+52% of it): if `bare` is already far below the ceiling, the ring (its barriers, the producer's copies, L2) holds it; the
+steps from `bare` to `full` say what each piece costs. One process, graph-replayed, L2 flushed, median, best of 2 alternating rounds.
 
     python tests/w4a8_ablation.py OUT.json [T]"""
 import json, sys
@@ -48,7 +50,52 @@ class Neither(NoDecode, NoEpilogue):
     "Both pieces out."
 
 
-VARIANTS = {"full": K.GroupedGemmSm90, "no_decode": NoDecode, "no_epilogue": NoEpilogue, "neither": Neither}
+class NoPromote(K.GroupedGemmSm90):
+    """The loop without the promotion: every K tile accumulates into the fp32 fragment on the tensor core (FlashInfer's
+    way), so no drain every 4 tiles and no FADDs; the overlap (two A fragments, one tile left in flight) stays."""
+    @cute.jit
+    def mainloop_fp8_ov(self, pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add,
+                        table: cutlass.Constexpr):
+        acc_frag.fill(0.0)
+        frags = (a_frag, a_frag2)
+        words = (cute.recast_tensor(a_frag, cutlass.Uint32), cute.recast_tensor(a_frag2, cutlass.Uint32))
+        pv = cs.clone()
+        pipe.consumer_wait(cs)
+        c0, c1, sc = self.load_codes(sW, cw, cs.index, t)
+        for k2 in cutlass.range(KT // 2, unroll=1):
+            for j in cutlass.range_constexpr(2):
+                d0 = K.smem_descriptor_to_int(tCrB[None, None, 0, cs.index].iterator)
+                self.decode_tile(c0, c1, sc, words[j], add, table)
+                K.warpgroup.fence()
+                for kb in cutlass.range_constexpr(4):
+                    tiled_mma.set(K.warpgroup.Field.ACCUMULATE, True)    # (set where it is used: see mainloop_fp8_ov)
+                    cute.gemm(tiled_mma, acc_frag, frags[j][None, None, kb], self._b_kb(tCrB, d0, kb), acc_frag)
+                K.warpgroup.commit_group()
+                cs.advance()
+                if 2 * k2 + j + 1 < KT:
+                    pipe.consumer_wait(cs)
+                    self.load_codes_into(sW, cw, cs.index, t, c0, c1, sc)
+                if cutlass.const_expr(j == 1):
+                    K.warpgroup.wait_group(1)
+                    pipe.consumer_release(pv)
+                    pv.advance()
+                else:
+                    if k2 > 0:
+                        K.warpgroup.wait_group(1)
+                        pipe.consumer_release(pv)
+                        pv.advance()
+        K.warpgroup.wait_group(0)
+        pipe.consumer_release(pv)
+        pv.advance()
+        return cs
+
+
+class Bare(NoDecode, NoEpilogue, NoPromote):
+    "The ring and the WGMMAs alone: no decode, no promotion, no epilogue."
+
+
+VARIANTS = {"full": K.GroupedGemmSm90, "no_decode": NoDecode, "no_epilogue": NoEpilogue, "neither": Neither,
+            "no_promote": NoPromote, "bare": Bare}
 
 
 def compile_variant(name: str, cfg, arch: str = "sm_90a", tvm_ffi: bool = True):
