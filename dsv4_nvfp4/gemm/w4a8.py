@@ -478,11 +478,13 @@ def fp8_wgmma_model(a: FP8Activations, w8: torch.Tensor, c: torch.Tensor, gs_w: 
                     expert_offsets: torch.Tensor,
                     bits: int = 14,             # fraction bits kept below the largest addend's leading bit
                     k_tile: int = 128,          # the K the kernel sums on the tensor core before its fp32 FADD
+                    round_bf16: bool = True,    # False: the fp32 sums times gs_w, unrounded (a fused epilogue's input)
                    ) -> torch.Tensor:           # float64 (R, N), the bf16-rounded output of the modelled kernel
     """A CPU model of the W4A8 kernel's accumulation (same arguments as `ref_grouped_gemm_w4a8`): per K = 32
     instruction the 32 exact products and the running tile sum are aligned to the largest one's exponent and truncated
     to `bits` fraction bits, then summed; each `k_tile` sum is added to an fp32 accumulator; the epilogue scales and
-    rounds to bf16. A model of undocumented hardware, for choosing tolerances, not a reference."""
+    rounds to bf16 (with `round_bf16=False` it stops before the rounding). A model of undocumented hardware, for
+    choosing tolerances, not a reference."""
     w = w8.double() * torch.exp2(c.double())[..., None]
     x = a.dequantize()
     R, K = x.shape
@@ -499,7 +501,8 @@ def fp8_wgmma_model(a: FP8Activations, w8: torch.Tensor, c: torch.Tensor, gs_w: 
                 q = torch.exp2(top - bits)
                 tile = (torch.trunc(terms / q) * q).sum(-1)
             acc += tile.float()
-        out[start:end] = (acc * gs_w[e].float()).to(torch.bfloat16).double()
+        y = acc * gs_w[e].float()
+        out[start:end] = (y.to(torch.bfloat16) if round_bf16 else y).double()
         start = end
     return out
 
