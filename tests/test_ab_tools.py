@@ -34,7 +34,8 @@ def test_compare_skips_rows_b_did_not_run():
 def test_qgmma_ceiling_kernels_are_the_shapes_they_time(N, rs, tmp_path):
     """tests/qgmma_ceiling.py (the tensor-pipe ceiling per FP8 WGMMA shape, measured/qgmma_ceiling_s41_h200.json): each
     kernel compiles for sm_90a and its loop is what the record claims, 4 QGMMA.64xNx32 E4M3 per WARPGROUP.ARRIVE with A from
-    registers (RS) or a descriptor (SS), one wait leaving a group in flight, nothing ptxas serialized, no spill."""
+    registers (RS) or a descriptor (SS), one wait a trip leaving a group in flight (ptxas added no full wait: the only one
+    is after the loop), no spill."""
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
     import re, subprocess
     import qgmma_ceiling as Q
@@ -43,11 +44,12 @@ def test_qgmma_ceiling_kernels_are_the_shapes_they_time(N, rs, tmp_path):
         dis = _nvdisasm()
     except (ImportError, FileNotFoundError):
         pytest.skip("nvdisasm or CuTeDSL is not installed (the [dev] and [gpu] extras have them)")
-    try:
-        mod = Q.compile_cubin(N, rs)
-    except Exception as e:                                    # NVRTC missing: CI installs it, so there this never skips
-        if "nvrtc" in str(e).lower(): pytest.skip(f"NVRTC not loadable: {e}")
-        raise
+    from cuda.core import Program, ProgramOptions
+    try:                                                      # NVRTC itself (CI installs it, so there this never skips)
+        Program("__global__ void k() {}", code_type="c++", options=ProgramOptions(arch="sm_90a")).compile("cubin")
+    except (ImportError, OSError, RuntimeError) as e:
+        pytest.skip(f"NVRTC not usable here: {e}")
+    mod = Q.compile_cubin(N, rs)                              # a compile error of the benchmark itself fails the test
     (cub := tmp_path / "q.cubin").write_bytes(bytes(mod.code))
     sass = subprocess.run([dis, "-c", str(cub)], capture_output=True, text=True, check=True).stdout
     ops = [l.split("*/", 1)[1].strip().rstrip(" ;") for l in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", l)]
@@ -58,16 +60,17 @@ def test_qgmma_ceiling_kernels_are_the_shapes_they_time(N, rs, tmp_path):
     assert all(re.match(form, o) for o in mma), mma[:2]
     arrive = [i for i, o in enumerate(ops) if o.startswith("WARPGROUP.ARRIVE")]
     assert len(mma) == 4 * len(arrive)                        # (the trip loop may be unrolled: 4 per fence either way)
-    waits = {o.split()[-1] for o in ops if o.startswith("WARPGROUP.DEPBAR")}
-    assert waits == {"0x1", "0x0"}, waits
+    waits = [o.split()[-1] for o in ops if o.startswith("WARPGROUP.DEPBAR")]
+    assert waits.count("0x0") == 1 and waits.count("0x1") == len(arrive), waits   # one wait per trip; the full one once, after
 
 
 @pytest.mark.parametrize("variant", ["full", "no_decode", "no_epilogue", "neither", "no_promote", "bare"])
 def test_w4a8_ablation_variants_take_out_what_they_claim(variant):
     """tests/w4a8_ablation.py times the plan's prefill W4A8 kernel beside subclasses without the decode, the epilogue
     and/or the promotion: compiled here for sm_90a, each keeps both K loops' WGMMAs (16 a loop of 4 tiles; 8 a loop of 2
-    tiles without the promotion), and the decode (F2FP, HMUL2 and the table's PRMTs), the staged epilogue (8 stmatrix, 8
-    16-byte stores) and the promotion (64 FADDs a loop, after a full wait) are there exactly where the variant keeps them."""
+    tiles without the promotion), and the decode (F2FP, HMUL2, the table's PRMTs and the code words' 16-byte loads), the
+    staged epilogue (8 stmatrix, 8 16-byte stores) and the promotion (64 FADDs a loop) are there exactly where the variant
+    keeps them."""
     pytest.importorskip("cutlass", reason="CuTeDSL is not installed (the [gpu] extra has it)")
     import collections
     import w4a8_ablation as A
@@ -83,7 +86,7 @@ def test_w4a8_ablation_variants_take_out_what_they_claim(variant):
     promote = variant not in ("no_promote", "bare")
     assert ops["QGMMA.64x128x32.F32.E4M3.E4M3"] == (32 if promote else 16) and not ops["LDL"] and not ops["STL"], ops
     assert ops["FADD"] - (0 if epilogue else 64) == (128 if promote else 0), ops     # (no epilogue: one 64-term sum a thread)
-    # (PRMT: the table decode's 32 or more on top of the 28 the rest of the kernel has)
-    assert (ops["F2FP.F16.E4M3.UNPACK_B"] > 0 and ops["HMUL2"] > 0 and ops["PRMT"] >= 48) == decode, ops
-    assert not decode or ops["LDS.128"] >= 24, ops                       # the code words: 3 loads a tile, 4 tiles, 2 loops
+    assert (ops["F2FP.F16.E4M3.UNPACK_B"] > 0) == decode and (ops["HMUL2"] > 0) == decode, ops   # the F2FP loop's decode
+    assert (ops["PRMT"] >= 48) == decode, ops             # the table decode's 32 or more on top of the 28 the rest has
+    assert (ops["LDS.128"] >= 24) == decode and (ops["LDS.128"] <= 8) == (not decode), ops   # the code words' loads
     assert (ops["STSM.16.MT88.4"], ops["STG.E.128"], ops["STG.E.U16"]) == ((8, 8, 0) if epilogue else (0, 0, 1)), ops

@@ -479,7 +479,7 @@ def fp8_wgmma_model(a: FP8Activations, w8: torch.Tensor, c: torch.Tensor, gs_w: 
                     bits: int = 14,             # fraction bits kept below the largest addend's leading bit
                     k_tile: int = 128,          # the K the kernel sums on the tensor core before its fp32 FADD
                     round_bf16: bool = True,    # False: the fp32 sums times gs_w, unrounded (a fused epilogue's input)
-                   ) -> torch.Tensor:           # float64 (R, N), the bf16-rounded output of the modelled kernel
+                   ) -> torch.Tensor:           # float64 (R, N), the modelled kernel's output (bf16-rounded unless round_bf16=False)
     """A CPU model of the W4A8 kernel's accumulation (same arguments as `ref_grouped_gemm_w4a8`): per K = 32
     instruction the 32 exact products and the running tile sum are aligned to the largest one's exponent and truncated
     to `bits` fraction bits, then summed; each `k_tile` sum is added to an fp32 accumulator; the epilogue scales and
