@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from dsv4_nvfp4.gemm.w4a8 import mixed_w4a8_experts   # noqa: F401 (W4A8 tests' experts: tests/test_w4a8_gpu.py, gemm_sanitize.py)
+
 E2M1_MID = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)   # rounding boundaries between E2M1 magnitudes
 
 # Tolerances of the fused RMSNorm / mHC kernels (see the module docstring of test_kernels_gpu.py)
@@ -199,17 +201,3 @@ def assert_gemm_close(got, want, what):
     ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
     within = (d <= ulp).double().mean().item()
     assert fro <= 2e-3 and within >= 0.99, f"{what}: Frobenius {fro:.2e}, within 1 ulp {100 * within:.3f}%"
-
-
-# ================================================================================================================
-# W4A8 weights (tests/test_w4a8_gpu.py, tests/gemm_sanitize.py)
-def mixed_w4a8_experts(E, N, K, g):
-    """E experts (N, K) of rows spread over two decades: MXFP4-carried to NVFP4 (the table loop's weights) but expert 2,
-    a general NVFP4 expert (the F2FP loop's), so one launch runs both loops. CPU tensors; draws one randn from `g`."""
-    from dsv4_nvfp4 import quant as Q
-    w = torch.randn(E, N, K, generator=g) * torch.logspace(-1, 1, N).view(1, N, 1)
-    mx, _ = Q.mxfp4_experts_to_nvfp4([Q.ref_quantize_mxfp4(w[e]) for e in range(E)])
-    nv = Q.quantize_experts(w[2:3])
-    ex = Q.NVFP4Experts(mx.data.clone(), mx.scale.clone(), mx.global_scale.clone(), mx.shape)
-    ex.data[2], ex.scale[2], ex.global_scale[2] = nv.data[0], nv.scale[0], nv.global_scale[0]
-    return ex

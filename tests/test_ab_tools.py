@@ -31,17 +31,17 @@ def test_compare_skips_rows_b_did_not_run():
 
 @pytest.mark.parametrize("rs", [True, False])
 @pytest.mark.parametrize("N", [64, 128, 192, 256])
-def test_qgmma_ceiling_kernels_are_the_shapes_they_time(N, rs, tmp_path):
+def test_qgmma_ceiling_kernels_are_the_shapes_they_time(N, rs):
     """tests/qgmma_ceiling.py (the tensor-pipe ceiling per FP8 WGMMA shape, measured/qgmma_ceiling_s41_h200.json): each
     kernel compiles for sm_90a and its loop is what the record claims, 4 QGMMA.64xNx32 E4M3 per WARPGROUP.ARRIVE with A from
     registers (RS) or a descriptor (SS), one wait a trip leaving a group in flight (ptxas added no full wait: the only one
     is after the loop), no spill."""
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
-    import re, subprocess
+    import re
     import qgmma_ceiling as Q
     try:
-        from dsv4_nvfp4.gemm.sm90_kernel import _nvdisasm
-        dis = _nvdisasm()
+        from dsv4_nvfp4.gemm.sm90_kernel import _nvdisasm, cubin_sass, _unpredicated
+        _nvdisasm()
     except (ImportError, FileNotFoundError):
         pytest.skip("nvdisasm or CuTeDSL is not installed (the [dev] and [gpu] extras have them)")
     from cuda.core import Program, ProgramOptions
@@ -50,9 +50,7 @@ def test_qgmma_ceiling_kernels_are_the_shapes_they_time(N, rs, tmp_path):
     except (ImportError, OSError, RuntimeError) as e:
         pytest.skip(f"NVRTC not usable here: {e}")
     mod = Q.compile_cubin(N, rs)                              # a compile error of the benchmark itself fails the test
-    (cub := tmp_path / "q.cubin").write_bytes(bytes(mod.code))
-    sass = subprocess.run([dis, "-c", str(cub)], capture_output=True, text=True, check=True).stdout
-    ops = [l.split("*/", 1)[1].strip().rstrip(" ;") for l in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", l)]
+    ops = [_unpredicated(o) for o in cubin_sass(mod.code)]
     assert not any(o.split()[0].startswith(("LDL", "STL")) for o in ops)
     mma = [o for o in ops if "GMMA" in o]
     assert mma and all(o.startswith(f"QGMMA.64x{N}x32.F32.E4M3.E4M3") for o in mma), mma[:2]

@@ -107,14 +107,13 @@ def compile_variant(name: str, cfg, arch: str = "sm_90a", tvm_ffi: bool = True):
 
 
 def variant_sass(name: str, cfg, arch: str = "sm_90a") -> list[str]:
-    "The SASS of VARIANTS[name] for cfg, one string per instruction (compiled here, no GPU; disassembled by nvdisasm)."
-    import re, subprocess, tempfile
+    "The SASS of VARIANTS[name] for cfg, one string per instruction (compiled here, no GPU; `sm90_kernel.cubin_sass`)."
+    import tempfile
     from pathlib import Path
     with tempfile.TemporaryDirectory() as d:
         cute.compile(VARIANTS[name](cfg), *K._fake_args(False, cfg), options=f"--gpu-arch={arch} --keep-cubin --dump-dir={d}")
         (cub,) = Path(d).glob("*.cubin")
-        text = subprocess.run([K._nvdisasm(), "-c", str(cub)], capture_output=True, text=True, check=True).stdout
-    return [m.group(1) for l in text.splitlines() if (m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", l))]
+        return K.cubin_sass(cub.read_bytes())
 
 
 def main():

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SCALE_CHUNK', 'PRODUCER_REGS', 'CONSUMER_REGS_2', 'W4A8_PROMOTE', 'GATHER_MAX_TT', 'CONSUMER_REGS_4', 'USE_TVM_FFI',
            'MAINLOOP_SASS_BUDGET', 'GroupedGemmSm90', 'compile_sm90', 'have_tvm_ffi', 'run_sm90', 'kernel_artifact',
-           'kernel_sass', 'mainloop_sass', 'sass_opcodes', 'wgmma_hazards']
+           'cubin_sass', 'kernel_sass', 'mainloop_sass', 'sass_opcodes', 'wgmma_hazards']
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #ab70ae4b
 import torch
@@ -1151,19 +1151,24 @@ def kernel_artifact(cfg: GemmConfig, ext: str = "ptx", arch: str = "sm_90a") -> 
         (f,) = Path(d).glob(f"*.{ext}")
         return f.read_bytes()
 
-def kernel_sass(cfg: GemmConfig, arch: str = "sm_90a", labels: bool = False) -> list[str] | tuple[list[str], dict]:
-    """The SASS of `cfg`'s whole kernel (compiled here, no GPU; disassembled by nvdisasm), one string per instruction in
-    code order, predicates kept; with `labels` also {label: index of the instruction it marks}."""
+def cubin_sass(cubin: bytes, labels: bool = False) -> list[str] | tuple[list[str], dict]:
+    """The SASS of a cubin (disassembled by nvdisasm, no GPU), one string per instruction in code order, predicates kept;
+    with `labels` also {label: index of the instruction it marks}."""
     import re, subprocess, tempfile
     from pathlib import Path
     with tempfile.TemporaryDirectory() as d:
-        (cubin := Path(d) / "k.cubin").write_bytes(kernel_artifact(cfg, "cubin", arch))
-        text = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        (path := Path(d) / "k.cubin").write_bytes(bytes(cubin))
+        text = subprocess.run([_nvdisasm(), "-c", str(path)], capture_output=True, text=True, check=True).stdout
     ins, marks = [], {}
     for line in text.splitlines():
         if m := re.match(r"^(\.L_x_\d+):", line): marks[m.group(1)] = len(ins)
         elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line): ins.append(m.group(1))
     return (ins, marks) if labels else ins
+
+def kernel_sass(cfg: GemmConfig, arch: str = "sm_90a", labels: bool = False) -> list[str] | tuple[list[str], dict]:
+    """The SASS of `cfg`'s whole kernel (compiled here, no GPU; `cubin_sass`), one string per instruction in code order,
+    predicates kept; with `labels` also {label: index of the instruction it marks}."""
+    return cubin_sass(kernel_artifact(cfg, "cubin", arch), labels)
 
 def mainloop_sass(cfg: GemmConfig, arch: str = "sm_90a", every: bool = False) -> list[str] | list[list[str]]:
     """The SASS of the K loop of `cfg`'s kernel (`kernel_sass`): the shortest loop (a backward branch to a label) that

@@ -25,9 +25,9 @@ FP8_CU = "fp8_quantize.cu"   # kernels_cu/: the CUDA kernel of ref_quantize_fp8_
 __all__ = ['FP8_CU', 'W4A8_ACC_BITS', 'W4A8_OV_CONFIG', 'W4A8_OV_MIN_ROWS', 'e2m1_as_e4m3', 'ref_quantize_fp8_act',
            'quantize_fp8_act_cuda', 'quantize_fp8_act', 'w4a8_weights', 'tile_weights_w4a8', 'emulate_decode_w4a8',
            'w4a8_row_scales', 'w4a8_table_ok', 'tile_weights_w4a8_table', 'emulate_decode_w4a8_table',
-           'w4a8_table_experts', 'tile_weights_w4a8_mixed', 'ref_grouped_gemm_w4a8', 'w4a8_experts_matrices',
-           'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model', 'Sm90W4A8Weights', 'w4a8_overlap_wanted',
-           'Sm90W4A8Backend']
+           'w4a8_table_experts', 'tile_weights_w4a8_mixed', 'mixed_w4a8_experts', 'ref_grouped_gemm_w4a8',
+           'w4a8_experts_matrices', 'ref_w4a8_magnitude', 'w4a8_error_bound', 'fp8_wgmma_model', 'Sm90W4A8Weights',
+           'w4a8_overlap_wanted', 'Sm90W4A8Backend']
 
 # %% ../../nbs/04e_w4a8.ipynb #0bf20a78
 def e2m1_as_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -432,6 +432,22 @@ def tile_weights_w4a8_mixed(experts: NVFP4Experts,  # (E, N, K): N % 64 == 0 and
         tiles.append(tiled); cs.append(c)
         e = f
     return torch.cat(tiles).contiguous(), torch.cat(cs), table
+
+# %% ../../nbs/04e_w4a8.ipynb #cca78986
+def mixed_w4a8_experts(E: int, N: int, K: int,     # E >= 3 experts of (N, K) weights
+                       g: torch.Generator,         # CPU generator: one randn of (E, N, K) is drawn from it
+                      ) -> NVFP4Experts:           # CPU tensors
+    """Synthetic experts for one launch of both W4A8 loops: rows spread over two decades, quantized to MXFP4 and carried
+    onto NVFP4 exactly (the table decode's weights, DeepSeek-V4's form), except expert 2, quantized as general NVFP4 (E4M3
+    block scales: the F2FP loop's). `tile_weights_w4a8_mixed` gives table flags True for every expert but 2."""
+    from dsv4_nvfp4.quant import mxfp4_experts_to_nvfp4, quantize_experts, ref_quantize_mxfp4
+    if E < 3: raise ValueError(f"mixed_w4a8_experts: expert 2 is the NVFP4 one, so E >= 3, got {E}")
+    w = torch.randn(E, N, K, generator=g) * torch.logspace(-1, 1, N).view(1, N, 1)
+    mx, _ = mxfp4_experts_to_nvfp4([ref_quantize_mxfp4(w[e]) for e in range(E)])
+    nv = quantize_experts(w[2:3])
+    ex = NVFP4Experts(mx.data.clone(), mx.scale.clone(), mx.global_scale.clone(), mx.shape)
+    ex.data[2], ex.scale[2], ex.global_scale[2] = nv.data[0], nv.scale[0], nv.global_scale[0]
+    return ex
 
 # %% ../../nbs/04e_w4a8.ipynb #cecc7e73
 def ref_grouped_gemm_w4a8(a: FP8Activations,           # (R, K) FP8 rows, expert-major
