@@ -204,7 +204,7 @@ class _Producer:
             cute.copy(tma_w, tWg, tWs, tma_bar_ptr=bar)
 
     @cute.jit
-    def produce(self, pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mMap, row_layout):
+    def produce(self, pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mMap, row_layout, rank):
         """Load every K tile of every unit this CTA owns into the ring (the weight slabs and the bf16 activation tile).
         `gather`: the tile's row i is A[map[r]] for its routed row r, one TMA copy of one row each (`tma_a1`, a 1-row
         box: TMA's 128-byte swizzle follows the shared-memory address, so row i lands where the whole-tile copy puts
@@ -218,8 +218,8 @@ class _Producer:
         gdim, _, _ = cute.arch.grid_dim()
         ps = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         e0 = cutlass.Int32(0); acc = cutlass.Int32(0)
-        u = bidx
-        found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
+        u = bidx // self.cl                                      # cluster: the pair's unit (m tiles 2 mt, 2 mt + 1)
+        found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT // self.cl, e0, acc)
         k0 = cutlass.Int32(0)                                    # the first K tile the unit loop loads
         if cutlass.const_expr(self.pdl):
             # A programmatic dependent: the first unit's weights for the first ring of K tiles, then the wait for the
@@ -247,8 +247,9 @@ class _Producer:
             k0 = P
         while found:
             mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
+            mt = mt * self.cl + rank
             gA = cute.local_tile(cute.domain_offset((rb + ti * tt, 0, 0), tA), (tt, kt_), (0, None, l))  # (tt, 128, KT)
-            tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+            tAs, tAg = cpasync.tma_partition(tma_a, rank, cute.make_layout(self.cl),
                                              cute.group_modes(sB, 0, 2), cute.group_modes(gA, 0, 2))
             nv, src_l = tt, None
             if cutlass.const_expr(self.gather):                  # the unit's routed rows; lane i: row i's row of A (tt <= 32)
@@ -267,14 +268,17 @@ class _Producer:
                         tRs, tRg = cpasync.tma_partition(tma_a1, 0, cute.make_layout(1),
                                                          cute.group_modes(sR, 0, 2), cute.group_modes(gR, 0, 2))
                         cute.copy(tma_a1, tRg[(None, k)], tRs[(None, ps.index)], tma_bar_ptr=bar)
+                elif cutlass.const_expr(self.cl > 1):             # this CTA's share of the tile, into every CTA of the cluster
+                    cute.copy(tma_a, tAg[(None, k)], tAs[(None, ps.index)], tma_bar_ptr=bar,
+                              mcast_mask=cutlass.Int16((1 << self.cl) - 1))
                 else:
                     cute.copy(tma_a, tAg[(None, k)], tAs[(None, ps.index)], tma_bar_ptr=bar)
                 self.load_weights(tma_w, tW, sW, bar, e, mt, k, KT, MT64, ps.index)
                 pipe.producer_commit(ps)
                 ps.advance()
             k0 = cutlass.Int32(0)
-            u = u + gdim
-            found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
+            u = u + gdim // self.cl
+            found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT // self.cl, e0, acc)
         pipe.producer_tail(ps)
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #9b543596
@@ -777,6 +781,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.pdl = cfg.pdl                          # a programmatic dependent launch: the first ring's weights before the wait
         self.overlap = cfg.overlap                  # the bf16 K loop decodes each half tile under the WGMMAs of the one before
         self.staged = staged_store(cfg)             # the epilogue through shared memory (stmatrix, 16-byte stores)
+        self.cl = cfg.cluster                       # CTAs per cluster: neighbouring m tiles sharing one activation tile
         self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
@@ -817,6 +822,9 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if cfg.overlap and cfg.fp8 and k is not None and k % (W4A8_PROMOTE * K_TILE):
             return False, (f"the overlapped W4A8 loop promotes every {W4A8_PROMOTE} K tiles: K must be a multiple of "
                            f"{W4A8_PROMOTE * K_TILE}, got {k}")
+        if cfg.cluster not in (1, 2): return False, f"cluster must be 1 or 2, got {cfg.cluster}"
+        if cfg.cluster > 1 and not (cfg.fp8 and cfg.overlap):
+            return False, f"cluster {cfg.cluster} (the multicast activation tile) runs the overlapped W4A8 loop only (fp8 and overlap)"
         if cfg.fp8 and cfg.epilogue not in (Epilogue.BF16_ROW_GS, Epilogue.SWIGLU_BF16):
             return False, ("W4A8 (fp8) runs with the BF16_ROW_GS and SWIGLU_BF16 epilogues (one activation scale per row), "
                            f"got {cfg.epilogue.name}")
@@ -847,8 +855,12 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), self.ab_dtype, self.stages)
         w_layout = cute.make_layout((SLAB_ROWS, SLAB_WIDTH), stride=(SLAB_WIDTH, 1))   # (18, 256) bytes: one slab
         tma_w, tW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, w_layout, (SLAB_ROWS, SLAB_WIDTH))
-        tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
-                                                cute.slice_(b_layout, (None, None, 0)), (tt, kt_))
+        if cutlass.const_expr(self.cl > 1):      # each CTA of a cluster copies 1/cl of the tile into all of them
+            tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), mA,
+                                                    cute.slice_(b_layout, (None, None, 0)), (tt, kt_), num_multicast=self.cl)
+        else:
+            tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
+                                                    cute.slice_(b_layout, (None, None, 0)), (tt, kt_))
         self.tx_bytes = SLAB_BYTES * self.wgs + tt * kt_ * self.ab_dtype.width // 8   # bytes per stage
         if cutlass.const_expr(self.gather): self.tx_bytes = SLAB_BYTES * self.wgs   # + the unit's rows, expected per stage by the producer
         self.b_layout = b_layout
@@ -891,7 +903,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                                                   # the overlapped W4A8 loop's setmaxnreg needs the launch to hold the
                                                   # whole pool (384 x 168): without it ptxas gave tok_tile 64 129 registers
                                                   # and dropped both setmaxnreg (C7508)
-                                                  **({"min_blocks_per_mp": 1} if self.fp8 and self.overlap else {}))
+                                                  **({"min_blocks_per_mp": 1} if self.fp8 and self.overlap else {}),
+                                                  **({"cluster": (self.cl, 1, 1)} if self.cl > 1 else {}))
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,
@@ -931,10 +944,15 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         smem = SmemAllocator()
         st = smem.allocate(self.smem)
         prod = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        cons = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * wgs)
+        # cluster: a stage is free when the consumer warps of every CTA of the cluster released it (the producers write
+        # their share of the activation tile into all of them), so each consumer warp arrives on every CTA's barrier
+        cons = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * wgs * self.cl)
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.bars.data_ptr(), num_stages=self.stages, producer_group=prod,
-            consumer_group=cons, tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            consumer_group=cons, tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, self.cl, 1, 1)))
+        rank = cutlass.Int32(0)                                        # this CTA's m tile in its cluster's pair
+        if cutlass.const_expr(self.cl > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         sW = st.sW.get_tensor(cute.make_layout((SLAB_ROWS, SLAB_WIDTH, wgs, self.stages),      # (18, 256, wgs, stages)
                                                stride=(SLAB_WIDTH, 1, SLAB_BYTES, SLAB_BYTES * wgs)))
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)                          # (tt, 128, stages or 2)
@@ -958,7 +976,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                 if cutlass.const_expr(self.gather):             # row i of sB, every stage: (1, 128 K, stages)
                     r0 = _row0_layout(b_layout)
                     row_layout = cute.make_layout((1,) + tuple(r0.shape), stride=(0,) + tuple(r0.stride))
-                self.produce(pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mGr, row_layout)
+                self.produce(pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mGr, row_layout,
+                             rank)
         else:
             if cutlass.const_expr(self.wgs == 4):
                 cute.arch.setmaxregister_increase(CONSUMER_REGS_4)
@@ -984,10 +1003,11 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             tCc = thr_mma.partition_C(cC)
             cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             e0 = cutlass.Int32(0); acc = cutlass.Int32(0)
-            u = bidx
-            found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
+            u = bidx // self.cl
+            found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT // self.cl, e0, acc)
             while found:
                 mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
+                mt = mt * self.cl + rank
                 add = cutlass.Uint32(0)
                 if cutlass.const_expr(self.fp8):                   # W4A8: (6 - c) << 10 for this thread's rows g, g + 8
                     ng = mt * self.m_tile + WG_ROWS * cw + 16 * (t // 32) + (t % 32) // 4
@@ -1006,8 +1026,8 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                 else:
                     cs = self._k_loop(*kargs, 0)
                 self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf)
-                u = u + gdim
-                found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
+                u = u + gdim // self.cl
+                found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT // self.cl, e0, acc)
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #21b6c2bb
 def _fake_args(tvm_ffi: bool, cfg: GemmConfig):
@@ -1070,6 +1090,7 @@ def _compiled(cfg: GemmConfig, dev: torch.device, tvm: bool):
     if hit is None:
         per_block, per_sm, sms = device_smem(dev)
         n_ctas = sms * max(1, min(per_sm // smem_bytes(cfg), MAX_CTAS_PER_SM))
+        n_ctas -= n_ctas % cfg.cluster                       # whole clusters
         arch = "sm_{}{}a".format(*torch.cuda.get_device_capability(dev))
         hit = _COMPILED[key] = (compile_sm90(cfg, arch, tvm_ffi=True) if tvm else None, n_ctas, sms)
     return hit
@@ -1101,6 +1122,8 @@ def run_sm90(cfg: GemmConfig,
     tile is computed alike by whichever CTA owns it)."""
     if cfg.fp8 and cfg.overlap and a3.shape[1] % (W4A8_PROMOTE * K_TILE):   # its loop runs whole groups of 4 K tiles
         raise ValueError(f"run_sm90: the overlapped W4A8 loop needs K % {W4A8_PROMOTE * K_TILE} == 0, got K = {a3.shape[1]}")
+    if cfg.cluster > 1 and w_sm90.shape[0] // (SLAB_ROWS * -(-a3.shape[1] // K_TILE) * expert_offsets.shape[0] * cfg.wgs) % cfg.cluster:
+        raise ValueError(f"run_sm90: cluster {cfg.cluster} pairs neighbouring m tiles: the m tiles per expert must be a multiple of {cfg.cluster}")
     if staged_store(cfg) and (out3.shape[1] % 8 or out3.stride(0) % 8 or out3.data_ptr() % 16):
         raise ValueError(f"run_sm90: the staged epilogue stores 16 bytes a thread: C needs N % 8 == 0, a row stride % 8 == 0 "
                          f"and a 16-byte aligned base, got shape {tuple(out3.shape)}, strides {out3.stride()}")
@@ -1108,7 +1131,9 @@ def run_sm90(cfg: GemmConfig,
     if cfg.gather: gs_r = gather_map
     tvm = have_tvm_ffi()
     fn, n_ctas, sms = _compiled(cfg, a3.device, tvm)
-    if sms_free: n_ctas = max(n_ctas // sms, n_ctas - sms_free * (n_ctas // sms))   # (at least one SM's worth)
+    if sms_free:
+        n_ctas = max(n_ctas // sms, n_ctas - sms_free * (n_ctas // sms))   # (at least one SM's worth)
+        n_ctas -= n_ctas % cfg.cluster
     if tvm:
         fn(w_sm90, a3, out3, expert_offsets, gs_w, gs_a2, n_ctas, sf_c, gs_c, gs_r, dump)
         return
