@@ -232,10 +232,9 @@ class GemmConfig(NamedTuple):
                                        # cores (mainloop_ov); the token tiles 8-32 and 128 take it (CONFIGS, DECODE_WIDE).
                                        # With fp8: the overlapped W4A8 loop (mainloop_fp8_ov, two warpgroups),
                                        # W4A8's plan at prefill (w4a8.W4A8_OV_CONFIG)
-    cluster: int = 1                   # overlapped W4A8 loop: CTAs per cluster (1 or 2); a pair owns neighbouring m tiles of
-                                       # one token tile and each CTA copies half of the activation tile into both (TMA
-                                       # multicast): half the activation bytes from L2. The m tiles per expert must be a
-                                       # multiple of it (run_sm90 checks)
+    cluster: int = 1                   # overlapped W4A8 loop: CTAs per cluster (1 or 2 = wgs); a pair owns neighbouring
+                                       # token tiles of one m tile and each CTA copies one of the two weight slabs into
+                                       # both (TMA multicast): each weight slab read once for the two token tiles
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more
