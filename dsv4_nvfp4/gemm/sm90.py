@@ -232,9 +232,6 @@ class GemmConfig(NamedTuple):
                                        # cores (mainloop_ov); the token tiles 8-32 and 128 take it (CONFIGS, DECODE_WIDE).
                                        # With fp8: the overlapped W4A8 loop (mainloop_fp8_ov, two warpgroups),
                                        # W4A8's plan at prefill (w4a8.W4A8_OV_CONFIG)
-    cluster: int = 1                   # overlapped W4A8 loop: CTAs per cluster (1 or 2 = wgs); a pair owns neighbouring
-                                       # token tiles of one m tile and each CTA copies one of the two weight slabs into
-                                       # both (TMA multicast): each weight slab read once for the two token tiles
 
 # The candidates pick_config chooses from, by token tile. One warpgroup for 8/16/32 tokens (64-row units: twice the
 # units, better balance over the SMs when few experts are active); two for 64/128 (each decoded weight serves more

@@ -153,7 +153,7 @@ class _Schedule:
                 if e > 0:
                     lo = mOff[e - 1]
             c = cutlass.max(hi - lo, 0)
-            units = (c + self.tt * self.cl - 1) // (self.tt * self.cl) * MT   # cluster: a unit is cl token tiles
+            units = (c + self.tt - 1) // self.tt * MT
             x = units
             for d in cutlass.range_constexpr(5):                   # inclusive warp scan of the unit counts
                 y = cute.arch.shuffle_sync_up(x, 1 << d, mask_and_clamp=0)
@@ -177,41 +177,34 @@ class _Schedule:
         return found, e_f, start, cnt, local, e0, acc
 
     @cute.jit
-    def unit_tile(self, e, start, cnt, local, TR, rank):
-        """(m tile, token tile, batch mode l, row base) of a unit; wo_a rows count from 0 inside group e's mode. Cluster:
-        the unit is cl neighbouring token tiles of one m tile, CTA `rank` of the cluster takes tile cl ti + rank (past
-        the expert's rows when its count of tiles is not a multiple of cl: nothing stored)."""
-        ntt = (cnt + self.tt * self.cl - 1) // (self.tt * self.cl)
+    def unit_tile(self, e, start, cnt, local, TR):
+        "(m tile, token tile, batch mode l, row base) of a unit; wo_a rows count from 0 inside group e's mode."
+        ntt = (cnt + self.tt - 1) // self.tt
         mt = local // ntt
         l = cutlass.Int32(0)
         rb = start
         if cutlass.const_expr(self.wo_a):
             l = e
             rb = start - e * TR
-        return mt, (local - mt * ntt) * self.cl + rank, l, rb
+        return mt, local - mt * ntt, l, rb
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #9c7bb5f4
 class _Producer:
     "Mixin of GroupedGemmSm90: the TMA producer (one thread issues, the mbarrier counts the bytes)."
 
     @cute.jit
-    def load_weights(self, tma_w, tW, sW, bar, e, mt, k, KT, MT64, idx, rank):
-        """The TMA copies of K tile k of unit (e, mt)'s weight slabs (one per consumer warpgroup) into ring stage idx.
-        Cluster (cl = wgs CTAs on one m tile): CTA `rank` copies slab `rank` into every CTA of the cluster (multicast)."""
+    def load_weights(self, tma_w, tW, sW, bar, e, mt, k, KT, MT64, idx):
+        "The TMA copies of K tile k of unit (e, mt)'s weight slabs (one per consumer warpgroup) into ring stage idx."
         for w in cutlass.range_constexpr(self.wgs):
             slab = ((e * MT64 + mt * self.wgs + w) * KT + k)
             gW = cute.local_tile(tW, (SLAB_ROWS, SLAB_WIDTH), (slab, 0))                    # (18, 256) bytes
             tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1),
                                              cute.group_modes(sW[None, None, w, idx], 0, 2),
                                              cute.group_modes(gW, 0, 2))
-            if cutlass.const_expr(self.cl > 1):
-                if rank == w:
-                    cute.copy(tma_w, tWg, tWs, tma_bar_ptr=bar, mcast_mask=cutlass.Int16((1 << self.cl) - 1))
-            else:
-                cute.copy(tma_w, tWg, tWs, tma_bar_ptr=bar)
+            cute.copy(tma_w, tWg, tWs, tma_bar_ptr=bar)
 
     @cute.jit
-    def produce(self, pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mMap, row_layout, rank):
+    def produce(self, pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mMap, row_layout):
         """Load every K tile of every unit this CTA owns into the ring (the weight slabs and the bf16 activation tile).
         `gather`: the tile's row i is A[map[r]] for its routed row r, one TMA copy of one row each (`tma_a1`, a 1-row
         box: TMA's 128-byte swizzle follows the shared-memory address, so row i lands where the whole-tile copy puts
@@ -225,7 +218,7 @@ class _Producer:
         gdim, _, _ = cute.arch.grid_dim()
         ps = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         e0 = cutlass.Int32(0); acc = cutlass.Int32(0)
-        u = bidx // self.cl                                      # cluster: the pair's unit (token tiles 2 ti, 2 ti + 1)
+        u = bidx
         found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
         k0 = cutlass.Int32(0)                                    # the first K tile the unit loop loads
         if cutlass.const_expr(self.pdl):
@@ -234,7 +227,7 @@ class _Producer:
             # both), and the unit loop from tile P on
             # (a CTA without a unit loads nothing below, P = 0; cnt >= 1 keeps its tile arithmetic clear of a division
             # by zero, and a found unit has cnt >= 1 already)
-            mt0, ti0, l0, rb0 = self.unit_tile(e, start, cutlass.max(cnt, 1), local, TR, rank)
+            mt0, ti0, l0, rb0 = self.unit_tile(e, start, cutlass.max(cnt, 1), local, TR)
             gA0 = cute.local_tile(cute.domain_offset((rb0 + ti0 * tt, 0, 0), tA), (tt, kt_), (0, None, l0))
             tAs0, tAg0 = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                                cute.group_modes(sB, 0, 2), cute.group_modes(gA0, 0, 2))
@@ -244,7 +237,7 @@ class _Producer:
             ps_a = ps.clone()
             for k in cutlass.range(P, unroll=1):
                 pipe.producer_acquire(ps)
-                self.load_weights(tma_w, tW, sW, pipe.producer_get_barrier(ps), e, mt0, k, KT, MT64, ps.index, rank)
+                self.load_weights(tma_w, tW, sW, pipe.producer_get_barrier(ps), e, mt0, k, KT, MT64, ps.index)
                 pipe.producer_commit(ps)
                 ps.advance()
             cute.arch.griddepcontrol_wait()
@@ -253,7 +246,7 @@ class _Producer:
                 ps_a.advance()
             k0 = P
         while found:
-            mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR, rank)
+            mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
             gA = cute.local_tile(cute.domain_offset((rb + ti * tt, 0, 0), tA), (tt, kt_), (0, None, l))  # (tt, 128, KT)
             tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                              cute.group_modes(sB, 0, 2), cute.group_modes(gA, 0, 2))
@@ -276,11 +269,11 @@ class _Producer:
                         cute.copy(tma_a1, tRg[(None, k)], tRs[(None, ps.index)], tma_bar_ptr=bar)
                 else:
                     cute.copy(tma_a, tAg[(None, k)], tAs[(None, ps.index)], tma_bar_ptr=bar)
-                self.load_weights(tma_w, tW, sW, bar, e, mt, k, KT, MT64, ps.index, rank)
+                self.load_weights(tma_w, tW, sW, bar, e, mt, k, KT, MT64, ps.index)
                 pipe.producer_commit(ps)
                 ps.advance()
             k0 = cutlass.Int32(0)
-            u = u + gdim // self.cl
+            u = u + gdim
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
         pipe.producer_tail(ps)
 
@@ -784,7 +777,6 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         self.pdl = cfg.pdl                          # a programmatic dependent launch: the first ring's weights before the wait
         self.overlap = cfg.overlap                  # the bf16 K loop decodes each half tile under the WGMMAs of the one before
         self.staged = staged_store(cfg)             # the epilogue through shared memory (stmatrix, 16-byte stores)
-        self.cl = cfg.cluster                       # CTAs per cluster: neighbouring token tiles sharing the weight slabs
         self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
         self.m_tile = WG_ROWS * cfg.wgs             # weight rows per unit
         self.threads = WG_THREADS * (1 + cfg.wgs)   # producer warpgroup + consumers
@@ -825,10 +817,6 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if cfg.overlap and cfg.fp8 and k is not None and k % (W4A8_PROMOTE * K_TILE):
             return False, (f"the overlapped W4A8 loop promotes every {W4A8_PROMOTE} K tiles: K must be a multiple of "
                            f"{W4A8_PROMOTE * K_TILE}, got {k}")
-        if cfg.cluster not in (1, 2): return False, f"cluster must be 1 or 2, got {cfg.cluster}"
-        if cfg.cluster > 1 and not (cfg.fp8 and cfg.overlap and cfg.wgs == cfg.cluster):
-            return False, (f"cluster {cfg.cluster} (one multicast weight slab per CTA) runs the overlapped W4A8 loop only (fp8 "
-                           f"and overlap, wgs = cluster), got fp8={cfg.fp8}, overlap={cfg.overlap}, wgs={cfg.wgs}")
         if cfg.fp8 and cfg.epilogue not in (Epilogue.BF16_ROW_GS, Epilogue.SWIGLU_BF16):
             return False, ("W4A8 (fp8) runs with the BF16_ROW_GS and SWIGLU_BF16 epilogues (one activation scale per row), "
                            f"got {cfg.epilogue.name}")
@@ -858,11 +846,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         b_layout = sm90_utils.make_smem_layout_b(                                  # (tt, 128, stages), 128B swizzle
             LayoutEnum.ROW_MAJOR, (self.m_tile, tt, kt_), self.ab_dtype, self.stages)
         w_layout = cute.make_layout((SLAB_ROWS, SLAB_WIDTH), stride=(SLAB_WIDTH, 1))   # (18, 256) bytes: one slab
-        if cutlass.const_expr(self.cl > 1):      # cluster: each CTA copies one slab into all of them
-            tma_w, tW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), mW, w_layout,
-                                                    (SLAB_ROWS, SLAB_WIDTH))
-        else:
-            tma_w, tW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, w_layout, (SLAB_ROWS, SLAB_WIDTH))
+        tma_w, tW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, w_layout, (SLAB_ROWS, SLAB_WIDTH))
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                 cute.slice_(b_layout, (None, None, 0)), (tt, kt_))
         self.tx_bytes = SLAB_BYTES * self.wgs + tt * kt_ * self.ab_dtype.width // 8   # bytes per stage
@@ -907,8 +891,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                                                   # the overlapped W4A8 loop's setmaxnreg needs the launch to hold the
                                                   # whole pool (384 x 168): without it ptxas gave tok_tile 64 129 registers
                                                   # and dropped both setmaxnreg (C7508)
-                                                  **({"min_blocks_per_mp": 1} if self.fp8 and self.overlap else {}),
-                                                  **({"cluster": (self.cl, 1, 1)} if self.cl > 1 else {}))
+                                                  **({"min_blocks_per_mp": 1} if self.fp8 and self.overlap else {}))
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, tW: cute.Tensor, tma_a: cute.CopyAtom, tA: cute.Tensor,
@@ -948,15 +931,10 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         smem = SmemAllocator()
         st = smem.allocate(self.smem)
         prod = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        # cluster: a stage is free when the consumer warps of every CTA of the cluster released it (each producer writes
-        # one weight slab into all of them), so each consumer warp arrives on every CTA's barrier
-        cons = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * wgs * self.cl)
+        cons = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * wgs)
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.bars.data_ptr(), num_stages=self.stages, producer_group=prod,
-            consumer_group=cons, tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, self.cl, 1, 1)))
-        rank = cutlass.Int32(0)                                        # this CTA's token tile in its cluster's pair
-        if cutlass.const_expr(self.cl > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            consumer_group=cons, tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
         sW = st.sW.get_tensor(cute.make_layout((SLAB_ROWS, SLAB_WIDTH, wgs, self.stages),      # (18, 256, wgs, stages)
                                                stride=(SLAB_WIDTH, 1, SLAB_BYTES, SLAB_BYTES * wgs)))
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)                          # (tt, 128, stages or 2)
@@ -980,8 +958,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                 if cutlass.const_expr(self.gather):             # row i of sB, every stage: (1, 128 K, stages)
                     r0 = _row0_layout(b_layout)
                     row_layout = cute.make_layout((1,) + tuple(r0.shape), stride=(0,) + tuple(r0.stride))
-                self.produce(pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mGr, row_layout,
-                             rank)
+                self.produce(pipe, tma_w, tW, tma_a, tA, sW, sB, sOff, E, R, TR, MT, MT64, KT, tma_a1, tA1, mGr, row_layout)
         else:
             if cutlass.const_expr(self.wgs == 4):
                 cute.arch.setmaxregister_increase(CONSUMER_REGS_4)
@@ -1007,10 +984,10 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             tCc = thr_mma.partition_C(cC)
             cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             e0 = cutlass.Int32(0); acc = cutlass.Int32(0)
-            u = bidx // self.cl
+            u = bidx
             found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
             while found:
-                mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR, rank)
+                mt, ti, l, rb = self.unit_tile(e, start, cnt, local, TR)
                 add = cutlass.Uint32(0)
                 if cutlass.const_expr(self.fp8):                   # W4A8: (6 - c) << 10 for this thread's rows g, g + 8
                     ng = mt * self.m_tile + WG_ROWS * cw + 16 * (t // 32) + (t % 32) // 4
@@ -1029,7 +1006,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                 else:
                     cs = self._k_loop(*kargs, 0)
                 self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf)
-                u = u + gdim // self.cl
+                u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
 
 # %% ../../nbs/04b_gemm_sm90.ipynb #21b6c2bb
@@ -1093,7 +1070,6 @@ def _compiled(cfg: GemmConfig, dev: torch.device, tvm: bool):
     if hit is None:
         per_block, per_sm, sms = device_smem(dev)
         n_ctas = sms * max(1, min(per_sm // smem_bytes(cfg), MAX_CTAS_PER_SM))
-        n_ctas -= n_ctas % cfg.cluster                       # whole clusters
         arch = "sm_{}{}a".format(*torch.cuda.get_device_capability(dev))
         hit = _COMPILED[key] = (compile_sm90(cfg, arch, tvm_ffi=True) if tvm else None, n_ctas, sms)
     return hit
@@ -1132,9 +1108,7 @@ def run_sm90(cfg: GemmConfig,
     if cfg.gather: gs_r = gather_map
     tvm = have_tvm_ffi()
     fn, n_ctas, sms = _compiled(cfg, a3.device, tvm)
-    if sms_free:
-        n_ctas = max(n_ctas // sms, n_ctas - sms_free * (n_ctas // sms))   # (at least one SM's worth)
-        n_ctas -= n_ctas % cfg.cluster
+    if sms_free: n_ctas = max(n_ctas // sms, n_ctas - sms_free * (n_ctas // sms))   # (at least one SM's worth)
     if tvm:
         fn(w_sm90, a3, out3, expert_offsets, gs_w, gs_a2, n_ctas, sf_c, gs_c, gs_r, dump)
         return
