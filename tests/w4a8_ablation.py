@@ -40,7 +40,7 @@ class NoDecode(K.GroupedGemmSm90):
 class NoEpilogue(K.GroupedGemmSm90):
     "The loop without the unit's stores: one store a thread where its first sum is exactly 12345 (never), so the sums stay live."
     @cute.jit
-    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf):
+    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf, pre):
         s = cutlass.Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(acc_frag)):
             s = s + acc_frag[i]

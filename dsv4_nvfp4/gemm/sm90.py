@@ -253,11 +253,11 @@ def staged_bytes(cfg: GemmConfig) -> int:
 
 def smem_bytes(cfg: GemmConfig) -> int:
     """Shared memory of one CTA: the ring (weight slabs + the bf16 activation tile per stage), the SwiGLU-NVFP4 amax
-    exchange or the staged epilogue's bf16 block (`staged_store`), the staged offsets, barriers and alignment
-    (`SMEM_RESERVED`)."""
+    exchange or the staged epilogue's bf16 block and token scales (`staged_store`), the staged offsets, barriers and
+    alignment (`SMEM_RESERVED`)."""
     tt = cfg.tok_tile
     xchg = 4 * cfg.wgs * 4 * tt if cfg.epilogue.fp4_out else 0
-    if staged_store(cfg): xchg = cfg.wgs * staged_bytes(cfg)
+    if staged_store(cfg): xchg = cfg.wgs * (staged_bytes(cfg) + 4 * tt)   # + each warpgroup's token scales
     return cfg.stages * (SLAB_BYTES * cfg.wgs + tt * K_TILE * (1 if cfg.fp8 else 2)) + xchg + 4 * MAX_EXPERTS + SMEM_RESERVED
 
 _DEVICE_SMEM = {}

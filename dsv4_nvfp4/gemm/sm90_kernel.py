@@ -500,8 +500,12 @@ class _EpilogueStore:
     "Mixin of GroupedGemmSm90: the epilogue of one unit."
 
     @cute.jit
-    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf):
-        "Scale the accumulator by 2^7 gs_w[e] gs_a and store it as bf16 into C (masked to the expert's rows and N)."
+    def store(self, acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf, pre):
+        """Scale the accumulator by 2^7 gs_w[e] gs_a and store it as bf16 into C (masked to the expert's rows and N). The
+        staged epilogue takes its scales from `pre` (`staged_prefetch`, loaded before the K loop); the others load them."""
+        if cutlass.const_expr(self.staged):
+            self.store_staged(acc_frag, tCc, mC, pre, rb + ti * self.tt, rb + cnt, mt * self.m_tile, N, l, t, cw, sbuf)
+            return
         g = mGw[e] * cutlass.Float32(DECODE_SCALE)          # DECODE_SCALE: a Python constant, an exact power of two
         if cutlass.const_expr(self.fp8):
             g = mGw[e]                                      # W4A8: the weights are e2m1 s 2^-c; 2^c per row below
@@ -512,9 +516,6 @@ class _EpilogueStore:
         n0 = mt * self.m_tile
         if cutlass.const_expr(self.fp4_out):
             self.store_swiglu_nvfp4(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, t, cw, xbuf, mSfC, mGc, mGr, mDump)
-            return
-        if cutlass.const_expr(self.staged):
-            self.store_staged(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, l, t, cw, mSfC, sbuf)
             return
         if cutlass.const_expr(self.swiglu):
             self.store_swiglu(acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, mSfC)
@@ -564,26 +565,42 @@ class _EpilogueStore:
                 sn[d] = mSfC[e, n0 + m_]
 
     @cute.jit
-    def store_staged(self, acc_frag, tCc, mC, mGa, g, row0, rend, n0, N, e, l, t, cw, mSfC, sbuf):
+    def staged_prefetch(self, tCc, mGw, mGa, mSfC, e, rb, ti, cnt, mt, l, N, t, pre):
+        """The staged epilogue's scales, loaded at the unit's start so that their latency passes under the K loop (the
+        epilogue runs while the tensor cores idle): pre = (gs_a of the tile's token t (thread t of the warpgroup; 0 past
+        the expert's rows, which are not stored), 2^c of this thread's weight rows r and r + 8, g = gs_w[e] with a
+        table expert's sign). The same values as the plain epilogue's loads, so the same bits."""
+        row = rb + ti * self.tt + t
+        ga = cutlass.Float32(0.0)
+        if row < rb + cnt:
+            ga = mGa[row, l]
+        pre[0] = ga
+        sn = cute.make_rmem_tensor((2,), cutlass.Float32)
+        self.w4a8_row_scales(tCc, mt * self.m_tile, N, e, mSfC, sn)
+        pre[1] = sn[0]
+        pre[2] = sn[1]
+        g = mGw[e]                                          # W4A8: the weights are e2m1 s 2^-c; 2^c per row
+        if cutlass.const_expr(self.table):                  # a table expert's rows hold -2^c: g takes the sign back
+            g = g * _f32_bits((_f32_bits(mSfC[e, 0]) & 0x80000000) | 0x3F800000, True)
+        pre[3] = g
+
+    @cute.jit
+    def store_staged(self, acc_frag, tCc, mC, pre, row0, rend, n0, N, l, t, cw, sbuf):
         """The staged BF16_ROW_GS epilogue (`staged_store`): the same values as the plain one, acc * g * (gs_a[row] *
         2^c[n]) rounded to bf16, written by `stmatrix ... trans` into this warpgroup's (tok_tile x 64) bf16 block of
         `sbuf` (token-major, 128 bytes a token, 16-byte chunk c of token n at chunk c ^ (n % 8): no bank conflict), then
-        read back 16 bytes a thread and stored 16 bytes a thread, a token's 64 columns by 8 neighbouring threads. A
-        named barrier of the warpgroup before the writes (the previous unit's reads are done) and one before the reads.
-        N % 64 == 0 (W4A8's weights), so a warpgroup's 64 columns are all inside N or all outside; C's row stride a
-        multiple of 8 elements and its base 16-byte aligned (`run_sm90` checks)."""
+        read back 16 bytes a thread and stored 16 bytes a thread, a token's 64 columns by 8 neighbouring threads. The
+        scales come from `pre` (`staged_prefetch`): thread t's token scale goes through the warpgroup's tok_tile floats
+        after the blocks, so that each thread reads the scales of its own tokens from shared memory. A named barrier of
+        the warpgroup before the block's writes (the previous unit's reads of both are done, the scales written) and one
+        before the block's reads. N % 64 == 0 (W4A8's weights), so a warpgroup's 64 columns are all inside N or all
+        outside; C's row stride a multiple of 8 elements and its base 16-byte aligned (`run_sm90` checks)."""
         tt = self.tt
-        nq = cute.size(acc_frag) // 2                            # tokens per thread: q = 2 j + a
-        oga = cute.make_rmem_tensor((nq,), cutlass.Float32)      # the token's activation scale, all loaded first
-        for q in cutlass.range_constexpr(nq):
-            m_, c_ = tCc[(q // 2) * 4 + q % 2]
-            row = row0 + c_
-            ga = mGa[0, 0]
-            if row < rend:
-                ga = mGa[row, l]
-            oga[q] = ga
-        sn = cute.make_rmem_tensor((2,), cutlass.Float32)        # weight rows r and r + 8's 2^c
-        self.w4a8_row_scales(tCc, n0, N, e, mSfC, sn)
+        g = pre[3]
+        scales = cute.make_tensor(cute.recast_ptr(sbuf.iterator + self.wgs * staged_bytes(self.cfg) // 4 + cw * tt,
+                                                  dtype=cutlass.Float32), cute.make_layout(tt))   # this warpgroup's tt floats
+        if t < tt:                                           # (tok_tile 64: threads 64-127 have no token)
+            scales[t] = pre[0]
         lane = t % 32
         w = t // 32
         blk = sbuf.iterator.toint() + cw * staged_bytes(self.cfg)   # this warpgroup's block (shared address)
@@ -597,8 +614,10 @@ class _EpilogueStore:
             for i in cutlass.range_constexpr(4):
                 j = 2 * jp + i // 2
                 h = i % 2
-                v0 = acc_frag[4 * j + 2 * h] * g * (oga[2 * j] * sn[h])
-                v1 = acc_frag[4 * j + 2 * h + 1] * g * (oga[2 * j + 1] * sn[h])
+                _m0, c0 = tCc[4 * j]                             # the thread's two tokens of block j
+                _m1, c1 = tCc[4 * j + 1]
+                v0 = acc_frag[4 * j + 2 * h] * g * (scales[c0] * pre[1 + h])
+                v1 = acc_frag[4 * j + 2 * h + 1] * g * (scales[c1] * pre[1 + h])
                 r[i] = _asm(_PACK_BF16, _f32_bits(v0), _f32_bits(v1))
             n = 16 * jp + 8 * (mi // 2) + k
             c = 2 * w + mi % 2
@@ -868,7 +887,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             reserved: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 128], 1024]
             xb: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, x_words], 16]     # SWIGLU_NVFP4: amax exchange
             if cutlass.const_expr(self.staged):                                          # the staged epilogue's blocks
-                sc: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, self.wgs * staged_bytes(self.cfg) // 4], 1024]
+                sc: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, self.wgs * (staged_bytes(self.cfg) + self.tt * 4) // 4], 1024]
         self.smem = Smem
         if cutlass.const_expr(mSfC is None):                                         # placeholders for unused operands
             mSfC = mC
@@ -941,7 +960,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         xbuf = st.xb.get_tensor(cute.make_layout(self.x_words))
         sbuf = xbuf                                                                             # placeholder
         if cutlass.const_expr(self.staged):
-            sbuf = st.sc.get_tensor(cute.make_layout(self.wgs * staged_bytes(self.cfg) // 4))      # (words,)
+            sbuf = st.sc.get_tensor(cute.make_layout(self.wgs * (staged_bytes(self.cfg) + self.tt * 4) // 4))   # (words,)
         sOff = st.offs.get_tensor(cute.make_layout(MAX_EXPERTS))                                # (MAX_EXPERTS,)
         for i in cutlass.range(tidx, E, self.threads, unroll=1):
             if cutlass.const_expr(self.wo_a):
@@ -994,6 +1013,10 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                     cg = ((_f32_bits(mSfC[e, ng]) >> 23) & 0xFF).to(cutlass.Int32) - 127       # mSfC: +-2^c (E, Np)
                     cg8 = ((_f32_bits(mSfC[e, ng + 8]) >> 23) & 0xFF).to(cutlass.Int32) - 127
                     add = (((6 - cg) << 10) | ((6 - cg8) << 26)).to(cutlass.Uint32)
+                pre = acc_frag                                     # (placeholder where the epilogue is not staged)
+                if cutlass.const_expr(self.staged):               # its scales, loaded now: their latency passes under the loop
+                    pre = cute.make_rmem_tensor((4,), cutlass.Float32)
+                    self.staged_prefetch(tCc, mGw, mGa, mSfC, e, rb, ti, cnt, mt, l, N, t, pre)
                 kargs = (pipe, cs, sW, tiled_mma, acc_frag, tile_frag, a_frag, a_frag2, tCrB, t, cw, KT, add)
                 if cutlass.const_expr(self.overlap and not self.fp8):
                     cs = self.mainloop_ov(pipe, cs, sW, tiled_mma, acc_frag, a_frag, tCrB, t, cw, KT)
@@ -1005,7 +1028,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
                         cs = self._k_loop(*kargs, 0)
                 else:
                     cs = self._k_loop(*kargs, 0)
-                self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf)
+                self.store(acc_frag, tCc, mC, mGw, mGa, e, rb, ti, cnt, mt, l, N, t, cw, xbuf, mSfC, mGc, mGr, mDump, sbuf, pre)
                 u = u + gdim
                 found, e, start, cnt, local, e0, acc = self.find_unit(u, sOff, E, R, MT, e0, acc)
 
