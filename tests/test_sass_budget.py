@@ -448,3 +448,6 @@ def test_overlapped_w4a8_loop_limits():
     ok, why = S.GroupedGemmSm90.can_implement(L.GemmConfig(64, 2, 5, E, fp8=True, overlap=True), 8, 4096 + 128, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
     assert not ok and "multiple of 512" in why
     assert S.GroupedGemmSm90.can_implement(L.GemmConfig(64, 2, 5, E, fp8=True, overlap=True), 8, 1536, smem_limit=L.HOPPER_SMEM_PER_BLOCK)[0]
+    # the staged epilogue stores tok_tile / 16 stmatrix blocks: tok_tile 8 would store nothing, so it is refused
+    ok, why = S.GroupedGemmSm90.can_implement(L.GemmConfig(8, 2, 5, E, fp8=True, overlap=True), 8, 1536, smem_limit=L.HOPPER_SMEM_PER_BLOCK)
+    assert not ok and "tok_tile >= 16" in why, why

@@ -591,10 +591,12 @@ class _EpilogueStore:
         `sbuf` (token-major, 128 bytes a token, 16-byte chunk c of token n at chunk c ^ (n % 8): no bank conflict), then
         read back 16 bytes a thread and stored 16 bytes a thread, a token's 64 columns by 8 neighbouring threads. The
         scales come from `pre` (`staged_prefetch`): thread t's token scale goes through the warpgroup's tok_tile floats
-        after the blocks, so that each thread reads the scales of its own tokens from shared memory. A named barrier of
-        the warpgroup before the block's writes (the previous unit's reads of both are done, the scales written) and one
-        before the block's reads. N % 64 == 0 (W4A8's weights), so a warpgroup's 64 columns are all inside N or all
-        outside; C's row stride a multiple of 8 elements and its base 16-byte aligned (`run_sm90` checks)."""
+        after the blocks, so that each thread reads the scales of its own tokens from shared memory. Two named barriers
+        of the warpgroup: the first after the scale writes and before the block's writes (the previous unit's block reads
+        are done; the scales are visible), the second before the block's reads. A thread writes its scale only after the
+        previous unit's second barrier, which every thread passes after reading that unit's scales. N % 64 == 0 (W4A8's
+        weights), so a warpgroup's 64 columns are all inside N or all outside; C's row stride a multiple of 8 elements
+        and its base 16-byte aligned (`run_sm90` checks)."""
         tt = self.tt
         g = pre[3]
         scales = cute.make_tensor(cute.recast_ptr(sbuf.iterator + self.wgs * staged_bytes(self.cfg) // 4 + cw * tt,
@@ -833,6 +835,9 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         if cfg.overlap and cfg.fp8 and cfg.wgs != 2:
             return False, (f"the overlapped W4A8 loop (overlap with fp8) runs with 2 consumer warpgroups (registers: two A "
                            f"fragments and two accumulators, CONSUMER_REGS_2 each), got wgs {cfg.wgs}")
+        if staged_store(cfg) and cfg.tok_tile < 16:
+            return False, (f"the staged W4A8 epilogue (overlap with fp8, BF16_ROW_GS) writes tok_tile / 16 stmatrix blocks: "
+                           f"tok_tile >= 16, got {cfg.tok_tile}")
         if cfg.overlap and cfg.fp8 and k is not None and k % (W4A8_PROMOTE * K_TILE):
             return False, (f"the overlapped W4A8 loop promotes every {W4A8_PROMOTE} K tiles: K must be a multiple of "
                            f"{W4A8_PROMOTE * K_TILE}, got {k}")
