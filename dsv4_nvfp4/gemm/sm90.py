@@ -26,8 +26,8 @@ __all__ = ['K_TILE', 'WG_ROWS', 'WG_THREADS', 'SLAB_CODE_BYTES', 'SLAB_SCALE_BYT
            'W4A8_TABLE', 'W4A8_TABLE_STEP', 'W4A8_TABLE_K', 'W4A8_TABLE_BIAS', 'CONFIGS', 'WIDE_CONFIG',
            'TT64_MAX_ROWS', 'DECODE_WIDE', 'WIDE_MIN_WAVES', 'encode_words', 'decode_words', 'scale_codes',
            'tile_weights_sm90', 'emulate_decode_sm90', 'Epilogue', 'GemmConfig', 'staged_store', 'staged_bytes',
-           'smem_bytes', 'device_smem', 'Sm90Weights', 'wide_ok', 'rows_per_expert', 'pick_config', 'check_config_n',
-           'Sm90Plan', 'pad_experts', 'Sm90Backend']
+           'staged_smem_bytes', 'smem_bytes', 'device_smem', 'Sm90Weights', 'wide_ok', 'rows_per_expert', 'pick_config',
+           'check_config_n', 'Sm90Plan', 'pad_experts', 'Sm90Backend']
 
 # %% ../../nbs/04_sm90_layout.ipynb #a44df43f
 K_TILE = 128               # K per pipeline stage: 8 WGMMA k16 steps; 128 bf16 = one 256-byte row of the swizzled A tile
@@ -251,13 +251,18 @@ def staged_bytes(cfg: GemmConfig) -> int:
     "Bytes of one consumer warpgroup's block in the staged epilogue (`staged_store`): tok_tile tokens x 64 bf16 outputs."
     return cfg.tok_tile * WG_ROWS * 2
 
+def staged_smem_bytes(cfg: GemmConfig) -> int:
+    """Shared memory of the staged epilogue (`staged_store`): the consumer warpgroups' bf16 blocks (`staged_bytes` each),
+    then each warpgroup's tok_tile fp32 token scales."""
+    return cfg.wgs * (staged_bytes(cfg) + 4 * cfg.tok_tile)
+
 def smem_bytes(cfg: GemmConfig) -> int:
     """Shared memory of one CTA: the ring (weight slabs + the bf16 activation tile per stage), the SwiGLU-NVFP4 amax
     exchange or the staged epilogue's bf16 block and token scales (`staged_store`), the staged offsets, barriers and
     alignment (`SMEM_RESERVED`)."""
     tt = cfg.tok_tile
     xchg = 4 * cfg.wgs * 4 * tt if cfg.epilogue.fp4_out else 0
-    if staged_store(cfg): xchg = cfg.wgs * (staged_bytes(cfg) + 4 * tt)   # + each warpgroup's token scales
+    if staged_store(cfg): xchg = staged_smem_bytes(cfg)
     return cfg.stages * (SLAB_BYTES * cfg.wgs + tt * K_TILE * (1 if cfg.fp8 else 2)) + xchg + 4 * MAX_EXPERTS + SMEM_RESERVED
 
 _DEVICE_SMEM = {}

@@ -506,11 +506,7 @@ class _EpilogueStore:
         if cutlass.const_expr(self.staged):
             self.store_staged(acc_frag, tCc, mC, pre, rb + ti * self.tt, rb + cnt, mt * self.m_tile, N, l, t, cw, sbuf)
             return
-        g = mGw[e] * cutlass.Float32(DECODE_SCALE)          # DECODE_SCALE: a Python constant, an exact power of two
-        if cutlass.const_expr(self.fp8):
-            g = mGw[e]                                      # W4A8: the weights are e2m1 s 2^-c; 2^c per row below
-        if cutlass.const_expr(self.table):                  # a table expert's rows hold -2^c: g takes the sign back
-            g = g * _f32_bits((_f32_bits(mSfC[e, 0]) & 0x80000000) | 0x3F800000, True)
+        g = self.unit_scale(mGw, mSfC, e)
         row0 = rb + ti * self.tt
         rend = rb + cnt
         n0 = mt * self.m_tile
@@ -565,6 +561,16 @@ class _EpilogueStore:
                 sn[d] = mSfC[e, n0 + m_]
 
     @cute.jit
+    def unit_scale(self, mGw, mSfC, e):
+        "The scale of the unit's sums: 2^7 gs_w[e] (the bf16 decode's 2^-7); W4A8 gs_w[e], with a table expert's sign."
+        g = mGw[e] * cutlass.Float32(DECODE_SCALE)          # DECODE_SCALE: a Python constant, an exact power of two
+        if cutlass.const_expr(self.fp8):
+            g = mGw[e]                                      # W4A8: the weights are e2m1 s 2^-c; 2^c per row
+        if cutlass.const_expr(self.table):                  # a table expert's rows hold -2^c: g takes the sign back
+            g = g * _f32_bits((_f32_bits(mSfC[e, 0]) & 0x80000000) | 0x3F800000, True)
+        return g
+
+    @cute.jit
     def staged_prefetch(self, tCc, mGw, mGa, mSfC, e, rb, ti, cnt, mt, l, N, t, pre):
         """The staged epilogue's scales, loaded at the unit's start so that their latency passes under the K loop (the
         epilogue runs while the tensor cores idle): pre = (gs_a of the tile's token t (thread t of the warpgroup; 0 past
@@ -579,10 +585,7 @@ class _EpilogueStore:
         self.w4a8_row_scales(tCc, mt * self.m_tile, N, e, mSfC, sn)
         pre[1] = sn[0]
         pre[2] = sn[1]
-        g = mGw[e]                                          # W4A8: the weights are e2m1 s 2^-c; 2^c per row
-        if cutlass.const_expr(self.table):                  # a table expert's rows hold -2^c: g takes the sign back
-            g = g * _f32_bits((_f32_bits(mSfC[e, 0]) & 0x80000000) | 0x3F800000, True)
-        pre[3] = g
+        pre[3] = self.unit_scale(mGw, mSfC, e)
 
     @cute.jit
     def store_staged(self, acc_frag, tCc, mC, pre, row0, rend, n0, N, l, t, cw, sbuf):
@@ -892,7 +895,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
             reserved: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 128], 1024]
             xb: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, x_words], 16]     # SWIGLU_NVFP4: amax exchange
             if cutlass.const_expr(self.staged):                                          # the staged epilogue's blocks
-                sc: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, self.wgs * (staged_bytes(self.cfg) + self.tt * 4) // 4], 1024]
+                sc: cute.struct.Align[cute.struct.MemRange[cutlass.Uint32, staged_smem_bytes(self.cfg) // 4], 1024]
         self.smem = Smem
         if cutlass.const_expr(mSfC is None):                                         # placeholders for unused operands
             mSfC = mC
@@ -965,7 +968,7 @@ class GroupedGemmSm90(_Schedule, _Producer, _Consumer, _EpilogueStore):
         xbuf = st.xb.get_tensor(cute.make_layout(self.x_words))
         sbuf = xbuf                                                                             # placeholder
         if cutlass.const_expr(self.staged):
-            sbuf = st.sc.get_tensor(cute.make_layout(self.wgs * (staged_bytes(self.cfg) + self.tt * 4) // 4))   # (words,)
+            sbuf = st.sc.get_tensor(cute.make_layout(staged_smem_bytes(self.cfg) // 4))   # (words,): blocks, then scales
         sOff = st.offs.get_tensor(cute.make_layout(MAX_EXPERTS))                                # (MAX_EXPERTS,)
         for i in cutlass.range(tidx, E, self.threads, unroll=1):
             if cutlass.const_expr(self.wo_a):
