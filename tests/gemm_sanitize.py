@@ -5,7 +5,8 @@ promotion groups, table and F2FP experts, ragged rows with an empty expert, both
 and its staged epilogue at tok_tile 64 too, where threads 64-127 hold no token and must not write a token scale (one
 would land in the other warpgroup's: a shared-memory race that racecheck reports and memcheck cannot see),
 checked against the plain W4A8 loop within 1e-2 relative Frobenius (not the same bits: the promotion interval differs). Run as `compute-sanitizer --tool memcheck --report-api-errors no python3
-tests/gemm_sanitize.py` (likewise racecheck, synccheck)."""
+tests/gemm_sanitize.py` (likewise racecheck, synccheck); an argument `bf16` or `w4a8` runs that part only (racecheck
+takes long enough that the two parts are worth running side by side on two GPUs)."""
 import os
 import sys
 
@@ -17,8 +18,10 @@ from dsv4_nvfp4.gemm import sm90 as S90
 from dsv4_nvfp4.quant import NVFP4Experts
 E, N, dev = 4, 512, "cuda"
 g = torch.Generator().manual_seed(7)
-cfgs = [c for c in [*S90.CONFIGS.values(), *S90.DECODE_WIDE.values()] if c.overlap]
-for K in (128, 384):
+part = sys.argv[1] if len(sys.argv) > 1 else "all"
+assert part in ("all", "bf16", "w4a8"), f"unknown part {part!r}: all, bf16 or w4a8"
+cfgs = [c for c in [*S90.CONFIGS.values(), *S90.DECODE_WIDE.values()] if c.overlap] if part != "w4a8" else []
+for K in ((128, 384) if cfgs else ()):
     data = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=g).to(dev)
     scale = torch.randint(0x30, 0x50, (E, N, K // 16), dtype=torch.uint8, generator=g).to(dev).view(torch.float8_e4m3fn)
     pw = GC.prepare_weights(NVFP4Experts(data, scale, torch.ones(E, dtype=torch.float32, device=dev), (E, N, K)))
@@ -38,7 +41,7 @@ for K in (128, 384):
 from dsv4_nvfp4.gemm import sm90_kernel as S90K, w4a8 as W
 from _gpu_helpers import mixed_w4a8_experts                 # (tests/ is the script's directory: on the path)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
-for K in (512, 1024):
+for K in ((512, 1024) if part != "bf16" else ()):
     mx = mixed_w4a8_experts(E, 256, K, g)
     tiled, cm, table = W.tile_weights_w4a8_mixed(mx)
     rows = W.w4a8_row_scales(cm, table=table).to(dev)
@@ -57,4 +60,4 @@ for K in (512, 1024):
                 outs.append(out.float())
             d = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
             assert d < 1e-2, (K, epi.name, free, d)
-torch.cuda.synchronize(); print("gemm_san: done", len(cfgs), "configurations and the overlapped W4A8 loop")
+torch.cuda.synchronize(); print("gemm_san: done", part, len(cfgs), "bf16 configurations", "and the overlapped W4A8 loop" * (part != "bf16"))
