@@ -16,7 +16,7 @@ from fastcore.basics import patch
 
 from .checkpoint import (CheckpointReader, ModelOptNVFP4, checkpoint_format, dequantize_fp8_blocks, read_nvfp4_layers,
                                    read_safetensors)
-from .gemm import backend_for, cached_ones, get_backend, grouped_gemm_nvfp4, indexed_device, prepare_weights, registry_generation
+from .gemm import backend_for, get_backend, grouped_gemm_nvfp4, indexed_device, prepare_weights, registry_generation
 from .runtime import copy_d2d, define_op, launch_device_type, op_object, register_op_object
 from .quant import (GS_MIN, FP8Activations, MXFP4Tensor, NVFP4Experts, NVFP4Tensor, global_scale_from_amax, mxfp4_global_exp, mxfp4_to_nvfp4,
                               ref_quantize_mxfp4, ref_quantize_nvfp4, stack_experts)
@@ -29,8 +29,8 @@ from .gemm.sm90 import Sm90Weights, pick_config
 from .swiglu import MLP_ACTS, calibrate_input_scales, expert_mlp_nvfp4, grouped_gemm_swiglu_nvfp4, interleave_experts, ref_expert_mlp
 
 # %% auto #0
-__all__ = ['FLASH', 'PRO', 'EAGER_GRAPH_MAX_T', 'SHARED_APART_MAX_T', 'L2_PDL_MAX_T', 'MoEConfig', 'route_with_shared', 'DSV4MoE',
-           'ref_moe', 'ref_moe_bf16', 'CapturedMoE', 'moe_forward_op', 'moe_forward_routed_op']
+__all__ = ['FLASH', 'PRO', 'EAGER_GRAPH_MAX_T', 'L2_PDL_MAX_T', 'MoEConfig', 'route_with_shared', 'DSV4MoE', 'ref_moe',
+           'ref_moe_bf16', 'CapturedMoE', 'moe_forward_op', 'moe_forward_routed_op']
 
 # %% ../nbs/08_moe_layer.ipynb #987cd1d2
 class MoEConfig(NamedTuple):
@@ -91,7 +91,6 @@ def _check_given(w, ids, T, cfg, what):
     if tuple(w.shape) != (T, k) or tuple(ids.shape) != (T, k): raise ValueError(f"{what}: topk_weights / topk_ids must be ({T}, {k}), got {tuple(w.shape)} / {tuple(ids.shape)}")
 
 EAGER_GRAPH_MAX_T = ROUTE_FUSED_MAX_T   # eager CUDA forwards of 1 .. this many tokens replay a cached graph
-SHARED_APART_MAX_T = ROUTE_FUSED_MAX_T   # a whole W4A16 layer's decode step runs its shared expert beside the router
 L2_PDL_MAX_T = ROUTE_FUSED_MAX_T   # W4A16's L2 of a decode step (up to this many tokens) is a programmatic dependent of its L1
 
 @functools.lru_cache(maxsize=256)
@@ -157,9 +156,8 @@ class DSV4MoE(torch.nn.Module):
         self.register_buffer("tid2eid", None if tid2eid is None else tid2eid.to(torch.int32).contiguous())
         self.register_buffer("a1_scales", None if a1_scales is None else a1_scales.float().contiguous())
         self.register_buffer("a2_scales", None if a2_scales is None else a2_scales.float().contiguous())
-        self._prepared, self._eager, self._graphs, self._apart, self._side, self._choice = {}, {}, {}, {}, {}, {}
+        self._prepared, self._eager, self._graphs, self._choice = {}, {}, {}, {}
         self.eager_graphs = True           # eager decode calls (1 .. EAGER_GRAPH_MAX_T tokens) replay a cached graph
-        self.shared_apart = True           # captured decode steps (<= SHARED_APART_MAX_T tokens): the shared expert on a side stream
         self.op_key = register_op_object(self, "dsv4_moe")   # how the torch.compile ops name this layer
         self.bf16_weights = None           # (w1, w3, w2) unquantized, when the layer was built from them (synthetic)
         self.backend = None                # the expert GEMM's backend by name (None: the registry's choice per device)
@@ -176,9 +174,9 @@ class DSV4MoE(torch.nn.Module):
 
     def __getstate__(self):
         """What a copy takes: everything but the cached decode graphs (a CUDA graph cannot be copied; the copy captures
-        its own), the side streams and the weight views made from this layer's preparation."""
+        its own)."""
         state = dict(super().__getstate__())
-        state["_graphs"], state["_side"], state["_apart"] = {}, {}, {}
+        state["_graphs"] = {}
         state["_choice"] = {}          # the backend choice is this process's (registry generation, the device it saw)
         state["_prepared"] = dict(self._prepared)   # a copy's own dict (copy.copy would share it): it prepares its own
         return state
@@ -187,8 +185,9 @@ class DSV4MoE(torch.nn.Module):
         "A copy (copy.deepcopy, pickle) is a layer of its own: its own op key, not the original's."
         super().__setstate__(state)
         self.op_key = register_op_object(self, "dsv4_moe")
-        for k, v in (("_graphs", {}), ("eager_graphs", True), ("_side", {}), ("_apart", {}), ("shared_apart", True), ("_choice", {})):
+        for k, v in (("_graphs", {}), ("eager_graphs", True), ("_choice", {})):
             self.__dict__.setdefault(k, v)   # layers pickled before these
+        for k in ("_side", "_apart", "shared_apart"): self.__dict__.pop(k, None)   # the deleted shared-apart decode step's
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         "(weights fp32 (T, k), ids int32 (T, k)) from the router (hash routing when the layer has a tid2eid table)."
@@ -305,8 +304,8 @@ class DSV4MoE(torch.nn.Module):
         if src is None or src[0] is not self.w13 or src[1] is not self.w2:
             # key[1]: the backend's name (b is unset when the choice was remembered); prepared again when `w13` or `w2`
             # was replaced (an assignment of new weights is seen; changing their tensors in place is not). What the
-            # stale preparation fed goes first (its decode graphs and shared-expert views), so two layouts never coexist
-            if hit is not None: self._graphs.pop(dev, None); self._apart.pop(dev, None)
+            # stale preparation fed goes first (its decode graphs), so two layouts never coexist
+            if hit is not None: self._graphs.pop(dev, None)
             hit = self._prepared[key] = _Prepared(prepare_weights(self.w13, device=dev, backend=key[1]),
                                                   prepare_weights(self.w2, device=dev, backend=key[1]), (self.w13, self.w2))
         return hit
@@ -333,11 +332,9 @@ class DSV4MoE(torch.nn.Module):
     @torch.inference_mode(False)
     def buffers(self, capacity: int, device,
                 out_rows: bool = True) -> tuple:   # False: no L2 output rows (a caller that passes its own), None there
-        """(RouteBuffers, h, h decoded or None, L2 output rows, the shared expert's own or None) for up to `capacity`
-        tokens: every buffer one forward needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales
-        for W4A4). The last: (h (c, I), its L2 output (c, H), offsets int32 (1,), row scales (c, 2) of ones) with
-        c = min(capacity, SHARED_APART_MAX_T), for a whole W4A16 layer, whose decode steps run the shared expert apart
-        (`forward_device`). Made outside inference mode: a first call under `torch.inference_mode` leaves buffers that
+        """(RouteBuffers, h, h decoded or None, L2 output rows) for up to `capacity` tokens: every buffer one forward
+        needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales for W4A4; W4A8 adds x and h in
+        E4M3 with one scale per row as the decoded slot). Made outside inference mode: a first call under `torch.inference_mode` leaves buffers that
         later calls outside it may fill."""
         c, dev = self.cfg, torch.device(device)
         R, I = capacity * (c.top_k + 1), c.inter
@@ -349,12 +346,8 @@ class DSV4MoE(torch.nn.Module):
         else:
             h = NVFP4Tensor(e(R, I // 2, dt=torch.uint8), e(R, I // 16, dt=torch.float8_e4m3fn), e(R, dt=torch.float32), (R, I))
             h_dec = e(R, I)                                                        # Hopper's decode pass of h into L2
-        side, cs = None, min(capacity, SHARED_APART_MAX_T)     # the decode steps' rows only
-        if self.act == "w4a16" and self.experts is None:
-            side = (e(cs, I), e(cs, c.hidden), torch.zeros(1, dtype=torch.int32, device=dev),
-                    torch.ones(cs, 2, dtype=torch.float32, device=dev))
         return (route_buffers(capacity, c.num_experts, c.top_k, c.hidden, dev, experts=self.experts, shared=self.shared),
-                h, h_dec, e(R, c.hidden) if out_rows else None, side)
+                h, h_dec, e(R, c.hidden) if out_rows else None)
 
     def local(self, experts, shared: bool = True) -> "DSV4MoE":
         """The expert-parallel slice of this layer that holds `experts` (increasing global ids, all held here) and, if
@@ -385,11 +378,8 @@ class DSV4MoE(torch.nn.Module):
                        sms_free: int = 0,                      # SMs the expert GEMMs leave free (EP: beside NCCL's kernels)
                       ) -> torch.Tensor:                       # bf16 (T, H): `out`
         """The forward on the device with the inputs already checked (`check_input`): eager, or the body of a captured
-        graph. Six launches (four up to `ROUTE_FUSED_MAX_T` tokens, where the logits, route and permute are one; a whole
-        W4A16 layer's decode step, up to `SHARED_APART_MAX_T` tokens, recorded into a CUDA graph, runs the shared expert's
-        two GEMMs from x on a side stream beside the router instead, the combine reading their output: the same bits,
-        see `shared_apart`; eager calls keep one stream, where the fork costs more host time than it saves), no host
-        sync, no allocation with `out=` and `bufs=`, fixed shapes. With `n_tokens` x is a padded buffer whose rows from
+        graph. Six launches on the caller's stream (four up to `ROUTE_FUSED_MAX_T` tokens, where the logits, route and
+        permute are one; the shared expert is the last group of both grouped GEMMs), no host sync, no allocation with `out=` and `bufs=`, fixed shapes. With `n_tokens` x is a padded buffer whose rows from
         `n_tokens` on are not routed (no rows, no output). Eager calls reuse per-device buffers, grown when T needs it
         (so one layer's eager forwards must not run concurrently on two streams). Raises nothing itself."""
         c, T, dev = self.cfg, x.shape[0], x.device
@@ -401,20 +391,6 @@ class DSV4MoE(torch.nn.Module):
         if out is None: out = torch.empty(T, c.hidden, dtype=torch.bfloat16, device=dev)
         if T == 0: return out
         a1 = self.a1_scales if self.act == "w4a4" else None
-        apart = self.apart(dev) if (self.shared_apart and given is None and T <= SHARED_APART_MAX_T and dev.type == "cuda"
-                                    and len(bufs) > 4 and bufs[4] is not None and torch.cuda.is_current_stream_capturing()) else None
-        if apart is not None:                                 # the shared expert beside the router: it needs x only
-            (w13s, w2s), side_stream = apart[1], self._side_stream(dev)
-            hs, ys, offs_s, rs_s = bufs[4]
-            main = torch.cuda.current_stream(dev)
-            cached_ones((1, 1), dev)                          # made (and filled) on this stream, not first by the side one
-            side_stream.wait_stream(main)
-            with torch.cuda.stream(side_stream):
-                if n_tokens is None: offs_s.fill_(T)
-                else: offs_s.copy_(n_tokens.clamp(0, T))          # as the routing kernels clamp it
-                h1 = grouped_gemm_swiglu_nvfp4(x, w13s, offs_s, out=hs[:T], swiglu_limit=c.swiglu_limit, row_scales=rs_s[:T],
-                                               scales_given=True, sms_free=sms_free)
-                grouped_gemm_nvfp4(h1, w2s, offs_s, out=ys[:T], sms_free=sms_free)
         l2_pdl = given is None and T <= L2_PDL_MAX_T          # the layer's own decode step: its L2 a programmatic dependent
         if given is None and T <= ROUTE_FUSED_MAX_T:          # decode: logits, route and permute in one launch
             xr, rs = route_permute_fused(x, self.gate_weight, buf, self.gate_bias, routed_scaling_factor=c.routed_scaling_factor,
@@ -430,37 +406,8 @@ class DSV4MoE(torch.nn.Module):
                 xr = FP8Activations(xd, xsc)
             else:
                 xr, rs = permute_rows(x, buf, a1, n_tokens)
-        if apart is None:
-            rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free, l2_pdl=l2_pdl)
-            return combine_tokens(rows, buf, out, n_tokens)
-        E = c.num_experts                                     # the routed experts alone: the shared rows are left unread
-        rows = self.run_experts(xr, rs, buf.offsets[:E], bufs, sms_free=sms_free, weights=apart[0], l2_pdl=l2_pdl)
-        main.wait_stream(side_stream)
-        return combine_tokens(rows, buf, out, n_tokens, shared=ys)
-
-    def apart(self, device):
-        """((w13, w2) of the routed experts, (w13, w2) of the shared expert): views of the prepared sm90 weights, made
-        once per preparation, for the decode steps that run the shared expert apart; None where the weights are not
-        the sm90 backend's plain W4A16 slabs (expert e's slabs are one contiguous block: a view is a slice)."""
-        dev = indexed_device(device)                      # as prepared keys it
-        w13p, w2p = self.prepared(dev)
-        hit = self._apart.get(dev)
-        if hit is not None and hit[0] is w13p and hit[1] is w2p: return hit[2]
-        views = None
-        if type(w13p) is Sm90Weights and type(w2p) is Sm90Weights and w13p.a_gs is None and w2p.a_gs is None:
-            E = self.cfg.num_experts
-            def cut(w, lo, hi):
-                per = w.w_sm90.shape[0] // w.shape[0]         # slab rows of one expert
-                return Sm90Weights((hi - lo,) + tuple(w.shape[1:]), w.w_gs[lo:hi], None, w.w_sm90[lo * per:hi * per])
-            views = ((cut(w13p, 0, E), cut(w2p, 0, E)), (cut(w13p, E, E + 1), cut(w2p, E, E + 1)))
-        self._apart[dev] = (w13p, w2p, views)
-        return views
-
-    def _side_stream(self, dev) -> torch.cuda.Stream:
-        "The stream the shared expert runs on beside the router (one per device, made on first use)."
-        s = self._side.get(dev)
-        if s is None: s = self._side[dev] = torch.cuda.Stream(dev)
-        return s
+        rows = self.run_experts(xr, rs, buf.offsets, bufs, sms_free=sms_free, l2_pdl=l2_pdl)
+        return combine_tokens(rows, buf, out, n_tokens)
 
     def run_experts(self, xr,                      # bf16 (R, H) expert-major rows on the device (W4A4: code x block scale;
                                                    # W4A8: or FP8Activations from permute_rows_fp8, scales in row_scales)
@@ -469,7 +416,6 @@ class DSV4MoE(torch.nn.Module):
                     bufs: tuple,                   # `buffers(n)` with n (k + 1) >= R
                     *,
                     sms_free: int = 0,             # SMs the GEMMs leave free for a kernel beside them
-                    weights: tuple | None = None,  # (w13, w2) prepared for these groups (default: the layer's, all groups)
                     out_rows: torch.Tensor | None = None,  # int32 (R,): the L2 stores row i at out[out_rows[i]] (W4A16, W4A4)
                     out: torch.Tensor | None = None,       # bf16 (M, H) with out_rows (default: `bufs`' output rows)
                     l2_pdl: bool = False,          # W4A16 L2 as a programmatic dependent of the L1 (the layer's own decode step)
@@ -487,7 +433,7 @@ class DSV4MoE(torch.nn.Module):
         c, (_, h, h_dec, rows_out) = self.cfg, bufs[:4]
         if out_rows is not None and self.act == "w4a8":     # (its L2 returns early: the seam would never see out_rows)
             raise ValueError("DSV4MoE.run_experts: out_rows needs the W4A16 or W4A4 L2 (W4A8's has no row map)")
-        w13p, w2p = self.prepared(xr.device) if weights is None else weights
+        w13p, w2p = self.prepared(xr.device)
         R = xr.shape[0]
         kw = dict(swiglu_limit=c.swiglu_limit, row_scales=row_scales, scales_given=True, sms_free=sms_free)
         if self.act == "w4a16":

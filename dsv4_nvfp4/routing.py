@@ -428,27 +428,21 @@ def combine_tokens(rows: torch.Tensor,                  # bf16 (R >= T(k+1), hid
                    buf: RouteBuffers,                   # the routing that made them
                    out: torch.Tensor,                   # bf16 (T, hidden)
                    n_tokens: torch.Tensor | None = None,
-                   shared: torch.Tensor | None = None,  # bf16 (>= T, hidden): the shared expert's outputs in token order
                   ) -> torch.Tensor:
     """out[t] = the sum of token t's k + 1 rows in fp32 in slot order (the shared expert last), rounded to bf16 once
-    (a local layer's buffers: the rows it holds; a token with none gets zeros). With `shared`, the shared expert's
-    slot reads `shared[t]` instead of its row (a layer that computed the shared expert apart, from x itself). Up to
-    `COMBINE_SPLIT_MAX_T` tokens each row is split over `hidden / 1024` CTAs (the same sums: the same bits)."""
+    (a local layer's buffers: the rows it holds; a token with none gets zeros). Up to `COMBINE_SPLIT_MAX_T` tokens
+    each row is split over `hidden / 1024` CTAs (the same sums: the same bits)."""
     what, T = "combine_tokens", out.shape[0]
     rt.check_tensor(out, what, "out", (torch.bfloat16,), buf.rows.device, dim=2)
     rt.check_tensor(rows, what, "rows", (torch.bfloat16,), buf.rows.device, dim=2)
-    if shared is not None:
-        rt.check_tensor(shared, what, "shared", (torch.bfloat16,), buf.rows.device, dim=2)
-        if shared.shape[0] < T or shared.shape[1] != buf.hidden:
-            raise ValueError(f"{what}: shared must be (>= {T}, {buf.hidden}), got {tuple(shared.shape)}")
     if out.shape[1] != buf.hidden or rows.shape[1] != buf.hidden or T > buf.capacity or rows.shape[0] < T * (buf.top_k + 1):
         raise ValueError(f"{what}: rows {tuple(rows.shape)} / out {tuple(out.shape)} do not fit T <= {buf.capacity} tokens of {buf.hidden}")
     if buf.inv.shape[0] < T: raise ValueError(f"{what}: the buffers have no rows (route_buffers(with_rows=True))")
     if T:
         split = T <= COMBINE_SPLIT_MAX_T
         rt.launch(MOE_CU, "moe_combine", (T, buf.hidden // 1024 if split else 1), (128 if split else 256,),
-                  (rt.ptr(rows), rt.ptr(buf.inv), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(out),
-                   rt.ptr(shared)), defines=_defines(buf))
+                  (rt.ptr(rows), rt.ptr(buf.inv), 0 if n_tokens is None else rt.ptr(n_tokens), rt.i32(T), rt.ptr(out)),
+                  defines=_defines(buf))
     return out
 
 def route_permute_fused(x: torch.Tensor,                 # bf16 (T <= 4, hidden)

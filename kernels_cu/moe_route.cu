@@ -578,16 +578,14 @@ MOE_ROUTE_SMALL_KERNEL(moe_route_small_wide, kWideWarps)
 // ---------------------------------------------------------------------------------------------
 // Combine: out[t] = bf16( (((rows[inv[t,0]] + rows[inv[t,1]]) + ...) + rows[inv[t,TOPK]]) ) in fp32, slot order (the
 // shared expert last): bit-identical to the same sum in torch fp32 (the GPU tests). Slots with no row here (inv -1, a local
-// layer) are skipped; a token with none gets zeros. With `shared` (T, HID), the shared expert's slot reads shared[t]
-// instead of its row (the layer computed the shared expert apart, from x in token order): the same sum, the same order.
+// layer) are skipped; a token with none gets zeros.
 // CTA (t, y) sums the 16-byte chunks y * blockDim + i, stepping by blockDim * gridDim.y: any grid.y (the launcher splits
 // a row over hidden / 1024 CTAs at few tokens) gives the same bits.
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights already applied
             const int* __restrict__ inv,        // (T, TOPK + 1)
             const i64* __restrict__ n_ptr, int T,
-            bf16* __restrict__ out,             // (T, HID)
-            const bf16* __restrict__ shared) {  // (T, HID): the shared expert's outputs, or nullptr (its row, inv[t, TOPK])
+            bf16* __restrict__ out) {           // (T, HID)
     __shared__ int pos[TOPK + 1];
     const int t = blockIdx.x;
     if (t >= n_real(n_ptr, T)) return;
@@ -597,13 +595,12 @@ moe_combine(const bf16* __restrict__ rows,      // (R, HID), routing weights alr
         uint4 q[TOPK + 1];                             // every load in flight before the first add
 #pragma unroll
         for (int j = 0; j <= TOPK; ++j)
-            q[j] = (j == TOPK && shared != nullptr) ? reinterpret_cast<const uint4*>(shared + (i64)t * HID)[c]
-                 : pos[j] >= 0 ? reinterpret_cast<const uint4*>(rows + (i64)pos[j] * HID)[c] : make_uint4(0u, 0u, 0u, 0u);
+            q[j] = pos[j] >= 0 ? reinterpret_cast<const uint4*>(rows + (i64)pos[j] * HID)[c] : make_uint4(0u, 0u, 0u, 0u);
         float acc[8];
         bool any = false;
 #pragma unroll
         for (int j = 0; j <= TOPK; ++j) {
-            if (pos[j] < 0 && !(j == TOPK && shared != nullptr)) continue;   // uniform over the CTA
+            if (pos[j] < 0) continue;                  // uniform over the CTA
             float v[8];
             bf16x8_to_float(q[j], v);
 #pragma unroll

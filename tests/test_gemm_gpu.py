@@ -118,7 +118,7 @@ def test_every_configuration_gives_the_same_bits():
     """Each output row of the grouped GEMM is the same bits whatever configuration computes it (token tile, consumer
     warpgroups, stages): the plain and the fused SwiGLU epilogues (bf16 h, and W4A4's NVFP4 h). The layer relies on it
     where the same rows run in
-    launches of different sizes (the decode step's shared expert apart, EP slices, captured graphs of other capacities)."""
+    launches of different sizes (EP slices, captured graphs of other capacities)."""
     from dsv4_nvfp4 import swiglu as SW
     E, N, K = 6, 1024, 2048
     pw, _ = experts(E, N, K, seed=21)

@@ -121,57 +121,6 @@ def test_decode_launch_and_capture_equal_the_unfused_forward(act, monkeypatch):
     for x, y in zip(xs, fused): assert torch.equal(layer(x), y)
 
 
-@pytest.mark.parametrize("hash_vocab", [0, 50])
-def test_shared_expert_apart_gives_the_same_bits(hash_vocab):
-    """A whole W4A16 layer's decode step (<= SHARED_APART_MAX_T tokens) recorded into a graph runs the shared expert on
-    a side stream from x while the router runs: the bits of the single-stream forward, with n_tokens padding, in a
-    CapturedMoE and in a caller's own capture; eager calls, past the bound, and with shared_apart off, the single stream.
-    Before each replay the graph's rows buffer is filled with NaN, so the combine must read the shared slot from the side
-    buffer the apart path wrote; with shared_apart off the side buffer is NaN and the single stream reads its own row.
-    (The shared expert's GEMM may run another configuration apart than inside the routed launch: the grouped GEMM's rows
-    do not depend on it, tests/test_gemm_gpu.py.)"""
-    layer = M.DSV4MoE.synthetic(CFG, seed=16, hash_vocab=hash_vocab, device=DEV).to(DEV)
-    layer.eager_graphs = False                                            # eager: the launches themselves
-    g = torch.Generator().manual_seed(16)
-    draw = lambda T: (torch.randn(T, CFG.hidden, generator=g).to(torch.bfloat16).to(DEV),
-                      torch.randint(0, 50, (T,), generator=g).to(DEV) if hash_vocab else None)
-    def single(x, ids):
-        layer.shared_apart = False
-        y = layer.forward_device(x, ids).clone()
-        layer.shared_apart = True
-        return y
-    for T in (1, 3, M.SHARED_APART_MAX_T + 1):
-        x, ids = draw(T)
-        one = single(x, ids)
-        assert torch.isfinite(one).all() and torch.equal(layer.forward_device(x, ids), one), f"eager, T={T}"
-    assert not layer._side, "eager calls never fork"
-    caps = {}
-    for apart in (True, False):
-        layer.shared_apart = apart
-        caps[apart] = layer.capture(M.SHARED_APART_MAX_T)
-    layer.shared_apart = True
-    assert layer._side, "the capture forked"
-    for T in (1, 2, M.SHARED_APART_MAX_T):
-        x, ids = draw(T)
-        want = single(x, ids)
-        caps[True].bufs[3].fill_(float("nan"))                            # the apart graph never computes the shared rows
-        assert torch.equal(caps[True](x, ids), want), f"captured apart, T={T}"
-        caps[False].bufs[4][1].fill_(float("nan"))                        # nor does the single-stream graph read the side output
-        assert torch.equal(caps[False](x, ids), want), f"captured single stream, T={T}"
-    # a caller's own capture of a decode call, warmed up the usual way (eagerly, on one stream) first
-    x, ids = draw(2)
-    xin, iin = x.clone(), None if ids is None else ids.clone()
-    want = single(x, ids)
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s): layer(xin, iin)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph): yin = layer(xin, iin)
-    next(iter(layer._eager.values()))[3].fill_(float("nan"))
-    graph.replay(); torch.cuda.synchronize()
-    assert torch.equal(yin, want), "a caller's capture forks too"
-
-
 @pytest.mark.parametrize("inter", [512, 1024, 2048])      # the L2's K tiles: fewer, as many as, more than the ring's 8 stages
 def test_decode_l2_as_a_programmatic_dependent_gives_the_plain_bits(inter, monkeypatch):
     """W4A16's decode L2 (up to L2_PDL_MAX_T tokens) is a programmatic dependent of its L1 (GemmConfig.pdl: the first
@@ -279,7 +228,6 @@ def test_eager_decode_replays_a_cached_graph(act):
 def test_slices_compute_the_layers_own_rows(act, T):
     "Expert-parallel slices: the same routing, the held slots' rows bit-identical to the whole layer's, each share vs its reference."
     layer = M.DSV4MoE.synthetic(CFG, seed=13, act=act, device=DEV).to(DEV)
-    layer.shared_apart = False                 # every row of the whole layer in its rows buffer, the shared ones too
     layer.eager_graphs = False                 # the eager buffers read below hold the call's rows (not a cached graph's)
     x = torch.randn(T, CFG.hidden, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
     xd = x.to(DEV)
