@@ -173,8 +173,8 @@ def test_moe_layer_w4a8_on_the_cpu():
     c4 = cos(ref_moe(x, DSV4MoE.synthetic(cfg, seed=3, act="w4a4", calib_tokens=16)))
     assert c4 < cos(want) <= c16 + 1e-4
     wide = DSV4MoE.synthetic(MoEConfig(hidden=1024, inter=64, num_experts=4, top_k=2), seed=1, act="w4a8", keep_bf16=False)
-    _, h, (x8, h8), _, side = wide.buffers(4, "cpu")                # the device path's buffers: bf16 h, E4M3 x and h
-    assert h.dtype == torch.bfloat16 and x8.data.dtype == torch.float8_e4m3fn and x8.data.shape == (12, 1024) and side is None
+    _, h, (x8, h8), _ = wide.buffers(4, "cpu")                      # the device path's buffers: bf16 h, E4M3 x and h
+    assert h.dtype == torch.bfloat16 and x8.data.dtype == torch.float8_e4m3fn and x8.data.shape == (12, 1024)
     assert h8.data.shape == (12, 64) and h8.scale.shape == (12, 1)
     with pytest.raises(ValueError, match="are for act='w4a4'"):
         DSV4MoE(cfg, lay.w13, lay.w2, lay.gate_weight, lay.gate_bias, act="w4a8", a1_scales=torch.ones(7))
