@@ -1,37 +1,65 @@
 """Timeline of the captured DSV4-Flash MoE layer (a GPU tool, not a test): torch.profiler (CUPTI) over 30 replays of the
-CUDA graph, the L2 flushed before each; per kernel, the median duration and the median gap after the kernel before
-it, and the median span from the first kernel's start to the last one's end. W4A16 and W4A4; with --w4a8, the layer
+CUDA graph, the L2 flushed before each; per kernel (keyed by its stream and its order there: `per_kernel`), the median
+start, duration and gap after the kernel before it, and the median span from the first kernel's start to the last one's end. W4A16 and W4A4; with --w4a8, the layer
 in DeepSeek-V4's weight form (MXFP4-carried routed experts) on W4A8 and on W4A16 (the prefill timelines of 04e).
 
     python tests/moe_timeline.py OUT.json [--w4a8] [T ...]        (default T = 1)"""
-import json, statistics, sys
+import json, os, statistics, sys, tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 
+def per_kernel(events) -> dict:
+    """Per-kernel medians over replays from `events`: dicts (name, stream, ts, dur) in us, each replay opened by the L2
+    flush (a "reduce" kernel over 40 us), sorted or not. A kernel is keyed by its stream and its order on that stream, not
+    by its place among all of a replay's kernels: kernels of two streams start in either order from one replay to the
+    next, and a key by place would take medians over different kernels (what session 43 found in session 37's timeline
+    of the layer with the shared expert on a side stream). Rows in the order of their median start: name, stream,
+    start_us (after the replay's first kernel), dur_us, gap_us (from the end of the row before in that order to this
+    start; None for the first); the span from the first start to the last end; the replays counted (those with the
+    most common kernel count)."""
+    its, cur = [], None
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if e["dur"] > 40 and "reduce" in e["name"].lower():
+            cur = []; its.append(cur); continue
+        if cur is not None: cur.append(e)
+    its = [i for i in its if i]
+    if not its: return dict(kernels=[], span_us=0.0, replays=0)
+    k = statistics.mode(len(i) for i in its); its = [i for i in its if len(i) == k]
+    keyed = []
+    for it in its:
+        t0, seen, row = it[0]["ts"], {}, {}
+        for e in it:                                 # it is sorted by start: the n-th kernel of each stream in turn
+            j = seen[e["stream"]] = seen.get(e["stream"], -1) + 1
+            row[(e["stream"], j)] = e
+        keyed.append((t0, row))
+    keys = set(keyed[0][1])
+    keyed = [(t0, r) for t0, r in keyed if set(r) == keys]          # replays whose streams ran the same kernels
+    med = lambda f: round(statistics.median(f(t0, r) for t0, r in keyed), 2)
+    rows = sorted((dict(name=keyed[0][1][key]["name"][:90], stream=key[0],
+                        start_us=med(lambda t0, r: r[key]["ts"] - t0), dur_us=med(lambda t0, r: r[key]["dur"]), key=key)
+                   for key in keys), key=lambda r: r["start_us"])
+    for a, b in zip([None] + rows[:-1], rows):
+        b["gap_us"] = None if a is None else med(lambda t0, r: r[b["key"]]["ts"] - (r[a["key"]]["ts"] + r[a["key"]]["dur"]))
+    for r in rows: del r["key"]
+    span = med(lambda t0, r: max(e["ts"] + e["dur"] for e in r.values()) - t0)
+    return dict(kernels=rows, span_us=span, replays=len(keyed))
+
+
 def timeline(cap, flush, n=30):
-    "Per-kernel median durations and gaps of `cap.graph` replays, and the median span (us)."
+    """`per_kernel` of `cap.graph` replays, the L2 flushed before each (torch.profiler / CUPTI, read from its trace:
+    kernels only; copies and memsets, the harness's, are not kernels)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             flush.sum(); cap.graph.replay()
         torch.cuda.synchronize()
-    # copies and memsets are the harness's: torch.sum's multi-block reduction (the flush) clears its semaphores with a
-    # memset just before the reduction, which would otherwise close each iteration and pad its span (about 3 us at T = 1)
-    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" not in e.name and "emset" not in e.name),
-                key=lambda e: e.time_range.start)
-    its, cur = [], None
-    for e in ev:                                    # an iteration starts after each flush (the long reduction)
-        if e.time_range.elapsed_us() > 40 and "reduce" in e.name.lower():
-            cur = []; its.append(cur); continue
-        if cur is not None: cur.append(e)
-    its = [i for i in its if i]
-    k = statistics.mode(len(i) for i in its); its = [i for i in its if len(i) == k]
-    rows = [dict(name=its[0][j].name[:90], dur_us=round(statistics.median(i[j].time_range.elapsed_us() for i in its), 2),
-                 gap_us=None if j == 0 else round(statistics.median(i[j].time_range.start - i[j - 1].time_range.end for i in its), 2))
-            for j in range(k)]
-    span = statistics.median(i[-1].time_range.end - i[0].time_range.start for i in its)
-    return dict(kernels=rows, span_us=round(span, 2), replays=len(its))
+    with tempfile.TemporaryDirectory() as d:
+        f = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(f)
+        ev = [dict(name=e["name"], stream=e["args"].get("stream"), ts=e["ts"], dur=e["dur"])
+              for e in json.load(open(f))["traceEvents"] if e.get("cat") == "kernel"]
+    return per_kernel(ev)
 
 
 def main():
@@ -60,7 +88,8 @@ def main():
             r = res[f"{act} T={T}"] = timeline(cap, flush)
             print(f"== {act} T={T}: span {r['span_us']:.1f} us over {r['replays']} replays", flush=True)
             for k in r["kernels"]:
-                print(f"   gap {k['gap_us'] if k['gap_us'] is not None else '-':>6}  dur {k['dur_us']:8.2f}  {k['name']}", flush=True)
+                print(f"   start {k['start_us']:8.2f}  gap {k['gap_us'] if k['gap_us'] is not None else '-':>6}  dur {k['dur_us']:8.2f}"
+                      f"  stream {k['stream']}  {k['name']}", flush=True)
             del cap; torch.cuda.empty_cache()
     json.dump(res, open(out, "w"), indent=1)
 

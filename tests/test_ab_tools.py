@@ -1,5 +1,5 @@
-"""CPU tests of the GPU tools' host-side logic (tests/ab_trees.py's comparison of two checkouts' runs) and of the kernels of
-tests/qgmma_ceiling.py (the FP8 tensor-pipe microbenchmark: compiled here for sm_90a, no GPU)."""
+"""CPU tests of the GPU tools' host-side logic (tests/ab_trees.py's comparison of two checkouts' runs, tests/moe_timeline.py's
+grouping of a profiler trace) and of the kernels of tests/qgmma_ceiling.py (the FP8 tensor-pipe microbenchmark: compiled here for sm_90a, no GPU)."""
 import pytest
 
 from ab_trees import compare
@@ -21,6 +21,24 @@ def test_compare_takes_the_best_time_of_every_run_and_checks_every_digest():
     a[1]["rows"][0]["plain_sha"] = "p1"                    # or a run of A that disagrees with A's first
     b[1]["rows"][0]["ov_sha"] = "o0"
     assert compare(a, b)[0]["same_bits"] is False
+
+
+def test_timeline_keys_kernels_by_stream_not_by_place():
+    "Two streams' kernels start in either order from replay to replay: each keeps its own duration, stream and start."
+    from moe_timeline import per_kernel
+    ev, t = [], 0.0
+    for i in range(4):
+        ev.append(dict(name="reduce_kernel (the flush)", stream=7, ts=t, dur=60.0)); t += 70.0
+        a, b = (t, t + 1.0) if i % 2 == 0 else (t + 1.0, t)         # A (stream 9) first in two replays, B (stream 7) in two
+        ev += [dict(name="A", stream=9, ts=a, dur=10.0), dict(name="B", stream=7, ts=b, dur=2.0),
+               dict(name="C", stream=7, ts=t + 12.0, dur=3.0)]
+        t += 100.0
+    got = per_kernel(ev[::-1])                                       # given in any order
+    by = {k["name"]: k for k in got["kernels"]}
+    assert (by["A"]["dur_us"], by["B"]["dur_us"], by["C"]["dur_us"]) == (10.0, 2.0, 3.0)   # by place: medians of 10 and 2
+    assert (by["A"]["stream"], by["B"]["stream"], by["C"]["stream"]) == (9, 7, 7)
+    assert by["C"]["start_us"] == 12.0 and got["span_us"] == 15.0 and got["replays"] == 4
+    assert [k["name"] for k in got["kernels"]][-1] == "C" and by["C"]["gap_us"] is not None
 
 
 def test_compare_skips_rows_b_did_not_run():
