@@ -187,7 +187,7 @@ class DSV4MoE(torch.nn.Module):
         self.op_key = register_op_object(self, "dsv4_moe")
         for k, v in (("_graphs", {}), ("eager_graphs", True), ("_choice", {})):
             self.__dict__.setdefault(k, v)   # layers pickled before these
-        for k in ("_side", "_apart", "shared_apart"): self.__dict__.pop(k, None)   # the deleted shared-apart decode step's
+        for k in ("_side", "_apart", "shared_apart"): self.__dict__.pop(k, None)   # the deleted shared-apart step's
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         "(weights fp32 (T, k), ids int32 (T, k)) from the router (hash routing when the layer has a tid2eid table)."
@@ -334,8 +334,8 @@ class DSV4MoE(torch.nn.Module):
                 out_rows: bool = True) -> tuple:   # False: no L2 output rows (a caller that passes its own), None there
         """(RouteBuffers, h, h decoded or None, L2 output rows) for up to `capacity` tokens: every buffer one forward
         needs, allocated once (h is bf16 for W4A16, an NVFP4Tensor with per-row scales for W4A4; W4A8 adds x and h in
-        E4M3 with one scale per row as the decoded slot). Made outside inference mode: a first call under `torch.inference_mode` leaves buffers that
-        later calls outside it may fill."""
+        E4M3 with one scale per row as the decoded slot). Made outside inference mode: a first call under
+        `torch.inference_mode` leaves buffers that later calls outside it may fill."""
         c, dev = self.cfg, torch.device(device)
         R, I = capacity * (c.top_k + 1), c.inter
         e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device=dev)
@@ -379,9 +379,10 @@ class DSV4MoE(torch.nn.Module):
                       ) -> torch.Tensor:                       # bf16 (T, H): `out`
         """The forward on the device with the inputs already checked (`check_input`): eager, or the body of a captured
         graph. Six launches on the caller's stream (four up to `ROUTE_FUSED_MAX_T` tokens, where the logits, route and
-        permute are one; the shared expert is the last group of both grouped GEMMs), no host sync, no allocation with `out=` and `bufs=`, fixed shapes. With `n_tokens` x is a padded buffer whose rows from
-        `n_tokens` on are not routed (no rows, no output). Eager calls reuse per-device buffers, grown when T needs it
-        (so one layer's eager forwards must not run concurrently on two streams). Raises nothing itself."""
+        permute are one; the shared expert is the last group of both grouped GEMMs), no host sync, no allocation with
+        `out=` and `bufs=`, fixed shapes. With `n_tokens` x is a padded buffer whose rows from `n_tokens` on are not
+        routed (no rows, no output). Eager calls reuse per-device buffers, grown when T needs it (so one layer's eager
+        forwards must not run concurrently on two streams). Raises nothing itself."""
         c, T, dev = self.cfg, x.shape[0], x.device
         if bufs is None:
             bufs = self._eager.get(dev)

@@ -5,6 +5,7 @@ in DeepSeek-V4's weight form (MXFP4-carried routed experts) on W4A8 and on W4A16
 
     python tests/moe_timeline.py OUT.json [--w4a8] [T ...]        (default T = 1)"""
 import json, os, statistics, sys, tempfile
+from collections import Counter
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -18,7 +19,7 @@ def per_kernel(events) -> dict:
     of the layer with the shared expert on a side stream). Rows in the order of their median start: name, stream,
     start_us (after the replay's first kernel), dur_us, gap_us (from the end of the row before in that order to this
     start; None for the first); the span from the first start to the last end; the replays counted (those with the
-    most common kernel count)."""
+    most common kernel count and, among them, the most common kernels per stream)."""
     its, cur = [], None
     for e in sorted(events, key=lambda e: e["ts"]):
         if e["dur"] > 40 and "reduce" in e["name"].lower():
@@ -34,12 +35,12 @@ def per_kernel(events) -> dict:
             j = seen[e["stream"]] = seen.get(e["stream"], -1) + 1
             row[(e["stream"], j)] = e
         keyed.append((t0, row))
-    keys = set(keyed[0][1])
-    keyed = [(t0, r) for t0, r in keyed if set(r) == keys]          # replays whose streams ran the same kernels
+    keys = Counter(frozenset(r) for _, r in keyed).most_common(1)[0][0]
+    keyed = [(t0, r) for t0, r in keyed if frozenset(r) == keys]    # the replays whose streams ran the most common kernels
     med = lambda f: round(statistics.median(f(t0, r) for t0, r in keyed), 2)
     rows = sorted((dict(name=keyed[0][1][key]["name"][:90], stream=key[0],
                         start_us=med(lambda t0, r: r[key]["ts"] - t0), dur_us=med(lambda t0, r: r[key]["dur"]), key=key)
-                   for key in keys), key=lambda r: r["start_us"])
+                   for key in keys), key=lambda r: (r["start_us"], str(r["key"][0]), r["key"][1]))   # ties: a fixed order
     for a, b in zip([None] + rows[:-1], rows):
         b["gap_us"] = None if a is None else med(lambda t0, r: r[b["key"]]["ts"] - (r[a["key"]]["ts"] + r[a["key"]]["dur"]))
     for r in rows: del r["key"]

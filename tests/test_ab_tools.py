@@ -38,7 +38,14 @@ def test_timeline_keys_kernels_by_stream_not_by_place():
     assert (by["A"]["dur_us"], by["B"]["dur_us"], by["C"]["dur_us"]) == (10.0, 2.0, 3.0)   # by place: medians of 10 and 2
     assert (by["A"]["stream"], by["B"]["stream"], by["C"]["stream"]) == (9, 7, 7)
     assert by["C"]["start_us"] == 12.0 and got["span_us"] == 15.0 and got["replays"] == 4
-    assert [k["name"] for k in got["kernels"]][-1] == "C" and by["C"]["gap_us"] is not None
+    assert [k["name"] for k in got["kernels"]][-1] == "C"
+    assert by["C"]["gap_us"] == 1.5             # A and B tie at a median start of 0.5, B first (its stream's id): C's gap
+                                                # is from A's end (10 or 11 after the first start) to its start at 12
+    odd = [dict(name="reduce_kernel", stream=7, ts=-200.0, dur=60.0), dict(name="A", stream=20, ts=-130.0, dur=1.0),
+           dict(name="B", stream=20, ts=-120.0, dur=1.0), dict(name="C", stream=20, ts=-110.0, dur=1.0)]
+    got = per_kernel(odd + ev)                                     # a first replay on another stream is the one left out
+    assert got["replays"] == 4 and {k["name"]: k["stream"] for k in got["kernels"]} == {"A": 9, "B": 7, "C": 7}
+    assert per_kernel([]) == dict(kernels=[], span_us=0.0, replays=0)
 
 
 def test_compare_skips_rows_b_did_not_run():
