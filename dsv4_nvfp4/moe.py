@@ -187,7 +187,6 @@ class DSV4MoE(torch.nn.Module):
         self.op_key = register_op_object(self, "dsv4_moe")
         for k, v in (("_graphs", {}), ("eager_graphs", True), ("_choice", {})):
             self.__dict__.setdefault(k, v)   # layers pickled before these
-        for k in ("_side", "_apart", "shared_apart"): self.__dict__.pop(k, None)   # the deleted shared-apart step's
 
     def route(self, x: torch.Tensor, input_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         "(weights fp32 (T, k), ids int32 (T, k)) from the router (hash routing when the layer has a tid2eid table)."
@@ -431,7 +430,7 @@ class DSV4MoE(torch.nn.Module):
         `bufs`' output rows that the next call overwrites. With `out_rows` the L2's epilogue stores each row at its place
         in `out` (`grouped_gemm_nvfp4`'s row map: the EP receiver's rows back in receive order without a row gather);
         W4A8's L2 has no row map: ValueError."""
-        c, (_, h, h_dec, rows_out) = self.cfg, bufs[:4]
+        c, (_, h, h_dec, rows_out) = self.cfg, bufs
         if out_rows is not None and self.act == "w4a8":     # (its L2 returns early: the seam would never see out_rows)
             raise ValueError("DSV4MoE.run_experts: out_rows needs the W4A16 or W4A4 L2 (W4A8's has no row map)")
         w13p, w2p = self.prepared(xr.device)

@@ -14,9 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 def per_kernel(events) -> dict:
     """Per-kernel medians over replays from `events`: dicts (name, stream, ts, dur) in us, each replay opened by the L2
     flush (a "reduce" kernel over 40 us), sorted or not. A kernel is keyed by its stream and its order on that stream, not
-    by its place among all of a replay's kernels: kernels of two streams start in either order from one replay to the
-    next, and a key by place would take medians over different kernels (what session 43 found in session 37's timeline
-    of the layer with the shared expert on a side stream). Rows in the order of their median start: name, stream,
+    by its place among all of a replay's kernels (kernels of two streams start in either order from one replay to the
+    next, so a key by place would take medians over different kernels). Rows in the order of their median start: name, stream,
     start_us (after the replay's first kernel), dur_us, gap_us (from the end of the row before in that order to this
     start; None for the first); the span from the first start to the last end; the replays counted (those with the
     most common kernel count and, among them, the most common kernels per stream)."""

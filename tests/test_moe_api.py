@@ -60,20 +60,6 @@ def test_a_copy_leaves_the_cached_decode_graphs_behind():
     assert len(lay._graphs) == 1, "the original keeps its own"
 
 
-def test_a_copy_drops_the_deleted_shared_apart_state():
-    """Session 43 deleted the decode step that ran the shared expert on a side stream (`shared_apart`, its weight views
-    and streams, the buffers' fifth entry): a layer pickled before carries those attributes, and its copy drops them."""
-    import copy
-    cfg = MoEConfig(hidden=1024, inter=128, num_experts=4, top_k=2)
-    lay = DSV4MoE.synthetic(cfg, seed=3)
-    assert len(lay.buffers(2, "cpu")) == 4
-    lay.__dict__.update(_side={}, _apart={}, shared_apart=True)           # what an old pickle restores
-    twin = copy.deepcopy(lay)
-    assert not any(k in twin.__dict__ for k in ("_side", "_apart", "shared_apart"))
-    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    assert torch.equal(twin(x), lay(x)), "the copy computes the layer"
-
-
 def test_synthetic_hash_w4a4_comes_from_the_seed_alone():
     "A hash-routed W4A4 layer's calibrated scales depend on the seed only (the calibration's token ids drew from torch's global RNG once)."
     mk = lambda: DSV4MoE.synthetic(SMALL, seed=3, act="w4a4", hash_vocab=20, calib_tokens=16, keep_bf16=False)
