@@ -430,7 +430,7 @@ class DSV4MoE(torch.nn.Module):
         `bufs`' output rows that the next call overwrites. With `out_rows` the L2's epilogue stores each row at its place
         in `out` (`grouped_gemm_nvfp4`'s row map: the EP receiver's rows back in receive order without a row gather);
         W4A8's L2 has no row map: ValueError."""
-        c, (_, h, h_dec, rows_out) = self.cfg, bufs
+        c, (_, h, h_dec, rows_out) = self.cfg, bufs[:4]
         if out_rows is not None and self.act == "w4a8":     # (its L2 returns early: the seam would never see out_rows)
             raise ValueError("DSV4MoE.run_experts: out_rows needs the W4A16 or W4A4 L2 (W4A8's has no row map)")
         w13p, w2p = self.prepared(xr.device)
